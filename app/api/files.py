@@ -1,0 +1,36 @@
+"""Signed download links for result files and logs."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+
+from app.api.deps import ServicesDep
+from app.api.schemas import ErrorPublic
+
+router = APIRouter(tags=["files"])
+
+
+@router.get(
+    "/files/{job_id}/{name}",
+    response_class=FileResponse,
+    responses={403: {"model": ErrorPublic}, 404: {"model": ErrorPublic}},
+)
+async def download(
+    job_id: uuid.UUID,
+    name: str,
+    services: ServicesDep,
+    exp: Annotated[int, Query(description="Expiry, unix seconds")],
+    sig: Annotated[str, Query(max_length=100)],
+) -> FileResponse:
+    """A result file or log, by signed link (no key needed); supports Range and ETag."""
+    services.signer.verify(job_id, name, exp, sig)
+    job = await services.manager.get(job_id)
+    path, media_type, sha256 = services.store.resolve(job, name)
+    headers = {"Cache-Control": "private, max-age=3600"}
+    if sha256 is not None:
+        headers["ETag"] = f'"{sha256}"'
+    return FileResponse(path, media_type=media_type, filename=name, headers=headers)

@@ -1,0 +1,106 @@
+"""Routes for users' jobs: submit, read, list, input, history, cancel."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Header, Query, Response, UploadFile
+
+from app import intake
+from app.api.deps import CallerDep, ServicesDep
+from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic
+from app.queue.jobs import JobState
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+ERRORS = {
+    404: {"model": ErrorPublic, "description": "No such job"},
+}
+SUBMIT_ERRORS = {
+    200: {"model": JobPublic, "description": "Same Idempotency-Key as an earlier request: that job"},
+    413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
+    415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},
+    422: {"model": ErrorPublic, "description": "Unknown model, bad params or priority, broken image"},
+    429: {"model": ErrorPublic, "description": "The queue is full (see Retry-After)"},
+    503: {"model": ErrorPublic, "description": "The database is unavailable (see Retry-After)"},
+}
+
+
+@router.post("", status_code=201, response_model=JobPublic, responses=SUBMIT_ERRORS)
+async def submit_job(
+    services: ServicesDep,
+    caller: CallerDep,
+    response: Response,
+    image: Annotated[UploadFile, File(description="PNG, JPEG or WebP image (checked by content)")],
+    model: Annotated[str, Form(description="A registered model, see GET /models", max_length=64)],
+    priority: Annotated[int, Form(description="Higher runs first")] = 0,
+    params: Annotated[
+        str | None, Form(description="Model parameters as a JSON object", max_length=10_000)
+    ] = None,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> JobPublic:
+    """Upload an image and queue a job for a model."""
+    job, created = await intake.submit(
+        services.manager,
+        services.models,
+        owner=caller.principal,
+        model=model,
+        priority=priority,
+        params=intake.parse_params(params),
+        image=image.file,
+        idempotency_key=idempotency_key,
+        limits=services.limits,
+    )
+    response.headers["Location"] = f"/jobs/{job.id}"
+    if not created:
+        response.status_code = 200
+    return JobPublic.of(job, services.signer)
+
+
+@router.get("", response_model=JobsPublic)
+async def list_jobs(
+    services: ServicesDep,
+    caller: CallerDep,
+    state: JobState | None = None,
+    model: Annotated[str | None, Query(max_length=64)] = None,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> JobsPublic:
+    """List jobs, newest first, with filters and a cursor."""
+    page = await services.manager.list(
+        owner=caller.owner_filter, state=state, model=model, cursor=cursor, limit=limit
+    )
+    return JobsPublic(
+        jobs=[JobPublic.of(j, services.signer) for j in page.jobs], next_cursor=page.next_cursor
+    )
+
+
+@router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
+async def get_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> JobPublic:
+    """One job: state, progress, attempts, timings, error and download links."""
+    return JobPublic.of(await services.manager.get(job_id, owner=caller.owner_filter), services.signer)
+
+
+@router.get("/{job_id}/input", responses={200: {"content": {"image/*": {}}}, **ERRORS})
+async def get_input(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> Response:
+    """The uploaded image, byte for byte."""
+    media_type, data = await services.manager.input_image(job_id, owner=caller.owner_filter)
+    return Response(data, media_type=media_type, headers={"Cache-Control": "private, max-age=86400"})
+
+
+@router.get("/{job_id}/events", response_model=list[EventPublic], responses=ERRORS)
+async def get_events(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> list[EventPublic]:
+    """The job's history: submitted, claimed, started, progress, retries, recovery, the end."""
+    return [EventPublic.of(e) for e in await services.manager.events(job_id, owner=caller.owner_filter)]
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=CancelPublic,
+    responses={**ERRORS, 409: {"model": ErrorPublic, "description": "The job already ended"}},
+)
+async def cancel_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> CancelPublic:
+    """Cancel a job: queued ones at once, running ones within a heartbeat."""
+    state = await services.manager.cancel(job_id, owner=caller.owner_filter, by=caller.principal)
+    return CancelPublic(id=job_id, state=state)

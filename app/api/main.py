@@ -1,0 +1,143 @@
+"""The FastAPI application: lifespan (engine, services, optional in-process worker), routers, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+
+import asyncpg
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from app import db, errors, gpu, intake, links, registry, storage
+from app.api import admin, catalog, files, health, jobs
+from app.api.deps import Services
+from app.api.limits import BodyLimit
+from app.queue import manager as manager_
+from app.queue import worker as worker_
+from app.settings import Settings
+
+log = logging.getLogger("gpujobs.api")
+
+
+def build_worker(
+    settings: Settings,
+    *,
+    manager: manager_.JobManager,
+    store: storage.ResultStore,
+    models: registry.Registry,
+    listen_dsn: str | None,
+    burst: bool = False,
+) -> worker_.Worker:
+    """A worker configured from settings (used by `serve` and `gpujobs worker`)."""
+    config = worker_.WorkerConfig(
+        worker_id=settings.worker_id,
+        lease_s=settings.lease_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        poll_interval_s=settings.poll_interval_s,
+        reap_interval_s=settings.reap_interval_s,
+        vram_buffer_mb=settings.vram_buffer_mb,
+        max_jobs_per_gpu=settings.max_jobs_per_gpu,
+        kill_grace_s=settings.kill_grace_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        retry_base_s=settings.retry_base_s,
+        retry_max_s=settings.retry_max_s,
+        python=sys.executable,
+        burst=burst,
+    )
+    inventory = gpu.detect_inventory(settings.gpus, settings.virtual_gpu_mb)
+    return worker_.Worker(
+        manager=manager, store=store, models=models, inventory=inventory, config=config, listen_dsn=listen_dsn
+    )
+
+
+def build_services(settings: Settings, manager: manager_.JobManager) -> Services:
+    """Everything the routes need, from settings."""
+    secret = (
+        settings.link_secret.encode()
+        if settings.link_secret
+        else links.load_or_create_secret(settings.storage_dir)
+    )
+    limits = intake.Limits(
+        max_upload_bytes=settings.max_upload_bytes,
+        max_pixels=int(settings.max_image_megapixels * 1e6),
+        queue_limit=settings.queue_limit,
+        priority_min=settings.priority_min,
+        priority_max=settings.priority_max,
+    )
+    return Services(
+        manager=manager,
+        store=storage.ResultStore(settings.storage_dir),
+        signer=links.LinkSigner(secret, ttl_s=settings.link_ttl_s),
+        models=registry.load_registry(settings.models_file),
+        limits=limits,
+    )
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """One engine for the process; the in-process worker, if enabled, runs beside the API."""
+    settings: Settings = app.state.settings
+    assert settings.database_url, "create_app needs a database URL (the CLI starts the embedded one)"
+    engine = db.create_engine(settings.database_url)
+    app.state.engine = engine
+    services = build_services(settings, manager_.JobManager(engine))
+    app.state.services = services
+    task: asyncio.Task[None] | None = None
+    worker: worker_.Worker | None = None
+    if settings.run_worker:
+        worker = build_worker(
+            settings,
+            manager=services.manager,
+            store=services.store,
+            models=services.models,
+            listen_dsn=db.asyncpg_dsn(settings.database_url),
+        )
+        task = asyncio.create_task(worker.run(), name="worker")
+    app.state.worker = worker
+    try:
+        yield
+    finally:
+        if worker is not None and task is not None:
+            worker.stop()
+            with contextlib.suppress(Exception):
+                await task
+        await engine.dispose()
+
+
+async def _app_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, errors.AppError)
+    headers = {}
+    if isinstance(exc, errors.QueueFull | errors.Unavailable):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    """Database outages become 503 with Retry-After; other database errors stay errors (500)."""
+    if not db.is_unavailable(exc):
+        raise exc
+    log.warning("database unavailable", extra={"action": "db_down", "path": request.url.path})
+    return await _app_error(request, errors.Unavailable())
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The application for these settings (the database URL must be set)."""
+    app = FastAPI(
+        title="gpujobs",
+        summary="A durable job service for GPU models: upload an image, get a mesh.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    for router in (jobs.router, files.router, catalog.router, admin.router, health.router):
+        app.include_router(router)
+    app.add_exception_handler(errors.AppError, _app_error)
+    for kind in (sqlalchemy.exc.DBAPIError, OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
+        app.add_exception_handler(kind, _database_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)
+    return app

@@ -1,0 +1,154 @@
+"""Response and request bodies of the HTTP API."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from app import links
+from app.queue.jobs import Job, JobState
+from app.queue.manager import Event
+
+
+class FilePublic(BaseModel):
+    """A result file and its signed download link."""
+
+    name: str
+    media_type: str
+    bytes: int
+    sha256: str
+    url: str = Field(description="Signed link; expires, fetch the job again for a fresh one")
+
+
+class JobLinks(BaseModel):
+    """Where to go next."""
+
+    self: str
+    input: str
+    events: str
+    cancel: str
+    log: str | None = Field(None, description="Signed link to the latest attempt's log")
+
+
+class JobPublic(BaseModel):
+    """A job as the API shows it."""
+
+    id: uuid.UUID
+    state: JobState
+    model: str
+    params: dict[str, Any]
+    priority: int
+    vram_mb: int
+    attempt: int
+    max_attempts: int
+    progress: float
+    progress_message: str | None
+    error: str | None
+    next_run_at: datetime | None = Field(None, description="When a queued job may start (retry backoff)")
+    worker_id: str | None
+    gpu: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    files: list[FilePublic]
+    links: JobLinks
+
+    @classmethod
+    def of(cls, job: Job, signer: links.LinkSigner) -> JobPublic:
+        """Build from a job, signing its download links."""
+        base = f"/jobs/{job.id}"
+        files = [
+            FilePublic(
+                name=r.name,
+                media_type=r.media_type,
+                bytes=r.bytes,
+                sha256=r.sha256,
+                url=signer.url(job.id, r.name),
+            )
+            for r in job.results
+        ]
+        log = signer.url(job.id, f"attempt-{job.attempt}.log") if job.attempt else None
+        return cls(
+            id=job.id,
+            state=job.state,
+            model=job.model,
+            params=job.params,
+            priority=job.priority,
+            vram_mb=job.vram_mb,
+            attempt=job.attempt,
+            max_attempts=job.max_attempts,
+            progress=job.progress,
+            progress_message=job.progress_message,
+            error=job.error,
+            next_run_at=job.run_after if job.state is JobState.queued else None,
+            worker_id=job.worker_id,
+            gpu=job.gpu,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            files=files,
+            links=JobLinks(
+                self=base, input=f"{base}/input", events=f"{base}/events", cancel=f"{base}/cancel", log=log
+            ),
+        )
+
+
+class JobsPublic(BaseModel):
+    """One page of jobs, newest first."""
+
+    jobs: list[JobPublic]
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page; null on the last")
+
+
+class EventPublic(BaseModel):
+    """One entry of a job's history."""
+
+    id: int
+    at: datetime
+    kind: str
+    attempt: int
+    worker_id: str | None
+    detail: dict[str, Any]
+
+    @classmethod
+    def of(cls, event: Event) -> EventPublic:
+        """Build from a stored event."""
+        return cls(
+            id=event.id,
+            at=event.at,
+            kind=event.kind,
+            attempt=event.attempt,
+            worker_id=event.worker_id,
+            detail=event.detail,
+        )
+
+
+class ErrorPublic(BaseModel):
+    """Every error: a message that says what to fix."""
+
+    detail: str
+
+
+class RetryFilter(BaseModel):
+    """Which failed jobs to queue again."""
+
+    model: str | None = None
+    error_contains: str | None = Field(None, max_length=500)
+    since: datetime | None = Field(None, description="Finished at or after")
+    until: datetime | None = Field(None, description="Finished before")
+
+
+class RetryCount(BaseModel):
+    """How many jobs were queued again."""
+
+    retried: int
+
+
+class CancelPublic(BaseModel):
+    """The job's state after a cancel: `canceled`, or `running` while its process is being killed."""
+
+    id: uuid.UUID
+    state: JobState

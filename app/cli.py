@@ -1,0 +1,162 @@
+"""The `gpujobs` command: serve, worker, migrate, models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+
+from app import db, errors, migrate, pgserver, registry, storage
+from app.settings import Settings, get_settings
+
+cli = typer.Typer(help="gpujobs: a durable job service for GPU models.", no_args_is_help=True)
+log = logging.getLogger("gpujobs.cli")
+
+
+def _setup_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _settings() -> Settings:
+    try:
+        settings = get_settings()
+    except errors.ConfigError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from exc
+    _setup_logging(settings)
+    return settings
+
+
+@contextlib.contextmanager
+def database(settings: Settings) -> Iterator[Settings]:
+    """Settings with a database URL: the configured one, or the embedded server (migrated)."""
+    if settings.database_url:
+        yield settings
+        return
+    server = pgserver.EmbeddedPostgres(settings.storage_dir / "pgdata")
+    url = server.start()
+    try:
+        migrate.upgrade(url)
+        yield settings.model_copy(update={"database_url": url})
+    finally:
+        server.stop()
+
+
+async def _check_schema(url: str) -> None:
+    engine = db.create_engine(url, pool_size=1)
+    try:
+        found = await migrate.current(engine)
+    finally:
+        await engine.dispose()
+    if found != migrate.head():
+        raise errors.ConfigError(
+            f"the database schema is at {found or 'nothing'}, the code needs {migrate.head()}: run `gpujobs migrate`"
+        )
+
+
+def _fail(exc: errors.AppError) -> typer.Exit:
+    typer.echo(f"error: {exc.message}", err=True)
+    return typer.Exit(2)
+
+
+@cli.command()
+def serve(
+    worker: Annotated[bool, typer.Option(help="Also run a worker in this process")] = True,
+    host: Annotated[str | None, typer.Option(help="Bind address (default GPUJOBS_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default GPUJOBS_PORT)")] = None,
+) -> None:
+    """Run the HTTP API (and, by default, a worker beside it)."""
+    import uvicorn
+
+    from app.api.main import create_app
+
+    settings = _settings().model_copy(update={"run_worker": worker})
+    try:
+        with database(settings) as ready:
+            asyncio.run(_check_schema(ready.database_url or ""))
+            app = create_app(ready)
+            # The default asyncio loop: subprocess start is several times slower under uvloop.
+            uvicorn.run(app, host=host or ready.host, port=port or ready.port, loop="asyncio",
+                        log_level=ready.log_level.lower(), access_log=False)
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+
+
+@cli.command()
+def worker(
+    burst: Annotated[bool, typer.Option(help="Exit once nothing is queued that fits")] = False,
+) -> None:
+    """Run a worker alone: it claims jobs that fit this host's GPUs and runs them."""
+    settings = _settings()
+    try:
+        with database(settings) as ready:
+            asyncio.run(_run_worker(ready, burst=burst))
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+
+
+async def _run_worker(settings: Settings, *, burst: bool) -> None:
+    from app.api.main import build_worker
+    from app.queue.manager import JobManager
+
+    url = settings.database_url or ""
+    await _check_schema(url)
+    engine = db.create_engine(url)
+    try:
+        w = build_worker(settings, manager=JobManager(engine), store=storage.ResultStore(settings.storage_dir),
+                         models=registry.load_registry(settings.models_file), listen_dsn=db.asyncpg_dsn(url),
+                         burst=burst)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, w.stop)
+        await w.run()
+    finally:
+        await engine.dispose()
+
+
+@cli.command(name="migrate")
+def migrate_command() -> None:
+    """Upgrade the database schema to the newest revision."""
+    settings = _settings()
+    try:
+        with database(settings) as ready:
+            migrate.upgrade(ready.database_url or "")
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+    typer.echo(f"database at revision {migrate.head()}")
+
+
+@cli.command()
+def models(as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False) -> None:
+    """List the registered models and their parameters."""
+    settings = _settings()
+    try:
+        found = registry.load_registry(settings.models_file)
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        typer.echo(json.dumps([m.public() for m in found.models.values()], indent=2, default=str))
+        return
+    for spec in found.models.values():
+        typer.echo(f"{spec.name}: {spec.description}")
+        typer.echo(f"  vram: {spec.base_mb} MB + {spec.mb_per_megapixel:g} MB/megapixel; timeout {spec.timeout_s:g} s;"
+                   f" attempts {spec.max_attempts}")
+        for p in spec.params.values():
+            bounds = f" choices {list(p.choices)}" if p.choices else ""
+            if p.min is not None or p.max is not None:
+                bounds = f" range {p.min}..{p.max}"
+            typer.echo(f"  --param {p.name}=<{p.type}> default {p.default!r}{bounds}  {p.description}")
+
+
+def main() -> None:
+    """Entry point of the `gpujobs` script."""
+    cli()

@@ -1,0 +1,59 @@
+"""Signed, expiring download links: /files/<job>/<name>?exp=<unix time>&sig=<hmac>.
+
+The signature binds the job id, the file name and the expiry, so none can be changed. The secret
+comes from settings or is generated once into the storage folder (never from the repository).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+from app import errors
+
+
+def load_or_create_secret(storage_dir: Path) -> bytes:
+    """The link secret kept in `storage_dir/link_secret`, created (0600) on first use."""
+    path = storage_dir / "link_secret"
+    storage_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_bytes().strip()
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_urlsafe(48).encode())
+    return path.read_bytes().strip()
+
+
+class LinkSigner:
+    """Signs and checks download links."""
+
+    def __init__(self, secret: bytes, *, ttl_s: int) -> None:
+        if len(secret) < 16:
+            raise errors.ConfigError("GPUJOBS_LINK_SECRET must be at least 16 characters")
+        self._secret = secret
+        self.ttl_s = ttl_s
+
+    def _sign(self, job_id: uuid.UUID, name: str, exp: int) -> str:
+        message = f"{job_id}\n{name}\n{exp}".encode()
+        digest = hmac.new(self._secret, message, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def url(self, job_id: uuid.UUID, name: str, *, now: float | None = None) -> str:
+        """A relative link to one file of a job, valid for the configured time."""
+        exp = int((now if now is not None else time.time()) + self.ttl_s)
+        return f"/files/{job_id}/{quote(name, safe='')}?exp={exp}&sig={self._sign(job_id, name, exp)}"
+
+    def verify(self, job_id: uuid.UUID, name: str, exp: int, sig: str, *, now: float | None = None) -> None:
+        """Forbidden unless the signature matches and the link has not expired."""
+        if not hmac.compare_digest(self._sign(job_id, name, exp), sig):
+            raise errors.Forbidden("this download link is not valid")
+        if exp < (now if now is not None else time.time()):
+            raise errors.Forbidden("this download link has expired; fetch the job again for a fresh one")

@@ -1,0 +1,288 @@
+"""Attempt: one claimed run of a job, from scratch folder to final write.
+
+An attempt never holds a database connection while its model runs. Every write it makes is fenced
+by (job id, attempt): when a write finds the job gone (lease expired and taken back, canceled,
+or a newer attempt), the attempt kills its process and discards what it made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app import db, errors, registry, runner, storage
+from app.queue import manager as manager_
+from app.queue.jobs import Job
+
+log = logging.getLogger("gpujobs.worker")
+
+EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
+
+# Reasons a run is stopped from outside, and what the attempt then writes.
+CANCELED = "canceled"
+LEASE_LOST = "lease lost"
+SHUTDOWN = "worker shutting down"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptConfig:
+    """The worker settings an attempt needs."""
+
+    worker_id: str
+    kill_grace_s: float
+    retry_base_s: float
+    retry_max_s: float
+    python: str
+
+
+def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: about base * 2^(attempt-1), between half and all of it."""
+    ceiling = min(max_s, base_s * 2 ** max(attempt - 1, 0))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def describe(result: runner.RunResult, timeout_s: float) -> str:
+    """A one-paragraph error for the job row: what ended the run, and the log's last lines."""
+    if result.timed_out:
+        head = f"timed out after {timeout_s:g} s"
+    elif result.signal is not None:
+        head = f"killed by {signal.Signals(result.signal).name}"
+    else:
+        head = f"exit code {result.exit_code}"
+    tail = result.log_tail.strip()
+    return f"{head}\n--- last lines of the log ---\n{tail}" if tail else head
+
+
+class Attempt:
+    """Runs one claimed job on one GPU and records the outcome."""
+
+    def __init__(
+        self,
+        job: Job,
+        *,
+        spec: registry.ModelSpec,
+        manager: manager_.JobManager,
+        store: storage.ResultStore,
+        config: AttemptConfig,
+    ) -> None:
+        self.job = job
+        self.spec = spec
+        self._manager = manager
+        self._store = store
+        self._config = config
+        self._process: runner.ModelProcess | None = None
+        self._stop_reason: str | None = None
+        self._last_progress = 0.0
+        self._milestone = 0
+
+    @property
+    def gpu(self) -> int:
+        """The GPU index the claim placed this job on."""
+        assert self.job.gpu is not None
+        return self.job.gpu
+
+    def stop(self, reason: str) -> None:
+        """Ask the model process to stop (cancel, lease lost, shutdown); the run then ends."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        if self._process is not None:
+            self._process.stop(reason)
+
+    async def run(self) -> None:
+        """Prepare, run the model, and write the outcome (the final write survives cancellation)."""
+        job = self.job
+        extra = {"job_id": str(job.id), "attempt": job.attempt, "gpu": job.gpu}
+        log.info("job started", extra={"action": "job_started", **extra})
+        try:
+            outcome = await self._run_model()
+        except errors.LeaseLost:
+            outcome = None
+        except Exception as exc:
+            if db.is_unavailable(exc):  # nothing can be written; the lease runs out, the job comes back
+                log.warning("database unavailable before the model ran", extra={"action": "db_down", **extra})
+                outcome = None
+            else:
+                log.exception(
+                    "attempt failed inside the worker", extra={"action": "attempt_crashed", **extra}
+                )
+                outcome = self._failure(f"internal error in the worker: {exc!r}", retryable=True)
+        if outcome is not None:
+            await asyncio.shield(self._persist(outcome))
+        self._store.drop_scratch(job.id, job.attempt)
+        log.info("job attempt ended", extra={"action": "job_ended", **extra})
+
+    async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
+        """Run the process; return the final write to make (None: this attempt lost the job)."""
+        job, spec = self.job, self.spec
+        scratch = self._store.scratch_dir(job.id, job.attempt)
+        media_type, data = await self._manager.input_by_id(job.input_id)
+        input_path = scratch / f"input{EXTENSIONS.get(media_type, '')}"
+        input_path.write_bytes(data)
+        argv = spec.build_argv(
+            job.params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
+        )
+        # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
+        env = runner.minimal_env(
+            self.gpu,
+            {"HOME": str(scratch), "GPUJOBS_JOB": f"{job.id}:{job.attempt}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        )
+        process = runner.ModelProcess(
+            argv,
+            cwd=scratch,
+            env=env,
+            log_path=self._store.log_path(job.id, job.attempt),
+            timeout_s=spec.timeout_s,
+            kill_grace_s=self._config.kill_grace_s,
+            on_progress=self._on_progress,
+        )
+        try:
+            pid = await process.start()
+        except OSError as exc:
+            return self._failure(f"the model could not be started: {exc}", retryable=False)
+        self._process = process
+        if self._stop_reason is not None:
+            process.stop(self._stop_reason)
+        else:
+            await self._record_pid(pid)
+        result = await process.wait()
+        return self._outcome(result, scratch / "out")
+
+    async def _record_pid(self, pid: int) -> None:
+        """Record the pid (best effort while the database is away) and honour a pending cancel."""
+        try:
+            if await self._manager.set_pid(self.job, pid):
+                self.stop(CANCELED)
+        except errors.LeaseLost:
+            self.stop(LEASE_LOST)
+        except Exception as exc:
+            if not db.is_unavailable(exc):
+                self.stop(f"internal error: {exc!r}")
+                raise
+
+    def _outcome(self, result: runner.RunResult, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+        stopped = result.stopped or self._stop_reason
+        if stopped == LEASE_LOST:
+            log.warning(
+                "lease lost; output discarded", extra={"action": "lease_lost", "job_id": str(self.job.id)}
+            )
+            return None
+        if stopped == SHUTDOWN:
+            return lambda: self._manager.release(self.job, reason=SHUTDOWN)
+        if stopped == CANCELED:
+            return self._failure("canceled while running", retryable=False)
+        if result.ok:
+            return self._success(out_dir, result)
+        bad_input = result.exit_code in self.spec.bad_input_exit_codes
+        error = describe(result, self.spec.timeout_s)
+        return self._failure(
+            ("bad input: " if bad_input else "") + error,
+            retryable=not bad_input,
+            exit_code=result.exit_code,
+            signal=result.signal,
+            timed_out=result.timed_out,
+        )
+
+    def _failure(self, error: str, *, retryable: bool, **detail: Any) -> Callable[[], Awaitable[Any]]:
+        delay = retry_delay_s(self.job.attempt, self._config.retry_base_s, self._config.retry_max_s)
+        detail = {"error": error.splitlines()[0], "retryable": retryable, **detail}
+
+        async def write() -> None:
+            state = await self._manager.fail(
+                self.job, error=error, retryable=retryable, delay_s=delay, detail=detail
+            )
+            log.info("job %s", state, extra={"action": f"job_{state}", "job_id": str(self.job.id)})
+
+        return write
+
+    def _success(self, out_dir: Path, result: runner.RunResult) -> Callable[[], Awaitable[Any]]:
+        expected = [
+            storage.ExpectedOutput(name, media_type, spec.required, spec.max_mb * 1024 * 1024)
+            for name, media_type, spec in self.spec.expected_outputs(self.job.params)
+        ]
+        try:
+            files = self._store.check_outputs(out_dir, expected)
+        except storage.OutputInvalid as exc:
+            return self._failure(f"bad output: {exc.message}", retryable=False)
+        job = self.job
+
+        async def write() -> None:
+            self._store.publish(job.id, job.attempt, out_dir, files)
+            try:
+                await self._manager.succeed(job, files, {"duration_s": round(result.duration_s, 3)})
+            except BaseException:
+                self._store.unpublish(job.id, job.attempt)
+                raise
+            log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
+
+        return write
+
+    async def _persist(self, write: Callable[[], Awaitable[Any]]) -> None:
+        """Make the final write, riding out a database outage; fencing decides if it still counts."""
+        delay = 0.2
+        while True:
+            try:
+                await write()
+                return
+            except errors.LeaseLost:
+                log.warning(
+                    "job lost before its result was written",
+                    extra={"action": "lease_lost", "job_id": str(self.job.id)},
+                )
+                return
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+                log.warning("database unavailable; will retry the final write", extra={"action": "db_retry"})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _on_progress(self, fraction: float, message: str) -> None:
+        """Record progress at most a few times a second, and events at each quarter."""
+        now = time.monotonic()
+        quarter = int(fraction * 4)
+        if fraction < 1 and now - self._last_progress < 0.25 and quarter <= self._milestone:
+            return
+        self._last_progress = now
+        try:
+            if await self._manager.progress(self.job, fraction, message):
+                self.stop(CANCELED)
+            if quarter > self._milestone and fraction < 1:
+                self._milestone = quarter
+                await self._manager.add_event(
+                    self.job, "progress", {"progress": quarter / 4, "message": message}
+                )
+        except errors.LeaseLost:
+            self.stop(LEASE_LOST)
+        except Exception as exc:
+            if not db.is_unavailable(exc):
+                raise
+            # Progress is best effort while the database is away; the run goes on.
+
+
+def is_model_of(pid: int, job_id: object) -> bool:
+    """True if `pid` is a model process started for `job_id` (guards against pid reuse)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"GPUJOBS_JOB={job_id}:".encode() in environ
+
+
+async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
+    """Kill the model process group of a job taken back from a dead worker on this host."""
+    if taken.pid is None or taken.host != host or not is_model_of(taken.pid, taken.id):
+        return False
+    killed = await runner.kill_process_group(taken.pid, grace_s=grace_s)
+    if killed:
+        log.warning(
+            "killed leftover model process",
+            extra={"action": "orphan_killed", "pid": taken.pid, "job_id": str(taken.id)},
+        )
+    return killed

@@ -1,0 +1,112 @@
+"""Job values: the state machine's states and a read-only view of a job row."""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class JobState(enum.StrEnum):
+    """Where a job is in its life (DESIGN.md "Job lifecycle")."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    canceled = "canceled"
+
+    @property
+    def final(self) -> bool:
+        """True for the states a job leaves only by an admin retry."""
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.canceled})
+
+# Jobs are grouped into size classes of a quarter octave (256 MB and below is class 0) so the
+# claim can probe "the best job of each class that fits" through an index instead of walking
+# past every queued job that fits nowhere (DESIGN.md: the fit-filter trap).
+VRAM_CLASS_BASE_MB = 256
+VRAM_CLASSES_PER_OCTAVE = 4
+VRAM_CLASS_SQL = (
+    f"GREATEST(0, floor({VRAM_CLASSES_PER_OCTAVE} * log(2.0, "
+    f"GREATEST(vram_mb, 1)::numeric / {VRAM_CLASS_BASE_MB})))::smallint"
+)
+
+
+def vram_class(vram_mb: int) -> int:
+    """The size class of a VRAM need; the same formula as the generated column."""
+    return max(0, math.floor(VRAM_CLASSES_PER_OCTAVE * math.log2(max(vram_mb, 1) / VRAM_CLASS_BASE_MB)))
+
+
+def classes_up_to(budget_mb: int) -> list[int]:
+    """Every class that may hold a job fitting `budget_mb` (one extra against rounding)."""
+    return list(range(vram_class(max(budget_mb, 1)) + 2))
+
+
+@dataclass(frozen=True, slots=True)
+class ResultFile:
+    """One output file of a succeeded job."""
+
+    name: str
+    bytes: int
+    sha256: str
+    media_type: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResultFile:
+        """From the `results` jsonb element."""
+        return cls(data["name"], int(data["bytes"]), data["sha256"], data["media_type"])
+
+    def to_json(self) -> dict[str, Any]:
+        """To the `results` jsonb element."""
+        return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256, "media_type": self.media_type}
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as read from the database."""
+
+    id: uuid.UUID
+    owner: str
+    model: str
+    params: dict[str, Any]
+    input_id: int
+    megapixels: float
+    priority: int
+    vram_mb: int
+    state: JobState
+    attempt: int
+    max_attempts: int
+    run_after: datetime
+    lease_expires_at: datetime | None
+    worker_id: str | None
+    host: str | None
+    gpu: int | None
+    pid: int | None
+    progress: float
+    progress_message: str | None
+    error: str | None
+    cancel_requested: bool
+    idempotency_key: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    results: tuple[ResultFile, ...] = field(default=())
+
+    @classmethod
+    def from_row(cls, row: Any) -> Job:
+        """From a `jobs` row mapping (all columns)."""
+        data = dict(row._mapping) if hasattr(row, "_mapping") else dict(row)
+        data.pop("vram_class", None)
+        data["state"] = JobState(data["state"])
+        data["results"] = tuple(ResultFile.from_json(r) for r in data.get("results") or ())
+        return cls(**data)
+
+    def result(self, name: str) -> ResultFile | None:
+        """The result file with this name, if any."""
+        return next((r for r in self.results if r.name == name), None)

@@ -1,0 +1,390 @@
+"""JobManager: the only code that runs queue SQL. Each method is one short transaction."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from app import errors, tables
+from app.queue import sql
+from app.queue.jobs import Job, JobState, ResultFile, classes_up_to
+
+
+@dataclass(frozen=True, slots=True)
+class NewInput:
+    """A checked image, ready to store."""
+
+    sha256: str
+    media_type: str
+    width: int
+    height: int
+    data: bytes
+
+    @property
+    def megapixels(self) -> float:
+        """Width times height, in millions of pixels."""
+        return self.width * self.height / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """Everything needed to queue a job; values are already validated."""
+
+    owner: str
+    model: str
+    params: Mapping[str, Any]
+    priority: int
+    vram_mb: int
+    max_attempts: int
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of a job's history."""
+
+    id: int
+    at: datetime
+    kind: str
+    attempt: int
+    worker_id: str | None
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TakenBack:
+    """A running job taken back from a lost worker."""
+
+    id: uuid.UUID
+    attempt: int
+    worker_id: str | None
+    state: JobState
+    pid: int | None
+    host: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a job listing."""
+
+    jobs: list[Job]
+    next_cursor: str | None
+
+
+def _cursor(job: Job) -> str:
+    raw = f"{job.created_at.isoformat()}|{job.id}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _parse_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        at, _, job_id = raw.partition("|")
+        return datetime.fromisoformat(at), uuid.UUID(job_id)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.InvalidRequest("cursor: not a cursor from a previous page", field="cursor") from exc
+
+
+class JobManager:
+    """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    # -- intake ---------------------------------------------------------------------------
+
+    async def enqueue(self, job: NewJob, image: NewInput, *, queue_limit: int) -> tuple[Job, bool]:
+        """Store the image (once per content) and queue the job; (job, created)."""
+        async with self._engine.begin() as conn:
+            if job.idempotency_key is not None:
+                existing = await self._idempotent(conn, job)
+                if existing is not None:
+                    return existing, False
+            if await conn.scalar(sql.QUEUE_FULL, {"limit": queue_limit}):
+                raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
+            input_id = await self._store_input(conn, image)
+            row = (await conn.execute(sql.ENQUEUE, self._job_values(job, input_id, image))).first()
+        if row is None:  # a concurrent request with the same idempotency key won
+            async with self._engine.begin() as conn:
+                existing = await self._idempotent(conn, job)
+            assert existing is not None
+            return existing, False
+        return Job.from_row(row), True
+
+    @staticmethod
+    async def _idempotent(conn: AsyncConnection, job: NewJob) -> Job | None:
+        row = (
+            await conn.execute(sql.FIND_IDEMPOTENT, {"owner": job.owner, "key": job.idempotency_key})
+        ).first()
+        return None if row is None else Job.from_row(row)
+
+    @staticmethod
+    async def _store_input(conn: AsyncConnection, image: NewInput) -> int:
+        found = await conn.scalar(sql.FIND_INPUT, {"sha256": image.sha256})
+        if found is not None:
+            return int(found)
+        values = {
+            "sha256": image.sha256,
+            "media_type": image.media_type,
+            "width": image.width,
+            "height": image.height,
+            "bytes": len(image.data),
+            "data": image.data,
+        }
+        return int(await conn.scalar(sql.INSERT_INPUT, values))
+
+    @staticmethod
+    def _job_values(job: NewJob, input_id: int, image: NewInput) -> dict[str, Any]:
+        return {
+            "owner": job.owner,
+            "model": job.model,
+            "params": json.dumps(dict(job.params)),
+            "input_id": input_id,
+            "megapixels": image.megapixels,
+            "priority": job.priority,
+            "vram_mb": job.vram_mb,
+            "max_attempts": job.max_attempts,
+            "idempotency_key": job.idempotency_key,
+        }
+
+    # -- reading --------------------------------------------------------------------------
+
+    async def get(self, job_id: uuid.UUID, *, owner: str | None = None) -> Job:
+        """One job; JobNotFound if it does not exist or belongs to someone else."""
+        query = select(tables.JobRow.__table__).where(tables.JobRow.id == job_id)
+        if owner is not None:
+            query = query.where(tables.JobRow.owner == owner)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            raise errors.JobNotFound(f"no job {job_id}")
+        return Job.from_row(row)
+
+    async def list(
+        self,
+        *,
+        owner: str | None = None,
+        state: JobState | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+    ) -> Page:
+        """Jobs newest first, filtered, one page at a time."""
+        t = tables.JobRow
+        query = select(t.__table__).order_by(t.created_at.desc(), t.id.desc()).limit(limit + 1)
+        if owner is not None:
+            query = query.where(t.owner == owner)
+        if state is not None:
+            query = query.where(t.state == state)
+        if model is not None:
+            query = query.where(t.model == model)
+        if cursor is not None:
+            at, job_id = _parse_cursor(cursor)
+            query = query.where((t.created_at < at) | ((t.created_at == at) & (t.id < job_id)))
+        async with self._engine.connect() as conn:
+            jobs = [Job.from_row(r) for r in (await conn.execute(query)).all()]
+        more = len(jobs) > limit
+        jobs = jobs[:limit]
+        return Page(jobs, _cursor(jobs[-1]) if more else None)
+
+    async def input_image(self, job_id: uuid.UUID, *, owner: str | None = None) -> tuple[str, bytes]:
+        """The job's uploaded image: (media type, bytes)."""
+        job = await self.get(job_id, owner=owner)
+        return await self.input_by_id(job.input_id)
+
+    async def input_by_id(self, input_id: int) -> tuple[str, bytes]:
+        """An uploaded image by its id: (media type, bytes)."""
+        t = tables.Input
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(t.media_type, t.data).where(t.id == input_id))).one()
+        return str(row.media_type), bytes(row.data)
+
+    async def events(self, job_id: uuid.UUID, *, owner: str | None = None) -> list[Event]:
+        """The job's history, oldest first."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.EVENTS, {"id": job_id, "owner": owner})).all()
+        if not rows:
+            await self.get(job_id, owner=owner)  # 404 if not visible; every job has events
+        return [Event(r.id, r.at, r.kind, r.attempt, r.worker_id, r.detail) for r in rows]
+
+    # -- the worker's side ----------------------------------------------------------------
+
+    async def claim(
+        self, *, worker_id: str, host: str, models: Sequence[str], budgets: Mapping[int, int], lease_s: float
+    ) -> Job | None:
+        """Lease the best queued job that fits one of `budgets` (GPU index -> free MB)."""
+        if not budgets or not models:
+            return None
+        budget = max(budgets.values())
+        values = {
+            "models": list(models),
+            "classes": classes_up_to(budget),
+            "budget": budget,
+            "gpu_ids": list(budgets),
+            "gpu_budgets": list(budgets.values()),
+            "worker_id": worker_id,
+            "host": host,
+            "lease_s": lease_s,
+        }
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(sql.CLAIM, values)).first()
+        return None if row is None else Job.from_row(row)
+
+    async def _fenced(self, statement: Any, job: Job, values: Mapping[str, Any]) -> Any:
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(statement, {"id": job.id, "attempt": job.attempt, **values})).first()
+        if row is None:
+            raise errors.LeaseLost(f"job {job.id} attempt {job.attempt} no longer owns the job")
+        return row
+
+    async def set_pid(self, job: Job, pid: int) -> bool:
+        """Record the model's pid (for restart recovery); returns whether a cancel is pending."""
+        return bool((await self._fenced(sql.SET_PID, job, {"pid": pid})).cancel_requested)
+
+    async def progress(self, job: Job, fraction: float, message: str) -> bool:
+        """Record progress; returns whether a cancel is pending."""
+        row = await self._fenced(sql.PROGRESS, job, {"progress": fraction, "message": message[:200]})
+        return bool(row.cancel_requested)
+
+    async def add_event(self, job: Job, kind: str, detail: Mapping[str, Any]) -> None:
+        """Write an event for this attempt (fenced)."""
+        await self._fenced(sql.RUN_EVENT, job, {"kind": kind, "detail": json.dumps(dict(detail))})
+
+    async def succeed(self, job: Job, results: Sequence[ResultFile], detail: Mapping[str, Any]) -> None:
+        """Mark this attempt's job succeeded with its result files (fenced)."""
+        values = {
+            "results": json.dumps([r.to_json() for r in results]),
+            "detail": json.dumps(dict(detail)),
+        }
+        await self._fenced(sql.SUCCEED, job, values)
+
+    async def fail(
+        self, job: Job, *, error: str, retryable: bool, delay_s: float, detail: Mapping[str, Any]
+    ) -> JobState:
+        """End this attempt unsuccessfully; returns the job's new state (fenced)."""
+        values = {
+            "error": error,
+            "retryable": retryable,
+            "delay_s": delay_s,
+            "detail": json.dumps(dict(detail)),
+        }
+        return JobState((await self._fenced(sql.FAIL, job, values)).state)
+
+    async def release(self, job: Job, *, reason: str) -> None:
+        """Hand a running job back to the queue without spending an attempt (fenced)."""
+        await self._fenced(sql.RELEASE, job, {"reason": reason})
+
+    async def running_attempts(self) -> list[tuple[uuid.UUID, int]]:
+        """Every (job id, attempt) that is running anywhere."""
+        async with self._engine.connect() as conn:
+            return [(r.id, r.attempt) for r in (await conn.execute(sql.RUNNING_ATTEMPTS)).all()]
+
+    async def heartbeat(
+        self,
+        *,
+        worker_id: str,
+        job_ids: Sequence[uuid.UUID],
+        lease_s: float,
+        gpus: Sequence[Mapping[str, Any]],
+        state: str = "running",
+    ) -> dict[uuid.UUID, tuple[int, bool]]:
+        """Renew the leases of `job_ids`; returns those still owned: id -> (attempt, cancel requested)."""
+        values = {
+            "worker_id": worker_id,
+            "ids": list(job_ids),
+            "lease_s": lease_s,
+            "gpus": json.dumps(list(gpus)),
+            "state": state,
+        }
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(sql.HEARTBEAT, values)).all()
+        return {r.id: (r.attempt, r.cancel_requested) for r in rows}
+
+    async def _take_back(self, statement: Any, values: Mapping[str, Any]) -> list[TakenBack]:
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(statement, {"limit": 1000, **values})).all()
+        return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
+
+    async def recover_expired(self, *, by_worker: str) -> list[TakenBack]:
+        """Queue again (or fail) running jobs whose lease ran out."""
+        return await self._take_back(sql.RECOVER_EXPIRED, {"by_worker": by_worker, "reason": "lease expired"})
+
+    async def requeue_own(self, *, worker_id: str) -> list[TakenBack]:
+        """On start: take back this worker identity's running jobs from its previous life."""
+        values = {"worker_id": worker_id, "by_worker": worker_id, "reason": "worker restarted"}
+        return await self._take_back(sql.REQUEUE_OWN, values)
+
+    async def mark_dead_workers(self, *, dead_after_s: float) -> list[str]:
+        """Mark workers whose heartbeat stopped as dead."""
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(sql.MARK_DEAD_WORKERS, {"dead_after_s": dead_after_s})).all()
+        return [r.id for r in rows]
+
+    async def register_worker(
+        self, *, worker_id: str, host: str, pid: int, models: Sequence[str], gpus: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Insert or refresh this worker's row."""
+        values = {
+            "id": worker_id,
+            "host": host,
+            "pid": pid,
+            "models": json.dumps(list(models)),
+            "gpus": json.dumps(list(gpus)),
+        }
+        async with self._engine.begin() as conn:
+            await conn.execute(sql.REGISTER_WORKER, values)
+
+    async def set_worker_state(self, worker_id: str, state: str) -> None:
+        """Record that a worker is stopping or stopped."""
+        async with self._engine.begin() as conn:
+            await conn.execute(sql.SET_WORKER_STATE, {"id": worker_id, "state": state})
+
+    # -- user and admin actions -----------------------------------------------------------
+
+    async def cancel(self, job_id: uuid.UUID, *, owner: str | None, by: str) -> JobState:
+        """Cancel a queued job now, or ask the worker to kill a running one."""
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(sql.CANCEL, {"id": job_id, "owner": owner, "by": by})).first()
+        if row is None:
+            job = await self.get(job_id, owner=owner)
+            raise errors.Conflict(f"job {job_id} is {job.state}; only queued or running jobs can be canceled")
+        return JobState(row.state)
+
+    async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
+        """Queue a failed or canceled job again with a fresh budget of attempts."""
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(sql.RETRY_ONE, {"id": job_id, "by": by, "attempts": attempts})).first()
+        if row is None:
+            job = await self.get(job_id)
+            raise errors.Conflict(f"job {job_id} is {job.state}; only failed or canceled jobs can be retried")
+
+    async def retry_matching(
+        self,
+        *,
+        by: str,
+        attempts: int,
+        model: str | None = None,
+        error_contains: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> int:
+        """Queue again every failed job matching the filter; returns how many."""
+        values = {
+            "by": by,
+            "attempts": attempts,
+            "model": model,
+            "error_contains": error_contains,
+            "since": since,
+            "until": until,
+        }
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(sql.RETRY_MATCHING, values)).all()
+        return len(rows)

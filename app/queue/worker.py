@@ -1,0 +1,333 @@
+"""Worker: owns this host's GPUs, claims jobs that fit, runs them, keeps their leases alive.
+
+Side tasks, each named: the heartbeat (renews leases of the jobs in hand, learns of cancels and
+lost leases), the reaper (takes back jobs whose worker stopped heartbeating), and the listener
+(LISTEN for new jobs and cancels; a slow poll covers a lost connection). If a side task dies, the
+worker stops. On `stop()` it claims nothing more, lets running jobs finish for the grace period,
+then hands the rest back to the queue without spending an attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import asyncpg
+
+from app import db, errors, gpu, registry, storage
+from app.queue import attempt as attempt_
+from app.queue import manager as manager_
+from app.queue import sql
+from app.queue.jobs import Job
+
+log = logging.getLogger("gpujobs.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """How a worker behaves; built from Settings by the CLI and the API."""
+
+    worker_id: str
+    lease_s: float = 20.0
+    heartbeat_interval_s: float = 5.0
+    poll_interval_s: float = 2.0
+    reap_interval_s: float = 5.0
+    vram_buffer_mb: int = 512
+    max_jobs_per_gpu: int = 0
+    kill_grace_s: float = 5.0
+    shutdown_grace_s: float = 30.0
+    retry_base_s: float = 5.0
+    retry_max_s: float = 600.0
+    python: str = "python3"
+    burst: bool = False  # tests: exit once nothing is queued that fits and nothing runs
+
+
+class Worker:
+    """One per host. `await run()` until `stop()` (or, in burst mode, until the queue is drained)."""
+
+    def __init__(
+        self,
+        *,
+        manager: manager_.JobManager,
+        store: storage.ResultStore,
+        models: registry.Registry,
+        inventory: gpu.GpuInventory,
+        config: WorkerConfig,
+        listen_dsn: str | None = None,
+    ) -> None:
+        self._manager = manager
+        self._store = store
+        self._models = models
+        self._inventory = inventory
+        self._config = config
+        self._listen_dsn = listen_dsn
+        self.host = socket.gethostname()
+        self._attempt_config = attempt_.AttemptConfig(
+            config.worker_id, config.kill_grace_s, config.retry_base_s, config.retry_max_s, config.python
+        )
+        self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.claimed = 0
+
+    @property
+    def id(self) -> str:
+        """This worker's stable identity (host and name)."""
+        return self._config.worker_id
+
+    def stop(self) -> None:
+        """Stop claiming; `run()` then winds down running jobs and returns."""
+        self._stopping.set()
+        self._wake.set()
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs this worker is running now."""
+        return [a.job for a, _ in self._running.values()]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Start up, claim and run jobs until stopped, then shut down cleanly."""
+        await self._start()
+        side = [
+            asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}"),
+            asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
+            asyncio.create_task(self._listen_loop(), name=f"listener:{self.id}"),
+        ]
+        main = asyncio.create_task(self._claim_loop(), name=f"claim:{self.id}")
+        try:
+            done, _ = await asyncio.wait([main, *side], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not main and task.exception() is not None:
+                    log.error("side task %s died; stopping", task.get_name(), exc_info=task.exception())
+            self.stop()
+            await main
+        finally:
+            await self._shutdown(side)
+
+    async def _start(self) -> None:
+        """Check the GPUs can run something, register, take back what a previous life left."""
+        gpus = self._inventory.snapshot()
+        self._refuse_if_nothing_fits(gpus)
+        await self._manager.register_worker(
+            worker_id=self.id,
+            host=self.host,
+            pid=os.getpid(),
+            models=list(self._models.models),
+            gpus=[asdict(g) for g in gpus],
+        )
+        for taken in await self._manager.requeue_own(worker_id=self.id):
+            await attempt_.kill_leftover(taken, host=self.host, grace_s=self._config.kill_grace_s)
+            log.warning(
+                "took back a job from this worker's previous run",
+                extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
+            )
+        removed = self._store.sweep(await self._manager.running_attempts())
+        log.info(
+            "worker started",
+            extra={
+                "action": "worker_started",
+                "worker": self.id,
+                "gpus": len(gpus),
+                "scratch_removed": removed,
+            },
+        )
+
+    def _refuse_if_nothing_fits(self, gpus: list[gpu.Gpu]) -> None:
+        smallest = self._models.smallest_vram_mb()
+        largest = max((g.total_mb - self._config.vram_buffer_mb for g in gpus), default=0)
+        if largest < smallest:
+            sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"
+            raise errors.ConfigError(
+                f"no GPU can ever run a job: the smallest model needs {smallest} MB, the largest GPU offers "
+                f"{largest} MB after the {self._config.vram_buffer_mb} MB buffer ({sizes})"
+            )
+
+    async def _shutdown(self, side: list[asyncio.Task[None]]) -> None:
+        """Let running jobs finish for the grace period, hand the rest back, say goodbye."""
+        with contextlib.suppress(Exception):
+            await self._manager.set_worker_state(self.id, "stopping")
+        if self._running:
+            tasks = [t for _, t in self._running.values()]
+            await asyncio.wait(tasks, timeout=self._config.shutdown_grace_s)
+            for a, _ in self._running.values():
+                a.stop(attempt_.SHUTDOWN)
+            await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
+        for task in side:
+            task.cancel()
+        await asyncio.gather(*side, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._manager.set_worker_state(self.id, "stopped")
+        log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
+
+    # -- claiming -------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        delay = self._config.poll_interval_s
+        while not self._stopping.is_set():
+            self._wake.clear()
+            try:
+                claimed = await self._fill()
+                delay = self._config.poll_interval_s
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+                log.warning("database unavailable; claiming paused", extra={"action": "db_down"})
+                claimed, delay = 0, min(delay * 2, 30.0)
+            if self._config.burst and not claimed and not self._running:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+
+    def budgets(self) -> dict[int, int]:
+        """MB each GPU can still hand out now (GPUs at their job cap are left out)."""
+        reserved: Counter[int] = Counter()
+        count: Counter[int] = Counter()
+        for a, _ in self._running.values():
+            reserved[a.gpu] += a.job.vram_mb
+            count[a.gpu] += 1
+        cap = self._config.max_jobs_per_gpu
+        return {
+            g.index: gpu.available_mb(g, reserved_mb=reserved[g.index], buffer_mb=self._config.vram_buffer_mb)
+            for g in self._inventory.snapshot()
+            if not cap or count[g.index] < cap
+        }
+
+    async def _fill(self) -> int:
+        """Claim jobs while one fits; returns how many were started."""
+        started = 0
+        while not self._stopping.is_set():
+            budgets = {i: b for i, b in self.budgets().items() if b > 0}
+            job = await self._manager.claim(
+                worker_id=self.id,
+                host=self.host,
+                models=list(self._models.models),
+                budgets=budgets,
+                lease_s=self._config.lease_s,
+            )
+            if job is None:
+                return started
+            self._start_attempt(job)
+            started += 1
+        return started
+
+    def _start_attempt(self, job: Job) -> None:
+        self.claimed += 1
+        run = attempt_.Attempt(
+            job,
+            spec=self._models.get(job.model),
+            manager=self._manager,
+            store=self._store,
+            config=self._attempt_config,
+        )
+        task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
+        self._running[job.id] = (run, task)
+        task.add_done_callback(lambda t, job_id=job.id: self._finished(job_id, t))
+
+    def _finished(self, job_id: uuid.UUID, task: asyncio.Task[None]) -> None:
+        self._running.pop(job_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
+        self._wake.set()  # room on a GPU: look for work
+
+    # -- side tasks -----------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.heartbeat_interval_s)
+            try:
+                await self.heartbeat()
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+                log.warning("heartbeat failed: database unavailable", extra={"action": "db_down"})
+
+    async def heartbeat(self) -> None:
+        """Renew leases; stop runs whose job was canceled or taken from us."""
+        in_hand = dict(self._running)  # judged only if claimed before the statement ran
+        gpus = [asdict(g) for g in self._inventory.snapshot()]
+        owned = await self._manager.heartbeat(
+            worker_id=self.id,
+            job_ids=list(in_hand),
+            lease_s=self._config.lease_s,
+            gpus=gpus,
+            state="stopping" if self._stopping.is_set() else "running",
+        )
+        for job_id, (run, _) in in_hand.items():
+            mine = owned.get(job_id)
+            if mine is None or mine[0] != run.job.attempt:
+                run.stop(attempt_.LEASE_LOST)
+            elif mine[1]:
+                run.stop(attempt_.CANCELED)
+
+    async def _reaper_loop(self) -> None:
+        while True:
+            try:
+                await self.reap()
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+            await asyncio.sleep(self._config.reap_interval_s)
+
+    async def reap(self) -> int:
+        """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
+        taken = await self._manager.recover_expired(by_worker=self.id)
+        for t in taken:
+            log.warning(
+                "took back a job whose lease expired",
+                extra={
+                    "action": "job_recovered",
+                    "job_id": str(t.id),
+                    "lost_worker": t.worker_id,
+                    "state": t.state,
+                },
+            )
+            await attempt_.kill_leftover(t, host=self.host, grace_s=self._config.kill_grace_s)
+        dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
+        for worker_id in await self._manager.mark_dead_workers(dead_after_s=dead_after):
+            log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
+        return len(taken)
+
+    async def _listen_loop(self) -> None:
+        """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""
+        if self._listen_dsn is None:
+            await asyncio.Event().wait()
+        delay = 0.5
+        while True:
+            try:
+                conn = await asyncpg.connect(self._listen_dsn)
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            delay = 0.5
+            await self._listen_on(conn)
+
+    async def _listen_on(self, conn: asyncpg.Connection) -> None:
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _: lost.set())
+        await conn.add_listener(sql.QUEUED_CHANNEL, lambda *_: self._wake.set())
+        await conn.add_listener(sql.CANCEL_CHANNEL, self._on_cancel)
+        self._wake.set()  # jobs may have been queued while we were not listening
+        try:
+            while not lost.is_set() and not conn.is_closed():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lost.wait(), timeout=self._config.heartbeat_interval_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), timeout=2)
+
+    def _on_cancel(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        with contextlib.suppress(ValueError):
+            entry = self._running.get(uuid.UUID(payload))
+            if entry is not None:
+                entry[0].stop(attempt_.CANCELED)

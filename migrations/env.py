@@ -1,0 +1,58 @@
+"""Alembic environment (async, asyncpg). The URL comes from the caller or GPUJOBS_DATABASE_URL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app import tables
+from app.db import Base
+
+assert tables  # imported for its side effect: the tables register on Base.metadata
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    """The database to migrate: set by `gpujobs migrate`, else from the environment."""
+    url = config.attributes.get("url") or os.environ.get("GPUJOBS_DATABASE_URL")
+    if not url:
+        raise SystemExit("set GPUJOBS_DATABASE_URL, or run `gpujobs migrate`")
+    from app.settings import Settings
+
+    return Settings(database_url=url).database_url or url
+
+
+def _run(connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_async() -> None:
+    engine = create_async_engine(_url())
+    async with engine.connect() as connection:
+        await connection.run_sync(_run)
+    await engine.dispose()
+
+
+def run_migrations_online() -> None:
+    """Migrate on a connection handed in by the caller, or open our own."""
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+    else:
+        asyncio.run(_run_async())
+
+
+if context.is_offline_mode():
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    run_migrations_online()

@@ -1,0 +1,264 @@
+"""Shared fixtures: a real PostgreSQL, a migrated template cloned per test, a real HTTP server.
+
+PostgreSQL: the embedded server (started once per session in a temporary folder), or the server
+named by DATABASE_URL (any PostgreSQL 14+ where we may create databases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+from PIL import Image
+
+from app import db, migrate, pgserver, registry, storage
+from app.api.main import create_app
+from app.queue.manager import JobManager
+from app.queue.worker import Worker, WorkerConfig
+from app.settings import Settings
+from tests.fakes import FakeInventory
+
+HERE = Path(__file__).resolve().parent
+TOY = HERE / "models" / "toy.py"
+
+for _name in list(os.environ):
+    if _name.startswith("GPUJOBS_"):
+        del os.environ[_name]
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    """asyncpg URL of a server where tests may create databases."""
+    external = os.environ.get("DATABASE_URL")
+    if external:
+        url = Settings(database_url=external).database_url
+        assert url is not None
+        yield url
+        return
+    folder = Path(tempfile.mkdtemp(prefix="gpujobs-test-pg-"))
+    server = pgserver.EmbeddedPostgres(folder / "pgdata")
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _with_database(url: str, name: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+async def _admin(server: str, *statements: str) -> None:
+    conn = await asyncpg.connect(db.asyncpg_dsn(server))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+async def template_db(server_url: str) -> AsyncIterator[str]:
+    """A database migrated to head once per session, used as the template of every test's."""
+    name = f"gpujobs_tmpl_{os.getpid()}"
+    await _admin(server_url, f"DROP DATABASE IF EXISTS {name}", f"CREATE DATABASE {name}")
+    await asyncio.to_thread(migrate.upgrade, _with_database(server_url, name))
+    yield name
+    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+async def database_url(server_url: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"gpujobs_t_{uuid.uuid4().hex[:12]}"
+    await _admin(server_url, f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield _with_database(server_url, name)
+    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def models_file(tmp_path: Path) -> Path:
+    """A registry file with the test-only `toy` model."""
+    path = tmp_path / "test-models.toml"
+    path.write_text(
+        f"""
+[models.toy]
+description = "Test model: sleeps, reports progress, writes out.txt"
+argv = ["{{python}}", {str(TOY)!r}, "--input", "{{input}}", "--output-dir", "{{output_dir}}",
+        "--sleep", "{{sleep}}", "--steps", "{{steps}}", "--exit-code", "{{exit_code}}",
+        "--fail-attempts", "{{fail_attempts}}", "--signal", "{{signal}}", "--output", "{{output}}",
+        "--trace", "{{trace}}"]
+vram = {{ base_mb = 1000, mb_per_megapixel = 0 }}
+timeout_s = 30
+max_attempts = 3
+bad_input_exit_codes = [65]
+[models.toy.params.sleep]
+type = "float"
+min = 0
+max = 60
+default = 0
+[models.toy.params.steps]
+type = "int"
+min = 0
+max = 100
+default = 2
+[models.toy.params.exit_code]
+type = "int"
+min = 0
+max = 255
+default = 0
+[models.toy.params.fail_attempts]
+type = "int"
+min = 0
+max = 10
+default = 0
+[models.toy.params.signal]
+type = "str"
+choices = ["none", "SIGKILL", "SIGSEGV"]
+default = "none"
+[models.toy.params.output]
+type = "bool"
+default = true
+[models.toy.params.trace]
+type = "str"
+default = "none"
+[[models.toy.outputs]]
+name = "out.txt"
+media_type = "text/plain"
+"""
+    )
+    return path
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path, models_file: Path) -> Settings:
+    """Settings for one test: its own database and storage folder, one virtual 24 GB GPU."""
+    return Settings(
+        database_url=database_url,
+        storage_dir=tmp_path / "storage",
+        models_file=models_file,
+        gpus="24GiB",
+        vram_buffer_mb=0,
+        run_worker=False,
+        link_secret="test-secret-of-enough-length",
+        retry_base_s=0.05,
+        retry_max_s=0.2,
+        kill_grace_s=0.5,
+        lease_s=3,
+        heartbeat_interval_s=0.5,
+        reap_interval_s=0.5,
+        poll_interval_s=0.5,
+    )
+
+
+@pytest.fixture
+async def engine(settings: Settings) -> AsyncIterator[Any]:
+    """The test database's engine."""
+    assert settings.database_url
+    engine = db.create_engine(settings.database_url, pool_size=5)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def manager(engine: Any) -> JobManager:
+    """A JobManager on the test database."""
+    return JobManager(engine)
+
+
+@pytest.fixture
+def store(settings: Settings) -> storage.ResultStore:
+    """The test's storage folder."""
+    return storage.ResultStore(settings.storage_dir)
+
+
+@pytest.fixture
+def make_worker(
+    manager: JobManager, store: storage.ResultStore, settings: Settings
+) -> Callable[..., Worker]:
+    """Build a worker on fake GPUs (default: one 24 GB GPU), burst mode unless told otherwise."""
+
+    def build(gpus_mb: list[int] | None = None, *, burst: bool = True, name: str = "w1", **config: Any) -> Worker:
+        values: dict[str, Any] = {
+            "worker_id": f"test:{name}",
+            "lease_s": settings.lease_s,
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "poll_interval_s": 0.05 if burst else settings.poll_interval_s,
+            "reap_interval_s": settings.reap_interval_s,
+            "vram_buffer_mb": 0,
+            "kill_grace_s": settings.kill_grace_s,
+            "shutdown_grace_s": 5.0,
+            "retry_base_s": settings.retry_base_s,
+            "retry_max_s": settings.retry_max_s,
+            "python": sys.executable,
+            "burst": burst,
+            **config,
+        }
+        assert settings.database_url
+        return Worker(
+            manager=manager,
+            store=store,
+            models=registry.load_registry(settings.models_file),
+            inventory=FakeInventory(gpus_mb or [24_576]),
+            config=WorkerConfig(**values),
+            listen_dsn=None if burst else db.asyncpg_dsn(settings.database_url),
+        )
+
+    return build
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free loopback port; yields its base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="none", lifespan="on", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(), name="uvicorn")
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client talking to the API over a real socket (no in-process worker)."""
+    async with serving(create_app(settings)) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        yield http
+
+
+def png_bytes(size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (200, 100, 50), mode: str = "RGB") -> bytes:
+    """A small real PNG with a gradient (distinct colors give distinct files)."""
+    image = Image.new(mode, size, color if mode == "RGB" else None)
+    if mode == "RGB":
+        for x in range(size[0]):
+            image.putpixel((x, 0), (x % 256, color[1], color[2]))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def png() -> Callable[..., bytes]:
+    """Factory of small PNG images."""
+    return png_bytes

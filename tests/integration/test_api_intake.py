@@ -1,0 +1,236 @@
+"""POST /jobs and the read endpoints, over real HTTP against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from app.settings import Settings
+
+
+async def counts(engine: Any) -> tuple[int, int, int]:
+    """(jobs, inputs, events) rows in the database."""
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                text("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM inputs), (SELECT count(*) FROM job_events)")
+            )
+        ).one()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+async def submit(client: httpx.AsyncClient, image: bytes, *, name: str = "in.png", **form: Any) -> httpx.Response:
+    data = {"model": "relief", **{k: (json.dumps(v) if k == "params" else str(v)) for k, v in form.items()}}
+    headers = form.pop("headers", None) if "headers" in form else None
+    return await client.post("/jobs", files={"image": (name, image, "image/png")}, data=data, headers=headers)
+
+
+async def test_upload_is_stored_and_reads_back_byte_identical(client, png, engine):
+    image = png((120, 80))
+    response = await submit(client, image, params={"width_mm": 80, "format": "stl"}, priority=5)
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert response.headers["location"] == f"/jobs/{job['id']}"
+    assert job["state"] == "queued"
+    assert job["model"] == "relief"
+    assert job["priority"] == 5
+    assert job["params"]["width_mm"] == 80 and job["params"]["format"] == "stl"
+    assert job["params"]["depth_mm"] == 5  # defaults are filled in and shown
+    assert job["vram_mb"] >= 512
+    assert job["attempt"] == 0 and job["max_attempts"] == 3
+
+    again = await client.get(f"/jobs/{job['id']}")
+    assert again.status_code == 200 and again.json()["id"] == job["id"]
+    original = await client.get(f"/jobs/{job['id']}/input")
+    assert original.status_code == 200
+    assert original.content == image
+    assert original.headers["content-type"] == "image/png"
+    events = (await client.get(f"/jobs/{job['id']}/events")).json()
+    assert [e["kind"] for e in events] == ["submitted"]
+    assert await counts(engine) == (1, 1, 1)
+
+
+async def test_same_image_is_stored_once(client, png, engine):
+    image = png()
+    first = await submit(client, image)
+    second = await submit(client, image, params={"invert": True})
+    assert first.status_code == second.status_code == 201
+    assert first.json()["id"] != second.json()["id"]
+    jobs, inputs, _ = await counts(engine)
+    assert (jobs, inputs) == (2, 1)
+
+
+async def test_jpeg_and_webp_are_accepted_by_content(client, engine):
+    import io
+
+    from PIL import Image
+
+    for fmt, media in (("JPEG", "image/jpeg"), ("WEBP", "image/webp")):
+        buffer = io.BytesIO()
+        Image.new("RGB", (32, 32), (10, 20, 30)).save(buffer, format=fmt)
+        response = await submit(client, buffer.getvalue(), name="no-extension")
+        assert response.status_code == 201, response.text
+        stored = await client.get(f"/jobs/{response.json()['id']}/input")
+        assert stored.headers["content-type"] == media
+
+
+@pytest.mark.parametrize(
+    ("form", "status", "needle"),
+    [
+        ({"model": "nope"}, 422, "nope"),
+        ({"params": {"width_mm": 5}}, 422, "width_mm"),
+        ({"params": {"colour": "red"}}, 422, "colour"),
+        ({"params": {"format": "fbx"}}, 422, "format"),
+        ({"params": {"invert": 1}}, 422, "invert"),
+        ({"priority": 1000}, 422, "priority"),
+        ({"priority": "high"}, 422, "priority"),
+    ],
+)
+async def test_bad_submissions_are_refused_and_leave_nothing(client, png, engine, form, status, needle):
+    model = form.pop("model", "relief")
+    data = {"model": model, **{k: (json.dumps(v) if k == "params" else str(v)) for k, v in form.items()}}
+    response = await client.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data=data)
+    assert response.status_code == status, response.text
+    assert needle in json.dumps(response.json()["detail"])
+    assert await counts(engine) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("params", ["{not json", "[1, 2]", '"text"'])
+async def test_params_must_be_a_json_object(client, png, engine, params):
+    response = await client.post(
+        "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief", "params": params}
+    )
+    assert response.status_code == 422
+    assert response.json()["detail"].startswith("params:")
+    assert await counts(engine) == (0, 0, 0)
+
+
+async def test_not_an_image_is_415_whatever_its_name(client, engine):
+    response = await client.post(
+        "/jobs", files={"image": ("photo.png", b"GIF89a-not-really" * 10, "image/png")}, data={"model": "relief"}
+    )
+    assert response.status_code == 415
+    assert "PNG, JPEG or WebP" in response.json()["detail"]
+    gif = await client.post(
+        "/jobs", files={"image": ("x.png", b"plain text, not an image", "image/png")}, data={"model": "relief"}
+    )
+    assert gif.status_code == 415
+    assert await counts(engine) == (0, 0, 0)
+
+
+async def test_truncated_image_is_422(client, png, engine):
+    image = png((200, 200))
+    response = await client.post(
+        "/jobs", files={"image": ("a.png", image[: len(image) // 2], "image/png")}, data={"model": "relief"}
+    )
+    assert response.status_code == 422
+    assert "truncated or corrupt" in response.json()["detail"]
+    assert await counts(engine) == (0, 0, 0)
+
+
+async def test_oversized_upload_is_413_by_content_length(settings: Settings, engine):
+    from tests.conftest import serving
+
+    from app.api.main import create_app
+
+    small = settings.model_copy(update={"max_upload_mb": 0.05})
+    async with serving(create_app(small)) as base, httpx.AsyncClient(base_url=base) as http:
+        body = b"\0" * 200_000
+        response = await http.post("/jobs", files={"image": ("a.png", body, "image/png")}, data={"model": "relief"})
+        assert response.status_code == 413
+        assert "limit" in response.json()["detail"]
+
+        async def chunks():  # no Content-Length: the limit is enforced while streaming
+            yield (
+                b'--abc\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
+                b"Content-Type: image/png\r\n\r\n"
+            )
+            for _ in range(100):
+                yield b"x" * 65_536
+
+        streamed = await http.post(
+            "/jobs", content=chunks(), headers={"content-type": "multipart/form-data; boundary=abc"}
+        )
+        assert streamed.status_code == 413
+    assert await counts(engine) == (0, 0, 0)
+
+
+async def test_idempotency_key_returns_the_first_job(client, png, engine):
+    headers = {"Idempotency-Key": "upload-42"}
+    files = {"image": ("a.png", png(), "image/png")}
+    first = await client.post("/jobs", files=files, data={"model": "relief"}, headers=headers)
+    second = await client.post("/jobs", files=files, data={"model": "relief"}, headers=headers)
+    assert first.status_code == 201 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    assert (await counts(engine))[0] == 1
+
+
+async def test_queue_limit_answers_429_with_retry_after(settings, png, engine):
+    from tests.conftest import serving
+
+    from app.api.main import create_app
+
+    limited = settings.model_copy(update={"queue_limit": 2})
+    async with serving(create_app(limited)) as base, httpx.AsyncClient(base_url=base) as http:
+        for i in range(2):
+            ok = await http.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"})
+            assert ok.status_code == 201, i
+        full = await http.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"})
+        assert full.status_code == 429
+        assert int(full.headers["retry-after"]) > 0
+    assert (await counts(engine))[0] == 2
+
+
+async def test_listing_pages_through_fifty_jobs(client, png):
+    created = []
+    for i in range(50):
+        response = await client.post(
+            "/jobs", files={"image": ("a.png", png(color=(i, 1, 2)), "image/png")}, data={"model": "relief"}
+        )
+        created.append(response.json()["id"])
+    seen: list[str] = []
+    cursor = None
+    pages = 0
+    while True:
+        params: dict[str, Any] = {"limit": 20}
+        if cursor:
+            params["cursor"] = cursor
+        page = (await client.get("/jobs", params=params)).json()
+        seen += [j["id"] for j in page["jobs"]]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert pages == 3
+    assert seen == list(reversed(created))  # newest first, none twice, none missing
+    filtered = (await client.get("/jobs", params={"state": "running"})).json()
+    assert filtered["jobs"] == []
+    by_model = (await client.get("/jobs", params={"model": "relief", "limit": 200})).json()
+    assert len(by_model["jobs"]) == 50
+    bad = await client.get("/jobs", params={"cursor": "garbage!"})
+    assert bad.status_code == 422
+
+
+async def test_unknown_job_is_404(client):
+    import uuid
+
+    for path in ("", "/input", "/events"):
+        response = await client.get(f"/jobs/{uuid.uuid4()}{path}")
+        assert response.status_code == 404, path
+    assert (await client.get("/jobs/not-a-uuid")).status_code == 422
+
+
+async def test_openapi_describes_the_api(client):
+    schema = (await client.get("/openapi.json")).json()
+    for path in ("/jobs", "/jobs/{job_id}", "/jobs/{job_id}/input", "/jobs/{job_id}/events", "/models",
+                 "/files/{job_id}/{name}", "/jobs/{job_id}/cancel", "/admin/jobs/{job_id}/retry"):
+        assert path in schema["paths"], path
+    post = schema["paths"]["/jobs"]["post"]
+    assert {"201", "413", "415", "422", "429"} <= set(post["responses"])
+    assert (await client.get("/docs")).status_code == 200
+
