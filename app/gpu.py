@@ -1,0 +1,263 @@
+"""GPU inventory: which GPUs this host has and how many MB each may still hand out.
+
+"MB" means MiB (2**20 bytes) everywhere in this module.
+
+Indexes are NVML's (PCI bus order). CUDA numbers devices fastest-first unless
+`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so a runner should pin a job with `CUDA_VISIBLE_DEVICES=<uuid>`
+rather than with the index.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Final, Protocol
+
+from app import errors
+
+logger = logging.getLogger("gpujobs.gpu")
+
+MB: Final = 1 << 20
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
+# GB and GiB are the same here: GPU memory is sold and reported in binary units.
+_UNIT_MB: Final = {
+    "": 1, "m": 1, "mb": 1, "mib": 1,
+    "g": 1024, "gb": 1024, "gib": 1024,
+    "t": 1024 * 1024, "tb": 1024 * 1024, "tib": 1024 * 1024,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU as read at one moment."""
+
+    index: int
+    name: str
+    uuid: str
+    total_mb: int
+    free_mb: int
+    virtual: bool
+
+
+class GpuInventory(Protocol):
+    """Where a worker reads its GPUs from."""
+
+    def snapshot(self) -> list[Gpu]:
+        """A fresh reading of every GPU (free memory is re-read each call)."""
+        ...
+
+    def process_memory_mb(self) -> dict[int, int]:
+        """MB of GPU memory used per pid, summed over all GPUs; {} when unknown."""
+        ...
+
+    def close(self) -> None:
+        """Release the underlying library; the inventory is unusable afterwards."""
+        ...
+
+
+class _NoMismatchError(Exception):
+    """Stands in for pynvml.NVMLLibraryMismatchError in builds that lack it."""
+
+
+def _nvml_error(doing: str, exc: BaseException) -> errors.AppError:
+    # One place to change once errors.py grows a GPU-specific class.
+    return errors.AppError(f"NVML: {doing} failed: {exc}")
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlInventory:
+    """The host's real GPUs, read through NVML (`pynvml` from nvidia-ml-py)."""
+
+    def __init__(self, nvml: ModuleType | None = None) -> None:
+        """Initialise NVML; raises `errors.AppError` naming the reason when it cannot."""
+        if nvml is None:
+            try:
+                nvml = importlib.import_module("pynvml")
+            except ImportError as exc:
+                raise errors.AppError("pynvml (nvidia-ml-py) is not installed") from exc
+        self._nvml: Any = nvml
+        self._closed = False
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise _nvml_error("nvmlInit", exc) from exc
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._names = [_text(nvml.nvmlDeviceGetName(h)) for h in self._handles]
+            self._uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in self._handles]
+        except nvml.NVMLError as exc:
+            self.close()
+            raise _nvml_error("listing devices", exc) from exc
+
+    @property
+    def device_count(self) -> int:
+        """How many GPUs NVML sees (ignores CUDA_VISIBLE_DEVICES)."""
+        return len(self._handles)
+
+    def snapshot(self) -> list[Gpu]:
+        """Every GPU with its total and current free memory."""
+        nvml = self._ready()
+        gpus: list[Gpu] = []
+        for index, handle in enumerate(self._handles):
+            try:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except nvml.NVMLError as exc:
+                raise _nvml_error(f"reading memory of GPU {index}", exc) from exc
+            gpus.append(
+                Gpu(
+                    index=index,
+                    name=self._names[index],
+                    uuid=self._uuids[index],
+                    total_mb=int(memory.total) // MB,
+                    free_mb=int(memory.free) // MB,
+                    virtual=False,
+                )
+            )
+        return gpus
+
+    def process_memory_mb(self) -> dict[int, int]:
+        """MB used per pid by compute processes (host pids; unknown amounts are left out)."""
+        nvml = self._ready()
+        usage: dict[int, int] = {}
+        for index, handle in enumerate(self._handles):
+            try:
+                processes = self._compute_processes(handle)
+            except nvml.NVMLError as exc:
+                raise _nvml_error(f"listing processes on GPU {index}", exc) from exc
+            for process in processes:
+                if process.usedGpuMemory is None:
+                    continue
+                pid = int(process.pid)
+                usage[pid] = usage.get(pid, 0) + math.ceil(int(process.usedGpuMemory) / MB)
+        return usage
+
+    def close(self) -> None:
+        """Shut NVML down once; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError as exc:
+            logger.warning("NVML shutdown failed: %s", exc, extra={"action": "nvml_shutdown"})
+
+    def _ready(self) -> Any:
+        if self._closed:
+            raise errors.AppError("NVML: the GPU inventory is closed")
+        return self._nvml
+
+    def _compute_processes(self, handle: object) -> list[Any]:
+        nvml = self._nvml
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", _NoMismatchError)
+        try:
+            return list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        except mismatch:
+            # Drivers older than the bindings lack the _v3 call the unversioned name uses.
+            return list(nvml.nvmlDeviceGetComputeRunningProcesses_v2(handle))
+
+
+class VirtualInventory:
+    """Configured GPUs for hosts without NVML: always completely free."""
+
+    def __init__(self, sizes_mb: Sequence[int]) -> None:
+        """Make one virtual GPU per size (MB)."""
+        for size in sizes_mb:
+            if size < 1:
+                raise errors.ConfigError(f"virtual GPU size must be at least 1 MB, got {size}")
+        self._sizes = tuple(sizes_mb)
+
+    def snapshot(self) -> list[Gpu]:
+        """The configured GPUs; free_mb equals total_mb."""
+        return [
+            Gpu(index=i, name=f"virtual-{i}", uuid=f"virtual-{i}", total_mb=s, free_mb=s, virtual=True)
+            for i, s in enumerate(self._sizes)
+        ]
+
+    def process_memory_mb(self) -> dict[int, int]:
+        """Always {}: nothing measures virtual GPUs."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def parse_sizes(text: str, *, setting: str = "GPUJOBS_GPUS") -> list[int]:
+    """Parse "24GiB,8000MB,1.5GiB,8000" into MB; GB means GiB and a bare number means MB."""
+    sizes: list[int] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        match = _SIZE.fullmatch(item)
+        unit_mb = _UNIT_MB.get(match[2].lower()) if match else None
+        if match is None or unit_mb is None:
+            raise errors.ConfigError(
+                f"{setting}: {item!r} is not a GPU size (examples: 24GiB, 8000MB, 1.5GiB, 8000)"
+            )
+        size_mb = int(float(match[1]) * unit_mb)
+        if size_mb < 1:
+            raise errors.ConfigError(f"{setting}: {item!r} is smaller than 1 MB")
+        sizes.append(size_mb)
+    return sizes
+
+
+def detect_inventory(
+    configured: str | None, default_virtual_mb: int, *, nvml: ModuleType | None = None
+) -> GpuInventory:
+    """NVML when it works and sees a GPU; otherwise virtual GPUs, announced by one warning."""
+    sizes = parse_sizes(configured) if configured else None
+    try:
+        inventory = NvmlInventory(nvml)
+    except errors.AppError as exc:
+        reason = exc.message
+    else:
+        if inventory.device_count > 0:
+            if sizes is not None:
+                logger.warning(
+                    "GPUJOBS_GPUS=%r is ignored: NVML sees %d GPU(s)",
+                    configured,
+                    inventory.device_count,
+                    extra={"action": "gpu_config_ignored"},
+                )
+            return inventory
+        inventory.close()
+        reason = "NVML sees no GPU"
+    return _virtual_fallback(reason, sizes, default_virtual_mb)
+
+
+def _virtual_fallback(reason: str, sizes: list[int] | None, default_mb: int) -> VirtualInventory:
+    source = "GPUJOBS_GPUS" if sizes is not None else "the default size"
+    sizes = sizes if sizes is not None else [default_mb]
+    inventory = VirtualInventory(sizes)
+    logger.warning(
+        "No usable NVIDIA GPU (%s); using %d virtual GPU(s) from %s: %s",
+        reason,
+        len(sizes),
+        source,
+        ", ".join(f"{size} MB" for size in sizes),
+        extra={"action": "gpu_virtual_fallback"},
+    )
+    return inventory
+
+
+def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int) -> int:
+    """MB this GPU may still hand out: min(total - buffer - reserved, free - buffer), at least 0."""
+    return max(0, min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb))
+
+
+def fits(need_mb: int, budget_mb: int) -> bool:
+    """Whether a job needing need_mb fits in budget_mb."""
+    return need_mb <= budget_mb
+
+
+def place(need_mb: int, budgets: Mapping[int, int]) -> int | None:
+    """The GPU index with the smallest budget that still fits need_mb (ties: lowest index)."""
+    fitting = [(budget, index) for index, budget in budgets.items() if fits(need_mb, budget)]
+    return min(fitting)[1] if fitting else None

@@ -1,0 +1,258 @@
+"""GPU inventory: sizes, accounting, placement, NVML reading and the virtual fallback."""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+
+import pytest
+
+from app import errors, gpu
+from tests.fakes import FakeInventory
+
+GIB = 1 << 30
+
+
+class FakeNvmlError(Exception):
+    """Stands in for pynvml.NVMLError."""
+
+
+def fake_pynvml(
+    devices: Sequence[tuple[str | bytes, int, int]] = (),
+    *,
+    processes: Sequence[Sequence[tuple[int, int | None]]] = (),
+    init_error: str | None = None,
+) -> types.ModuleType:
+    """A module with the slice of pynvml's API that NvmlInventory uses: (name, total, free) bytes."""
+    module = types.ModuleType("fake_pynvml")
+    state = {"initialised": 0, "shutdown": 0}
+
+    def init() -> None:
+        if init_error is not None:
+            raise FakeNvmlError(init_error)
+        state["initialised"] += 1
+
+    def shutdown() -> None:
+        state["shutdown"] += 1
+
+    def memory(index: int) -> types.SimpleNamespace:
+        _, total, free = devices[index]
+        return types.SimpleNamespace(total=total, free=free, used=total - free)
+
+    def procs(index: int) -> list[types.SimpleNamespace]:
+        listed = processes[index] if index < len(processes) else ()
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in listed]
+
+    module.__dict__.update(
+        NVMLError=FakeNvmlError,
+        state=state,
+        nvmlInit=init,
+        nvmlShutdown=shutdown,
+        nvmlDeviceGetCount=lambda: len(devices),
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetName=lambda index: devices[index][0],
+        nvmlDeviceGetUUID=lambda index: f"GPU-{index:04d}".encode(),
+        nvmlDeviceGetMemoryInfo=memory,
+        nvmlDeviceGetComputeRunningProcesses=procs,
+    )
+    return module
+
+
+def gpu_of(total_mb: int, free_mb: int) -> gpu.Gpu:
+    return gpu.Gpu(index=0, name="g", uuid="u", total_mb=total_mb, free_mb=free_mb, virtual=False)
+
+
+def warnings_from(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "gpujobs.gpu" and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "sizes"),
+    [
+        ("24GiB,24GiB", [24_576, 24_576]),
+        ("10GB", [10_240]),
+        ("8000MB", [8000]),
+        ("8000MiB", [8000]),
+        ("8000", [8000]),
+        ("1.5GiB", [1536]),
+        (" 2 gib , 512mb ", [2048, 512]),
+        ("1TiB", [1_048_576]),
+    ],
+)
+def test_parse_sizes_accepts(text: str, sizes: list[int]) -> None:
+    assert gpu.parse_sizes(text) == sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "bad_item"),
+    [
+        ("", "''"),
+        ("24GiB,", "''"),
+        ("24GiB,lots", "'lots'"),
+        ("24 GiBs", "'24 GiBs'"),
+        ("-5GB", "'-5GB'"),
+        ("0", "'0'"),
+        ("0.0001MB", "'0.0001MB'"),
+        ("1e3MB", "'1e3MB'"),
+        ("nan", "'nan'"),
+    ],
+)
+def test_parse_sizes_rejects_naming_the_item(text: str, bad_item: str) -> None:
+    with pytest.raises(errors.ConfigError) as caught:
+        gpu.parse_sizes(text)
+    assert bad_item in caught.value.message
+    assert "GPUJOBS_GPUS" in caught.value.message
+
+
+def test_available_uses_accounting_when_nvml_agrees() -> None:
+    assert gpu.available_mb(gpu_of(24_000, 24_000), reserved_mb=10_000, buffer_mb=500) == 13_500
+
+
+def test_available_uses_nvml_free_when_it_is_lower() -> None:
+    # Something outside the service holds 20 GB: accounting alone would say 13.5 GB.
+    assert gpu.available_mb(gpu_of(24_000, 4_000), reserved_mb=10_000, buffer_mb=500) == 3_500
+
+
+def test_available_is_never_negative() -> None:
+    assert gpu.available_mb(gpu_of(24_000, 100), reserved_mb=0, buffer_mb=500) == 0
+    assert gpu.available_mb(gpu_of(24_000, 24_000), reserved_mb=30_000, buffer_mb=0) == 0
+
+
+def test_fits_is_inclusive() -> None:
+    assert gpu.fits(1000, 1000)
+    assert not gpu.fits(1001, 1000)
+
+
+def test_place_picks_the_tightest_fit() -> None:
+    assert gpu.place(4000, {0: 20_000, 1: 5_000, 2: 3_000, 3: 8_000}) == 1
+
+
+def test_place_breaks_ties_by_lowest_index() -> None:
+    assert gpu.place(4000, {3: 5_000, 1: 5_000, 2: 9_000}) == 1
+
+
+def test_place_returns_none_when_nothing_fits() -> None:
+    assert gpu.place(40_000, {0: 20_000, 1: 5_000}) is None
+    assert gpu.place(1, {}) is None
+
+
+def test_virtual_inventory() -> None:
+    inventory = gpu.VirtualInventory([1000, 2000])
+    assert inventory.snapshot() == [
+        gpu.Gpu(index=0, name="virtual-0", uuid="virtual-0", total_mb=1000, free_mb=1000, virtual=True),
+        gpu.Gpu(index=1, name="virtual-1", uuid="virtual-1", total_mb=2000, free_mb=2000, virtual=True),
+    ]
+    assert inventory.process_memory_mb() == {}
+    inventory.close()
+
+
+def test_virtual_inventory_rejects_empty_gpus() -> None:
+    with pytest.raises(errors.ConfigError):
+        gpu.VirtualInventory([1000, 0])
+
+
+def test_nvml_inventory_reads_devices_and_processes() -> None:
+    module = fake_pynvml(
+        [(b"NVIDIA H100", 80 * GIB, 70 * GIB), ("NVIDIA L4", 24 * GIB, 24 * GIB - 1)],
+        processes=[[(11, GIB), (12, None)], [(11, GIB + 1)]],
+    )
+    inventory = gpu.NvmlInventory(module)
+    first, second = inventory.snapshot()
+    assert first == gpu.Gpu(0, "NVIDIA H100", "GPU-0000", 81_920, 71_680, False)
+    assert (second.name, second.uuid, second.free_mb) == ("NVIDIA L4", "GPU-0001", 24_575)
+    # Usage rounds up per GPU; a pid whose usage NVML cannot tell is left out.
+    assert inventory.process_memory_mb() == {11: 1024 + 1025}
+    inventory.close()
+    inventory.close()
+    assert module.state["shutdown"] == 1
+    with pytest.raises(errors.AppError, match="closed"):
+        inventory.snapshot()
+
+
+def test_nvml_init_failure_is_translated() -> None:
+    with pytest.raises(errors.AppError, match="Driver Not Loaded"):
+        gpu.NvmlInventory(fake_pynvml(init_error="Driver Not Loaded"))
+
+
+def test_detect_prefers_nvml_and_warns_that_the_setting_is_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    module = fake_pynvml([("NVIDIA L4", 24 * GIB, 24 * GIB)])
+    inventory = gpu.detect_inventory("8GiB", 4096, nvml=module)
+    assert isinstance(inventory, gpu.NvmlInventory)
+    assert [g.virtual for g in inventory.snapshot()] == [False]
+    assert len(warnings_from(caplog)) == 1
+    assert "ignored" in warnings_from(caplog)[0]
+
+
+def test_detect_falls_back_when_nvml_sees_no_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    module = fake_pynvml([])
+    inventory = gpu.detect_inventory(None, 4096, nvml=module)
+    assert [g.total_mb for g in inventory.snapshot()] == [4096]
+    assert module.state["shutdown"] == 1
+    assert len(warnings_from(caplog)) == 1
+    assert "NVML sees no GPU" in warnings_from(caplog)[0]
+
+
+def test_detect_falls_back_to_configured_sizes(caplog: pytest.LogCaptureFixture) -> None:
+    module = fake_pynvml(init_error="NVML Shared Library Not Found")
+    inventory = gpu.detect_inventory("24GiB,8000", 4096, nvml=module)
+    assert [(g.total_mb, g.virtual) for g in inventory.snapshot()] == [(24_576, True), (8000, True)]
+    [line] = warnings_from(caplog)
+    assert "NVML Shared Library Not Found" in line
+    assert "GPUJOBS_GPUS" in line
+
+
+def test_detect_rejects_a_bad_setting_even_with_nvml() -> None:
+    with pytest.raises(errors.ConfigError, match="'huge'"):
+        gpu.detect_inventory("huge", 4096, nvml=fake_pynvml([("NVIDIA L4", GIB, GIB)]))
+
+
+def test_detect_falls_back_on_this_host(caplog: pytest.LogCaptureFixture) -> None:
+    """The real pynvml: a host without a driver gets the default virtual GPU and one warning."""
+    try:
+        gpu.NvmlInventory().close()
+    except errors.AppError:
+        pass
+    else:
+        pytest.skip("NVML works on this host")
+    inventory = gpu.detect_inventory(None, 24_576)
+    assert [(g.name, g.total_mb, g.free_mb) for g in inventory.snapshot()] == [("virtual-0", 24_576, 24_576)]
+    [line] = warnings_from(caplog)
+    assert "virtual" in line
+
+
+def test_fake_inventory_follows_the_test() -> None:
+    inventory: gpu.GpuInventory = FakeInventory([8000, 16_000])
+    assert isinstance(inventory, FakeInventory)
+    inventory.set_free(1, 1000)
+    inventory.set_process(42, 700)
+    assert [g.free_mb for g in inventory.snapshot()] == [8000, 1000]
+    assert inventory.process_memory_mb() == {42: 700}
+    inventory.set_process(42, None)
+    assert inventory.process_memory_mb() == {}
+
+
+@pytest.mark.gpu
+def test_nvml_on_a_real_gpu() -> None:
+    """Needs an NVIDIA driver: reads real devices and compute processes."""
+    try:
+        inventory = gpu.NvmlInventory()
+    except errors.AppError as exc:
+        pytest.skip(f"NVML unavailable: {exc.message}")
+    try:
+        if inventory.device_count == 0:
+            pytest.skip("NVML sees no GPU")
+        gpus = inventory.snapshot()
+        assert [g.index for g in gpus] == list(range(len(gpus)))
+        for device in gpus:
+            assert device.name and device.uuid.startswith(("GPU-", "MIG-"))
+            assert 0 <= device.free_mb <= device.total_mb
+            assert not device.virtual
+        usage = inventory.process_memory_mb()
+        assert all(pid > 0 and mb >= 0 for pid, mb in usage.items())
+    finally:
+        inventory.close()

@@ -1,0 +1,347 @@
+"""Model registry: loading and validating TOML, parameters, argv, outputs and VRAM estimates."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from app import errors, registry
+
+TINY = """
+[models.tiny]
+description = "A test model"
+argv = ["{python}", "-c", "pass", "{input}", "{output_dir}", "--steps={steps}", "{label}"]
+vram = { base_mb = 100, mb_per_megapixel = 10.5, max_mb = 1000 }
+timeout_s = 5
+max_attempts = 2
+bad_input_exit_codes = [65]
+
+[models.tiny.params.steps]
+type = "int"
+min = 1
+max = 50
+default = 10
+
+[models.tiny.params.label]
+type = "str"
+default = "plain"
+
+[models.tiny.params.scale]
+type = "float"
+min = 0.5
+max = 2
+default = 1
+
+[models.tiny.params.fast]
+type = "bool"
+default = false
+
+[models.tiny.params.kind]
+type = "str"
+choices = ["a", "b"]
+
+[[models.tiny.outputs]]
+name = "out-{kind}.json"
+
+[[models.tiny.outputs]]
+name = "log.txt"
+media_type = "text/x-log"
+required = false
+max_mb = 1
+"""
+
+WriteFile = Callable[[str], Path]
+
+
+@pytest.fixture
+def write_file(tmp_path: Path) -> WriteFile:
+    """Write TOML text to models.toml in a temporary folder and return its path."""
+
+    def write(text: str) -> Path:
+        path = tmp_path / "models.toml"
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def tiny(write_file: WriteFile) -> registry.ModelSpec:
+    """The `tiny` model from a user file."""
+    return registry.load_registry(write_file(TINY)).get("tiny")
+
+
+def test_builtin_registry_has_relief() -> None:
+    models = registry.load_registry()
+    relief = models.get("relief")
+    assert relief.timeout_s == 600
+    assert relief.max_attempts == 3
+    assert relief.bad_input_exit_codes == frozenset({64, 65})
+    assert relief.estimate_vram_mb(0) == 512
+    assert models.smallest_vram_mb() == 512
+    assert list(relief.params) == [
+        "format", "width_mm", "depth_mm", "base_mm", "resolution", "invert", "smoothing", "mask",
+    ]  # fmt: skip
+    assert "device" not in relief.params
+
+
+def test_relief_argv_with_defaults() -> None:
+    relief = registry.load_registry().get("relief")
+    argv = relief.build_argv({}, input_path=Path("/in/a.png"), output_dir=Path("/out"), python="py")
+    assert argv == [
+        "py", "-m", "app.relief", "--input", "/in/a.png", "--output-dir", "/out", "--format", "glb",
+        "--width-mm", "100.0", "--depth-mm", "5.0", "--base-mm", "2.0", "--resolution", "256",
+        "--invert", "false", "--smoothing", "1", "--mask", "auto", "--device", "auto",
+    ]  # fmt: skip
+    assert relief.expected_outputs({"format": "stl"})[0][:2] == ("mesh.stl", "model/stl")
+
+
+def test_user_file_adds_a_model(write_file: WriteFile) -> None:
+    models = registry.load_registry(write_file(TINY))
+    assert set(models.models) == {"relief", "tiny"}
+    assert models.smallest_vram_mb() == 100
+
+
+def test_user_file_replaces_a_builtin_model(write_file: WriteFile) -> None:
+    models = registry.load_registry(write_file(TINY.replace("models.tiny", "models.relief")))
+    assert models.get("relief").description == "A test model"
+    assert "format" not in models.get("relief").params
+
+
+def test_unknown_model_lists_known_ones() -> None:
+    with pytest.raises(errors.UnknownModel) as caught:
+        registry.load_registry().get("tripo")
+    assert "'tripo'" in caught.value.message and "relief" in caught.value.message
+    assert caught.value.field == "model"
+
+
+def test_missing_user_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(missing)
+    assert caught.value.message == f"{missing}: file not found"
+
+
+def test_toml_syntax_error_names_file_and_line(write_file: WriteFile) -> None:
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(write_file('[models.x]\nargv = ["a"\ntimeout_s = 1\n'))
+    assert "models.toml" in caught.value.message
+    assert "line 3" in caught.value.message
+
+
+def _broken(old: str, new: str) -> str:
+    assert old in TINY, old
+    return TINY.replace(old, new, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "words"),
+    [
+        (_broken("timeout_s = 5", "timeout_s = 0"), "timeout_s", "above 0"),
+        (_broken("timeout_s = 5", 'timeout_s = "5"'), "timeout_s", "a number"),
+        (_broken("timeout_s = 5\n", ""), "timeout_s", "required"),
+        (_broken("max_attempts = 2", "max_attempts = 0"), "max_attempts", "at least 1"),
+        (_broken("max_attempts = 2", "max_attempts = true"), "max_attempts", "an integer"),
+        (_broken("timeout_s = 5", "timeout_s = 5\ntimeout = 5"), "timeout", "unknown field"),
+        (_broken('argv = ["{python}"', 'argv = ["{pyhton}"'), "argv[0]", "{pyhton}"),
+        (_broken('"--steps={steps}"', '"--steps={steps!r}"'), "argv[5]", "placeholder"),
+        (_broken('"--steps={steps}"', '"--steps={steps"'), "argv[5]", "braces"),
+        (_broken('argv = ["{python}", "-c"', 'argv = [1, "-c"'), "argv", "strings"),
+        (_broken("base_mb = 100", "base_mb = -1"), "vram.base_mb", "at least 0"),
+        (_broken("base_mb = 100, ", ""), "vram.base_mb", "required"),
+        (_broken("mb_per_megapixel = 10.5", "mb_per_megapixel = -1"), "vram.mb_per_megapixel", "at least 0"),
+        (_broken("max_mb = 1000", "max_mb = 50"), "vram.max_mb", "at least 100"),
+        (_broken("max_mb = 1000", "maxmb = 1000"), "vram.maxmb", "unknown field"),
+        (
+            _broken("bad_input_exit_codes = [65]", "bad_input_exit_codes = [0]"),
+            "bad_input_exit_codes",
+            "1 to 255",
+        ),
+        (_broken('type = "int"', 'type = "integer"'), "params.steps.type", "int, float, bool, str"),
+        (_broken("min = 1\n", "min = 1.5\n"), "params.steps.min", "an integer"),
+        (_broken("max = 50", "max = 0"), "params.steps.min", "above max"),
+        (_broken("default = 10", "default = 99"), "params.steps.default", "at most 50"),
+        (_broken("default = 10", 'default = "10"'), "params.steps.default", "an integer, not a string"),
+        (_broken('default = "plain"', 'default = "--rm"'), "params.label.default", "'-'"),
+        (_broken("default = false", "default = 0"), "params.fast.default", "a boolean"),
+        (_broken('choices = ["a", "b"]', 'choices = ["a", "a"]'), "params.kind.choices", "twice"),
+        (_broken('choices = ["a", "b"]', "choices = []"), "params.kind.choices", "non-empty"),
+        (
+            _broken('type = "str"\ndefault = "plain"', 'type = "str"\ndefault = "plain"\nhelp = "x"'),
+            "params.label.help",
+            "unknown field",
+        ),
+        (_broken("[models.tiny.params.label]", "[models.tiny.params.Label]"), "params.Label", "must match"),
+        (_broken("[models.tiny.params.label]", "[models.tiny.params.input]"), "params.input", "reserved"),
+        (_broken('name = "out-{kind}.json"', 'name = "out-{knd}.json"'), "outputs[0].name", "{knd}"),
+        (_broken('name = "out-{kind}.json"', 'name = "../out.json"'), "outputs[0].name", "plain file"),
+        (_broken('name = "out-{kind}.json"', 'name = "log.txt"'), "outputs", "repeats"),
+        (_broken('media_type = "text/x-log"', 'media_type = "log"'), "outputs[1].media_type", "media type"),
+        (_broken("required = false", 'required = "no"'), "outputs[1].required", "true or false"),
+        (_broken("max_mb = 1\n", "max_mb = 0\n"), "outputs[1].max_mb", "at least 1"),
+        (_broken("max_mb = 1\n", "max_mb = 1\nsize = 2\n"), "outputs[1].size", "unknown field"),
+        (TINY.split("[[models.tiny.outputs]]")[0], "outputs", "required"),
+    ],
+)
+def test_broken_file_names_file_model_and_field(
+    write_file: WriteFile, text: str, field: str, words: str
+) -> None:
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(write_file(text))
+    message = caught.value.message
+    assert "models.toml: model 'tiny': " in message
+    assert f"field '{field}': " in message
+    assert words in message
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[models.Tiny]\nargv = ['x']\n", "model 'Tiny': a name must match"),
+        ("[model.tiny]\n", "field 'model': unknown field"),
+        ("title = 'x'\n", "field 'title': unknown field"),
+        ("[models]\n", "field 'models': defines no model"),
+        ("models = 3\n", "field 'models': must be a table"),
+    ],
+)
+def test_broken_file_structure(write_file: WriteFile, text: str, words: str) -> None:
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(write_file(text))
+    assert "models.toml: " in caught.value.message
+    assert words in caught.value.message
+
+
+def test_validate_params_fills_defaults(tiny: registry.ModelSpec) -> None:
+    values = tiny.validate_params({"kind": "a", "scale": 2})
+    assert values == {"steps": 10, "label": "plain", "scale": 2.0, "fast": False, "kind": "a"}
+    assert isinstance(values["scale"], float)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "words"),
+    [
+        ({"kind": "a", "stepz": 3}, "params.stepz", "unknown parameter"),
+        ({}, "params.kind", "required"),
+        ({"kind": "c"}, "params.kind", "one of a, b"),
+        ({"kind": "a", "steps": "5"}, "params.steps", "an integer, not a string"),
+        ({"kind": "a", "steps": 5.0}, "params.steps", "an integer, not a number"),
+        ({"kind": "a", "steps": True}, "params.steps", "an integer, not a boolean"),
+        ({"kind": "a", "scale": True}, "params.scale", "a number, not a boolean"),
+        ({"kind": "a", "fast": 1}, "params.fast", "a boolean, not an integer"),
+        ({"kind": "a", "fast": "true"}, "params.fast", "a boolean, not a string"),
+        ({"kind": "a", "steps": None}, "params.steps", "not null"),
+        ({"kind": "a", "steps": 0}, "params.steps", "at least 1"),
+        ({"kind": "a", "steps": 51}, "params.steps", "at most 50"),
+        ({"kind": "a", "scale": 2.01}, "params.scale", "at most 2"),
+        ({"kind": "a", "scale": float("nan")}, "params.scale", "finite"),
+        ({"kind": "a", "scale": 10**400}, "params.scale", "finite"),
+        ({"kind": "a", "label": "--output=/etc"}, "params.label", "'-'"),
+        ({"kind": "a", "label": "two\nlines"}, "params.label", "line breaks"),
+        ({"kind": "a", "label": "nul\x00"}, "params.label", "NUL"),
+        ({"kind": "a", "label": "x" * 5000}, "params.label", "at most 4096"),
+        ({"kind": "a", "label": ["x"]}, "params.label", "a string, not an array"),
+    ],
+)
+def test_validate_params_rejects(
+    tiny: registry.ModelSpec, raw: dict[str, object], field: str, words: str
+) -> None:
+    with pytest.raises(errors.InvalidParams) as caught:
+        tiny.validate_params(raw)
+    assert caught.value.field == field
+    assert caught.value.message.startswith(f"{field}: ")
+    assert words in caught.value.message
+
+
+def test_build_argv_keeps_each_value_one_argument(tiny: registry.ModelSpec) -> None:
+    label = "a b; rm -rf / $(x) {steps} 'q'"
+    argv = tiny.build_argv(
+        {"kind": "b", "label": label, "steps": 7},
+        input_path=Path("/in dir/img one.png"),
+        output_dir=Path("/out dir"),
+        python="/usr/bin/python3",
+    )
+    assert argv == ["/usr/bin/python3", "-c", "pass", "/in dir/img one.png", "/out dir", "--steps=7", label]
+
+
+def test_build_argv_renders_values_and_defaults_to_this_python(tiny: registry.ModelSpec) -> None:
+    argv = tiny.build_argv({"kind": "a"}, input_path=Path("i"), output_dir=Path("o"))
+    assert argv[0] == sys.executable
+    assert [registry.render_value(v) for v in (True, False, 3, 2.5, 100.0, 1e-05, "s")] == [
+        "true", "false", "3", "2.5", "100.0", "1e-05", "s",
+    ]  # fmt: skip
+    assert float(registry.render_value(1e-05)) == 1e-05
+
+
+def test_build_argv_revalidates(tiny: registry.ModelSpec) -> None:
+    with pytest.raises(errors.InvalidParams):
+        tiny.build_argv({"kind": "a", "label": "-x"}, input_path=Path("i"), output_dir=Path("o"))
+
+
+def test_expected_outputs(tiny: registry.ModelSpec) -> None:
+    outputs = tiny.expected_outputs({"kind": "b"})
+    assert [(name, media_type) for name, media_type, _ in outputs] == [
+        ("out-b.json", "application/json"),
+        ("log.txt", "text/x-log"),
+    ]
+    assert outputs[1][2] == registry.OutputSpec("log.txt", "text/x-log", required=False, max_mb=1)
+    assert outputs[0][2].required and outputs[0][2].max_mb == 512
+
+
+def test_expected_outputs_rejects_names_that_leave_the_folder(write_file: WriteFile) -> None:
+    text = _broken('name = "out-{kind}.json"', 'name = "out-{label}.json"')
+    spec = registry.load_registry(write_file(text)).get("tiny")
+    with pytest.raises(errors.InvalidParams) as caught:
+        spec.expected_outputs({"kind": "a", "label": "x/../../etc"})
+    assert caught.value.field == "params.label"
+
+
+@pytest.mark.parametrize(
+    ("name", "media_type"),
+    [
+        ("m.glb", "model/gltf-binary"), ("m.GLTF", "model/gltf+json"), ("m.stl", "model/stl"),
+        ("m.obj", "model/obj"), ("m.png", "image/png"), ("m.jpg", "image/jpeg"),
+        ("m.json", "application/json"), ("m.txt", "text/plain"), ("m.ply", "application/octet-stream"),
+        ("glb", "application/octet-stream"),
+    ],
+)  # fmt: skip
+def test_media_type_for(name: str, media_type: str) -> None:
+    assert registry.media_type_for(name) == media_type
+
+
+def test_estimate_vram_mb(tiny: registry.ModelSpec) -> None:
+    assert tiny.estimate_vram_mb(0) == 100
+    assert tiny.estimate_vram_mb(2) == 121
+    assert tiny.estimate_vram_mb(0.1) == 102  # 101.05 rounds up
+    assert tiny.estimate_vram_mb(1000) == 1000  # capped by max_mb
+    with pytest.raises(ValueError):
+        tiny.estimate_vram_mb(-1)
+
+
+def test_public_description_is_json(tiny: registry.ModelSpec) -> None:
+    import json
+
+    public = json.loads(json.dumps(tiny.public()))
+    assert public["name"] == "tiny"
+    assert public["vram"] == {"base_mb": 100, "mb_per_megapixel": 10.5, "max_mb": 1000}
+    assert public["params"]["kind"] == {
+        "type": "str", "default": None, "min": None, "max": None, "description": "",
+        "required": True, "choices": ["a", "b"],
+    }  # fmt: skip
+    assert public["outputs"][1] == {
+        "name": "log.txt",
+        "media_type": "text/x-log",
+        "required": False,
+        "max_mb": 1,
+    }
+    assert "argv" not in public
+
+
+def test_specs_are_frozen(tiny: registry.ModelSpec) -> None:
+    with pytest.raises(TypeError):
+        tiny.params["x"] = tiny.params["kind"]  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        tiny.timeout_s = 1  # type: ignore[misc]
