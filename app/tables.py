@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import uuid
 from datetime import datetime
 from typing import Any
@@ -51,7 +52,7 @@ class Input(Base):
     width: Mapped[int] = mapped_column(Integer)
     height: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
-    data: Mapped[bytes] = mapped_column(LargeBinary)
+    data: Mapped[builtins.bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
 
 

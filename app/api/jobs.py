@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Header, Query, Response, UploadFile
 
@@ -14,10 +14,10 @@ from app.queue.jobs import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorPublic, "description": "No such job"},
 }
-SUBMIT_ERRORS = {
+SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     200: {"model": JobPublic, "description": "Same Idempotency-Key as an earlier request: that job"},
     413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
     415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},
@@ -68,7 +68,7 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobsPublic:
     """List jobs, newest first, with filters and a cursor."""
-    page = await services.manager.list(
+    page = await services.manager.list_jobs(
         owner=caller.owner_filter, state=state, model=model, cursor=cursor, limit=limit
     )
     return JobsPublic(

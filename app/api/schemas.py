@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from app import links
+from app import links as links_
 from app.queue.jobs import Job, JobState
 from app.queue.manager import Event
 
@@ -57,7 +57,7 @@ class JobPublic(BaseModel):
     links: JobLinks
 
     @classmethod
-    def of(cls, job: Job, signer: links.LinkSigner) -> JobPublic:
+    def of(cls, job: Job, signer: links_.LinkSigner) -> JobPublic:
         """Build from a job, signing its download links."""
         base = f"/jobs/{job.id}"
         files = [

@@ -131,7 +131,11 @@ class Attempt:
         # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
         env = runner.minimal_env(
             self.gpu,
-            {"HOME": str(scratch), "GPUJOBS_JOB": f"{job.id}:{job.attempt}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+            {
+                "HOME": str(scratch),
+                "GPUJOBS_JOB": f"{job.id}:{job.attempt}",
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            },
         )
         process = runner.ModelProcess(
             argv,
@@ -279,7 +283,10 @@ async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float)
     """Kill the model process group of a job taken back from a dead worker on this host."""
     if taken.pid is None or taken.host != host or not is_model_of(taken.pid, taken.id):
         return False
-    killed = await runner.kill_process_group(taken.pid, grace_s=grace_s)
+    try:
+        killed = await runner.kill_process_group(taken.pid, grace_s=grace_s)
+    except ValueError:  # the pid is now our own group or init's: not a leftover model
+        return False
     if killed:
         log.warning(
             "killed leftover model process",

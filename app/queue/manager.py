@@ -168,7 +168,7 @@ class JobManager:
             raise errors.JobNotFound(f"no job {job_id}")
         return Job.from_row(row)
 
-    async def list(
+    async def list_jobs(
         self,
         *,
         owner: str | None = None,
@@ -311,6 +311,12 @@ class JobManager:
     async def _take_back(self, statement: Any, values: Mapping[str, Any]) -> list[TakenBack]:
         async with self._engine.begin() as conn:
             rows = (await conn.execute(statement, {"limit": 1000, **values})).all()
+        return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
+
+    async def leftovers_on_host(self, *, host: str, worker_id: str | None = None) -> list[TakenBack]:
+        """Running jobs with a process on `host` whose lease expired (or, given, of `worker_id`)."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, {"host": host, "worker_id": worker_id})).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
     async def recover_expired(self, *, by_worker: str) -> list[TakenBack]:

@@ -262,6 +262,16 @@ RECOVER_EXPIRED = text(_TAKE_BACK.format(where="lease_expires_at < now()", chann
 # On start: this worker's own running jobs belong to its previous life; no need to wait.
 REQUEUE_OWN = text(_TAKE_BACK.format(where="worker_id = :worker_id", channel=QUEUED_CHANNEL))
 
+# Running jobs with a model process on this host that is about to be taken back: killed first,
+# so the old run is gone before a new attempt can start.
+LEFTOVERS_ON_HOST = text(
+    """
+    SELECT id, attempt, worker_id, state, pid, host FROM jobs
+    WHERE state = 'running' AND host = :host AND pid IS NOT NULL
+      AND (lease_expires_at < now() OR worker_id = CAST(:worker_id AS text))
+    """
+)
+
 MARK_DEAD_WORKERS = text(
     """
     UPDATE workers SET state = 'dead'

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -123,8 +124,8 @@ class Worker:
             models=list(self._models.models),
             gpus=[asdict(g) for g in gpus],
         )
+        await self._kill_leftovers(worker_id=self.id)
         for taken in await self._manager.requeue_own(worker_id=self.id):
-            await attempt_.kill_leftover(taken, host=self.host, grace_s=self._config.kill_grace_s)
             log.warning(
                 "took back a job from this worker's previous run",
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
@@ -229,10 +230,12 @@ class Worker:
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
-        task.add_done_callback(lambda t, job_id=job.id: self._finished(job_id, t))
+        task.add_done_callback(functools.partial(self._finished, job.id))
 
     def _finished(self, job_id: uuid.UUID, task: asyncio.Task[None]) -> None:
-        self._running.pop(job_id, None)
+        entry = self._running.get(job_id)
+        if entry is not None and entry[1] is task:  # a newer attempt of the same job may have replaced it
+            del self._running[job_id]
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
         self._wake.set()  # room on a GPU: look for work
@@ -278,6 +281,7 @@ class Worker:
 
     async def reap(self) -> int:
         """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
+        await self._kill_leftovers()
         taken = await self._manager.recover_expired(by_worker=self.id)
         for t in taken:
             log.warning(
@@ -289,11 +293,16 @@ class Worker:
                     "state": t.state,
                 },
             )
-            await attempt_.kill_leftover(t, host=self.host, grace_s=self._config.kill_grace_s)
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
         for worker_id in await self._manager.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
+
+    async def _kill_leftovers(self, *, worker_id: str | None = None) -> None:
+        """Kill model processes on this host of jobs about to be taken back, before they are."""
+        for leftover in await self._manager.leftovers_on_host(host=self.host, worker_id=worker_id):
+            if leftover.id not in self._running:
+                await attempt_.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
 
     async def _listen_loop(self) -> None:
         """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""

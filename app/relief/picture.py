@@ -1,0 +1,99 @@
+"""Reading an image file into the float planes the heightmap is computed from."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image, ImageOps
+
+from app.relief import errors, params
+
+# Decoded pixels are held as several float planes; 64 megapixels keeps a job within a few GB of RAM.
+MAX_PIXELS = 64 * 1024 * 1024
+# The resampling filters see at least this many pixels per grid cell after the cheap pre-reduction.
+OVERSAMPLE = 2
+
+# Pillow plugins report damaged files with any of these, not only OSError.
+_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error)
+# Modes whose values carry more than 8 bits; they go through float so no precision is lost.
+_WIDE_MODES = frozenset({"I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
+
+FloatArray = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class Planes:
+    """An image as float32 planes: luminance in any scale, alpha in 0..1 or None when unused."""
+
+    luminance: FloatArray
+    alpha: FloatArray | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Height and width in pixels."""
+        height, width = self.luminance.shape
+        return height, width
+
+
+def open_image(path: Path) -> Image.Image:
+    """Decode an image file completely and turn it upright per its EXIF orientation."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+                if width * height > MAX_PIXELS:
+                    raise errors.BadInput(
+                        f"{width}x{height} is over the {MAX_PIXELS / 1e6:.0f} megapixel limit"
+                    )
+                img.load()
+                return ImageOps.exif_transpose(img)
+    except (*_DECODE_ERRORS, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise errors.BadInput(f"cannot read image {path.name}: {exc}") from exc
+
+
+def to_planes(img: Image.Image, mask: params.MaskMode, resolution: int) -> Planes:
+    """Extract luminance and (per the mask mode) alpha, box-reduced to about OVERSAMPLE px per cell."""
+    try:
+        alpha_img = _alpha(img, mask)
+        lum_img = _luminance(img)
+    except ValueError as exc:  # Pillow cannot convert a few exotic modes (e.g. "La")
+        raise errors.BadInput(f"unsupported image mode {img.mode}: {exc}") from exc
+    factor = max(img.size) // (OVERSAMPLE * resolution)
+    if factor >= 2:
+        # Pillow's C box filter is much cheaper than dense resampling matrices over every source pixel.
+        lum_img = lum_img.reduce(factor)
+        alpha_img = alpha_img.reduce(factor) if alpha_img is not None else None
+    luminance = np.nan_to_num(np.asarray(lum_img, dtype=np.float32), posinf=0.0, neginf=0.0)
+    alpha = None if alpha_img is None else np.asarray(alpha_img, dtype=np.float32) / 255.0
+    return Planes(luminance, alpha)
+
+
+def _luminance(img: Image.Image) -> Image.Image:
+    """Grey levels as an "L" or "F" image; the scale does not matter, heights are normalised later."""
+    if img.mode in _WIDE_MODES:
+        return img.convert("F")
+    if img.mode == "LAB":  # Pillow has no direct LAB -> L conversion
+        return img.convert("RGB").convert("L")
+    # Palette, CMYK, YCbCr, HSV, 1-bit and alpha modes all convert to ITU-R 601 luma directly.
+    return img.convert("L")
+
+
+def _alpha(img: Image.Image, mask: params.MaskMode) -> Image.Image | None:
+    """The "L" alpha plane the mask should use, or None to keep every pixel."""
+    if mask is params.MaskMode.NONE:
+        return None
+    # Covers alpha bands as well as palette or colour-key transparency (PNG tRNS, GIF).
+    if not img.has_transparency_data:
+        if mask is params.MaskMode.ALPHA:
+            raise errors.BadInput("--mask alpha needs an image with an alpha channel")
+        return None
+    alpha = img.getchannel("A") if "A" in img.getbands() else img.convert("RGBA").getchannel("A")
+    if mask is params.MaskMode.AUTO and alpha.getextrema()[0] == 255:
+        return None  # an alpha band that is opaque everywhere cuts nothing
+    return alpha
