@@ -1,0 +1,243 @@
+"""The relief reference model, run the way the service runs it: a subprocess on real image files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trimesh
+from PIL import Image
+
+from app import relief
+from app.relief import heightmap, mesh, picture, torch_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRESS_LINE = re.compile(r"^PROGRESS (?P<fraction>[01](?:\.\d+)?) (?P<message>\S.*)$")
+
+
+def run_relief(source: Path, out: Path, *args: str, device: str = "cpu") -> subprocess.CompletedProcess[str]:
+    """Run `python -m app.relief` like the service does, on the numpy path unless told otherwise."""
+    paths = ["--input", str(source), "--output-dir", str(out)]
+    return subprocess.run(
+        [sys.executable, "-m", "app.relief", *paths, "--device", device, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def load_mesh(path: Path) -> trimesh.Trimesh:
+    """Read a mesh file back as one mesh, the way a consumer would."""
+    loaded = trimesh.load(path, force="mesh")
+    assert isinstance(loaded, trimesh.Trimesh)
+    return loaded
+
+
+def assert_printable(result: trimesh.Trimesh) -> None:
+    """Closed, consistently wound, positive volume, flat on z=0."""
+    assert result.is_watertight
+    assert result.is_winding_consistent
+    assert result.volume > 0
+    assert result.bounds[0][2] == pytest.approx(0.0)
+
+
+def top_z_at_x(result: trimesh.Trimesh, x: float) -> float:
+    """Highest z among the vertices in the column at x."""
+    column = np.abs(result.vertices[:, 0] - x) < 1e-6
+    return float(result.vertices[column, 2].max())
+
+
+@pytest.fixture
+def gradient(tmp_path: Path) -> Path:
+    """A 64x32 landscape PNG, black on the left to white on the right."""
+    ramp = np.linspace(0, 255, 64, dtype=np.float64)[None, :].repeat(32, axis=0)
+    path = tmp_path / "gradient.png"
+    Image.fromarray(ramp.astype(np.uint8), "L").save(path)
+    return path
+
+
+@pytest.fixture
+def framed(tmp_path: Path) -> Path:
+    """A 64x64 RGBA PNG: an opaque 32x32 square inside a fully transparent 16 px border."""
+    pixels = np.zeros((64, 64, 4), dtype=np.uint8)
+    pixels[..., :3] = np.linspace(0, 255, 64, dtype=np.float64)[None, :, None].astype(np.uint8)
+    pixels[16:48, 16:48, 3] = 255
+    path = tmp_path / "framed.png"
+    Image.fromarray(pixels, "RGBA").save(path)
+    return path
+
+
+def test_gradient_glb_is_a_printable_solid_of_the_asked_size(gradient: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    sizes = ["--width-mm", "80", "--depth-mm", "4", "--base-mm", "1.5"]
+    done = run_relief(gradient, out, *sizes, "--resolution", "64")
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in out.iterdir()] == ["mesh.glb"]  # no temporary file left behind
+    result = load_mesh(out / "mesh.glb")
+    assert_printable(result)
+    (x0, y0, _), (x1, y1, z1) = result.bounds
+    assert (x1 - x0, y1 - y0, z1) == (pytest.approx(80.0), pytest.approx(40.0), pytest.approx(5.5))
+    assert top_z_at_x(result, 0.0) == pytest.approx(1.5, abs=0.05)  # dark is low
+    assert top_z_at_x(result, 80.0) == pytest.approx(5.5, abs=0.05)
+    assert "device cpu" in done.stderr
+
+
+def test_progress_lines_parse_and_end_at_one(gradient: Path, tmp_path: Path) -> None:
+    done = run_relief(gradient, tmp_path / "out", "--resolution", "16")
+    assert done.returncode == 0, done.stderr
+    matches = [PROGRESS_LINE.match(line) for line in done.stdout.splitlines()]
+    assert all(matches), done.stdout
+    fractions = [float(m["fraction"]) for m in matches if m]
+    assert fractions == sorted(fractions)
+    assert fractions[-1] == 1.0
+    assert [m["message"] for m in matches if m] == ["loaded", "heightmap", "mesh", "written"]
+
+
+@pytest.mark.parametrize("file_format", ["stl", "obj"])
+def test_other_formats_are_printable_too(gradient: Path, tmp_path: Path, file_format: str) -> None:
+    out = tmp_path / "out"
+    done = run_relief(gradient, out, "--format", file_format, "--resolution", "32")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(out / f"mesh.{file_format}")
+    assert_printable(result)
+    assert result.extents == pytest.approx([100.0, 50.0, 7.0])
+
+
+def test_invert_makes_dark_high(gradient: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_relief(gradient, out, "--resolution", "32", "--invert", "true")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(out / "mesh.glb")
+    assert_printable(result)
+    assert top_z_at_x(result, 0.0) == pytest.approx(7.0, abs=0.05)
+    assert top_z_at_x(result, 100.0) == pytest.approx(2.0, abs=0.05)
+
+
+def test_transparent_border_is_cut_away(framed: Path, tmp_path: Path) -> None:
+    cut = run_relief(framed, tmp_path / "cut", "--resolution", "64")
+    whole = run_relief(framed, tmp_path / "whole", "--resolution", "64", "--mask", "none")
+    assert cut.returncode == whole.returncode == 0, cut.stderr + whole.stderr
+    cut_mesh, whole_mesh = load_mesh(tmp_path / "cut/mesh.glb"), load_mesh(tmp_path / "whole/mesh.glb")
+    assert_printable(cut_mesh)
+    assert len(cut_mesh.faces) < len(whole_mesh.faces)
+    assert whole_mesh.extents[:2] == pytest.approx([100.0, 100.0])
+    # Only the opaque middle half remains, give or take the cell on each edge where alpha is mixed.
+    assert cut_mesh.extents[:2] == pytest.approx([50.0, 50.0], abs=100 / 64 + 1e-6)
+
+
+def test_portrait_image_spans_width_along_y(tmp_path: Path) -> None:
+    source = tmp_path / "portrait.png"
+    Image.fromarray(np.tile(np.arange(0, 240, 6, dtype=np.uint8)[:, None], (1, 20)), "L").save(source)
+    done = run_relief(source, tmp_path / "out", "--width-mm", "60")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(tmp_path / "out/mesh.glb")
+    assert_printable(result)
+    assert result.extents[:2] == pytest.approx([30.0, 60.0])
+
+
+def test_corrupt_image_is_bad_input_and_leaves_no_mesh(tmp_path: Path) -> None:
+    source = tmp_path / "broken.png"
+    source.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)
+    out = tmp_path / "out"
+    done = run_relief(source, out)
+    assert done.returncode == 65
+    assert "bad input" in done.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("image", "extra"),
+    [
+        (Image.new("RGBA", (16, 16), (255, 255, 255, 0)), []),  # nothing opaque
+        (Image.new("RGB", (16, 16), (9, 9, 9)), ["--mask", "alpha"]),  # no alpha to cut by
+    ],
+    ids=["empty-mask", "alpha-without-alpha"],
+)
+def test_unusable_images_are_bad_input(tmp_path: Path, image: Image.Image, extra: list[str]) -> None:
+    source = tmp_path / "input.png"
+    image.save(source)
+    done = run_relief(source, tmp_path / "out", *extra)
+    assert done.returncode == 65, done.stderr
+    assert not (tmp_path / "out/mesh.glb").exists()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--resolution", "8"], ["--format", "ply"], ["--invert", "maybe"], ["--bogus"]],
+    ids=["out-of-range", "bad-choice", "bad-bool", "unknown-flag"],
+)
+def test_bad_arguments_exit_64(gradient: Path, tmp_path: Path, bad: list[str]) -> None:
+    done = run_relief(gradient, tmp_path / "out", *bad)
+    assert done.returncode == 64
+    assert "error:" in done.stderr
+
+
+def test_cuda_without_cuda_exits_64(gradient: Path, tmp_path: Path) -> None:
+    torch = torch_backend.import_torch()
+    if torch is not None and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = run_relief(gradient, tmp_path / "out", device="cuda")
+    assert done.returncode == 64
+    assert "cuda" in done.stderr
+
+
+def test_build_mesh_in_process_keeps_holes() -> None:
+    # An opaque ring: the transparent middle must become a hole with its own walls (genus 1).
+    pixels = np.zeros((40, 40, 4), dtype=np.uint8)
+    pixels[..., :3] = 200
+    pixels[4:36, 4:36, 3] = 255
+    pixels[14:26, 14:26, 3] = 0
+    params = relief.ReliefParams(width_mm=40.0, resolution=40, smoothing=0.0)
+    result = relief.build_mesh(Image.fromarray(pixels, "RGBA"), params, relief.load("cpu"))
+    assert_printable(result)
+    assert result.euler_number == 0
+    assert result.extents == pytest.approx([32.0, 32.0, 2.0])  # flat colour: a slab of base thickness
+
+
+def test_any_mask_meshes_watertight() -> None:
+    # Random masks are full of cells that touch only at a corner, which must not break the solid.
+    rng = np.random.default_rng(7)
+    cells = rng.random((24, 30)) < 0.5
+    field = heightmap.Heightfield(rng.random((25, 31)).astype(np.float32), cells)
+    result = mesh.build(field, cell_mm=1.0, base_mm=1.0, depth_mm=3.0)
+    assert_printable(result)
+    assert len(result.faces) >= 4 * int(cells.sum())
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    source = tmp_path / "rotated.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, shown rotated 90 degrees clockwise
+    Image.new("RGB", (40, 20), (1, 2, 3)).save(source, exif=exif)
+    assert picture.open_image(source).size == (20, 40)
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "P", "LA", "PA", "RGB", "RGBA", "CMYK", "I;16", "I", "F"])
+def test_image_modes_become_planes(mode: str) -> None:
+    ramp = Image.linear_gradient("L").resize((32, 16)).convert(mode)
+    planes = picture.to_planes(ramp, relief.MaskMode.AUTO, 16)
+    assert planes.shape == (16, 32)
+    assert np.isfinite(planes.luminance).all()
+    assert planes.alpha is None  # opaque alpha bands are not a mask under auto
+
+
+def test_torch_backend_matches_numpy() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    pixels = rng.integers(0, 256, size=(90, 120, 4), dtype=np.uint8)
+    pixels[:, :30, 3] = 0
+    image = Image.fromarray(pixels, "RGBA")
+    params = relief.ReliefParams(resolution=48, smoothing=1.5)
+    planes = picture.to_planes(image, params.mask, params.resolution)
+    grid = heightmap.plan_grid(image.size, params.resolution, params.width_mm)
+    filters = heightmap.plan_filters(planes.shape, grid, params.smoothing)
+    on_torch = torch_backend.TorchBackend(torch, "cpu")
+    by_numpy = heightmap.heights(heightmap.surface(planes, filters, heightmap.NumpyBackend()), invert=False)
+    by_torch = heightmap.heights(heightmap.surface(planes, filters, on_torch), invert=False)
+    assert np.array_equal(by_torch.cells, by_numpy.cells)
+    np.testing.assert_allclose(by_torch.heights, by_numpy.heights, atol=1e-4)
