@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -91,57 +92,67 @@ async def database_url(server_url: str, template_db: str) -> AsyncIterator[str]:
     await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-@pytest.fixture
-def models_file(tmp_path: Path) -> Path:
-    """A registry file with the test-only `toy` model."""
-    path = tmp_path / "test-models.toml"
-    path.write_text(
-        f"""
-[models.toy]
-description = "Test model: sleeps, reports progress, writes out.txt"
-argv = ["{{python}}", {str(TOY)!r}, "--input", "{{input}}", "--output-dir", "{{output_dir}}",
-        "--sleep", "{{sleep}}", "--steps", "{{steps}}", "--exit-code", "{{exit_code}}",
-        "--fail-attempts", "{{fail_attempts}}", "--signal", "{{signal}}", "--output", "{{output}}",
-        "--trace", "{{trace}}"]
-vram = {{ base_mb = 1000, mb_per_megapixel = 0 }}
-timeout_s = 30
-max_attempts = 3
-bad_input_exit_codes = [65]
-[models.toy.params.sleep]
+TOY_PARAMS = """
+[models.{name}.params.sleep]
 type = "float"
 min = 0
 max = 60
 default = 0
-[models.toy.params.steps]
+[models.{name}.params.steps]
 type = "int"
 min = 0
 max = 100
 default = 2
-[models.toy.params.exit_code]
+[models.{name}.params.exit_code]
 type = "int"
 min = 0
 max = 255
 default = 0
-[models.toy.params.fail_attempts]
+[models.{name}.params.fail_attempts]
 type = "int"
 min = 0
 max = 10
 default = 0
-[models.toy.params.signal]
+[models.{name}.params.signal]
 type = "str"
 choices = ["none", "SIGKILL", "SIGSEGV"]
 default = "none"
-[models.toy.params.output]
+[models.{name}.params.output]
 type = "bool"
 default = true
-[models.toy.params.trace]
+[models.{name}.params.trace]
 type = "str"
 default = "none"
-[[models.toy.outputs]]
+[[models.{name}.outputs]]
 name = "out.txt"
 media_type = "text/plain"
 """
-    )
+
+
+def toy_model(name: str, *, timeout_s: float = 30, max_attempts: int = 3) -> str:
+    """Registry TOML for a toy model (tests/models/toy.py) under `name`."""
+    argv = [
+        "{python}", str(TOY), "--input", "{input}", "--output-dir", "{output_dir}", "--sleep", "{sleep}",
+        "--steps", "{steps}", "--exit-code", "{exit_code}", "--fail-attempts", "{fail_attempts}",
+        "--signal", "{signal}", "--output", "{output}", "--trace", "{trace}",
+    ]
+    head = f"""
+[models.{name}]
+description = "Test model: sleeps, reports progress, writes out.txt"
+argv = {json.dumps(argv)}
+vram = {{ base_mb = 1000, mb_per_megapixel = 0 }}
+timeout_s = {timeout_s}
+max_attempts = {max_attempts}
+bad_input_exit_codes = [65]
+"""
+    return head + TOY_PARAMS.replace("{name}", name)
+
+
+@pytest.fixture
+def models_file(tmp_path: Path) -> Path:
+    """A registry file with the test-only models `toy` and `toy_timeout` (1 s, one attempt)."""
+    path = tmp_path / "test-models.toml"
+    path.write_text(toy_model("toy") + toy_model("toy_timeout", timeout_s=1, max_attempts=1))
     return path
 
 

@@ -81,8 +81,8 @@ def test_builtin_registry_has_relief() -> None:
     assert relief.timeout_s == 600
     assert relief.max_attempts == 3
     assert relief.bad_input_exit_codes == frozenset({64, 65})
-    assert relief.estimate_vram_mb(0) == 512
-    assert models.smallest_vram_mb() == 512
+    assert relief.estimate_vram_mb(0) == 1024
+    assert models.smallest_vram_mb() == 1024
     assert list(relief.params) == [
         "format", "width_mm", "depth_mm", "base_mm", "resolution", "invert", "smoothing", "mask",
     ]  # fmt: skip
@@ -95,7 +95,7 @@ def test_relief_argv_with_defaults() -> None:
     assert argv == [
         "py", "-m", "app.relief", "--input", "/in/a.png", "--output-dir", "/out", "--format", "glb",
         "--width-mm", "100.0", "--depth-mm", "5.0", "--base-mm", "2.0", "--resolution", "256",
-        "--invert", "false", "--smoothing", "1", "--mask", "auto", "--device", "auto",
+        "--invert", "false", "--smoothing", "1.0", "--mask", "auto", "--device", "auto",
     ]  # fmt: skip
     assert relief.expected_outputs({"format": "stl"})[0][:2] == ("mesh.stl", "model/stl")
 
