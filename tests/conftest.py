@@ -273,3 +273,50 @@ def png_bytes(size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (2
 def png() -> Callable[..., bytes]:
     """Factory of small PNG images."""
     return png_bytes
+
+
+def worker_env(settings: Settings, name: str, **overrides: Any) -> dict[str, str]:
+    """The environment of a `gpujobs worker` process for this test's database and storage."""
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "GPUJOBS_DATABASE_URL": settings.database_url or "",
+        "GPUJOBS_STORAGE_DIR": str(settings.storage_dir),
+        "GPUJOBS_MODELS_FILE": str(settings.models_file),
+        "GPUJOBS_WORKER_NAME": name,
+        "GPUJOBS_GPUS": "24GiB",
+        "GPUJOBS_VRAM_BUFFER_MB": "0",
+        "GPUJOBS_LEASE_S": str(settings.lease_s),
+        "GPUJOBS_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
+        "GPUJOBS_REAP_INTERVAL_S": str(settings.reap_interval_s),
+        "GPUJOBS_POLL_INTERVAL_S": str(settings.poll_interval_s),
+        "GPUJOBS_KILL_GRACE_S": str(settings.kill_grace_s),
+        "GPUJOBS_RETRY_BASE_S": str(settings.retry_base_s),
+        "GPUJOBS_RETRY_MAX_S": str(settings.retry_max_s),
+        "GPUJOBS_LOG_LEVEL": "INFO",
+    }
+    env.update({f"GPUJOBS_{k.upper()}": str(v) for k, v in overrides.items()})
+    return env
+
+
+@pytest.fixture
+def spawn_worker(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Start `python -m app worker` processes; all are killed at the end of the test."""
+    import subprocess
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, *args: str, **overrides: Any) -> subprocess.Popen[bytes]:
+        with (tmp_path / f"worker-{name}-{len(started)}.log").open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "app", "worker", *args],
+                env=worker_env(settings, name, **overrides), stdout=log, stderr=subprocess.STDOUT,
+            )
+        started.append(process)
+        return process
+
+    yield spawn
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from app.api.deps import ServicesDep
@@ -20,12 +20,13 @@ router = APIRouter(tags=["files"])
     responses={403: {"model": ErrorPublic}, 404: {"model": ErrorPublic}},
 )
 async def download(
+    request: Request,
     job_id: uuid.UUID,
     name: str,
     services: ServicesDep,
     exp: Annotated[int, Query(description="Expiry, unix seconds")],
     sig: Annotated[str, Query(max_length=100)],
-) -> FileResponse:
+) -> Response:
     """A result file or log, by signed link (no key needed); supports Range and ETag."""
     services.signer.verify(job_id, name, exp, sig)
     job = await services.manager.get(job_id)
@@ -33,4 +34,6 @@ async def download(
     headers = {"Cache-Control": "private, max-age=3600"}
     if sha256 is not None:
         headers["ETag"] = f'"{sha256}"'
+        if headers["ETag"] in request.headers.get("if-none-match", ""):
+            return Response(status_code=304, headers=headers)
     return FileResponse(path, media_type=media_type, filename=name, headers=headers)

@@ -182,7 +182,9 @@ class Worker:
                     raise
                 log.warning("database unavailable; claiming paused", extra={"action": "db_down"})
                 claimed, delay = 0, min(delay * 2, 30.0)
-            if self._config.burst and not claimed and not self._running:
+            # Burst mode ends when a claim found nothing and nothing finished meanwhile (a finish
+            # during the claim sets the wake flag: there may be room now).
+            if self._config.burst and not claimed and not self._running and not self._wake.is_set():
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)

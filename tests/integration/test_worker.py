@@ -20,8 +20,7 @@ async def enqueue(manager: JobManager, *, model: str = "toy", priority: int = 0,
     spec_defaults = {"sleep": 0.0, "steps": 2, "exit_code": 0, "fail_attempts": 0, "signal": "none",
                      "output": True, "trace": "none"}
     job, _ = await manager.enqueue(
-        NewJob("tester", model, {**spec_defaults, **params} if model == "toy" else params, priority, vram_mb,
-               max_attempts),
+        NewJob("tester", model, {**spec_defaults, **params}, priority, vram_mb, max_attempts),
         checked,
         queue_limit=100_000,
     )
@@ -50,3 +49,102 @@ async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store
     assert kinds[:3] == ["submitted", "claimed", "started"]
     assert "progress" in kinds and kinds[-1] == "succeeded"
     assert not any((store.root / "scratch").iterdir())  # scratch cleaned
+
+
+def overlaps(runs: list[dict[str, Any]]) -> int:
+    """The largest number of runs that were going on at the same moment."""
+    edges = sorted([(r["start"], 1) for r in runs] + [(r["end"], -1) for r in runs], key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, step in edges:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+async def test_priority_orders_a_single_slot(manager, make_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    order = [0, 5, -3, 5, 10]
+    ids = [await enqueue(manager, priority=p, trace=str(log)) for p in order]
+    await make_worker(max_jobs_per_gpu=1).run()
+    ran = [r["job"].split(":")[0] for r in trace(log)]
+    expected = [str(ids[i]) for i in (4, 1, 3, 0, 2)]  # higher first, then older first
+    assert ran == expected
+
+
+async def test_six_gb_jobs_never_overlap_on_a_ten_gb_gpu(manager, make_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    for _ in range(4):
+        await enqueue(manager, vram_mb=6 * 1024, sleep=0.3, trace=str(log))
+    await make_worker([10 * 1024]).run()
+    runs = trace(log)
+    assert len(runs) == 4
+    assert overlaps(runs) == 1
+
+
+async def test_four_gb_jobs_run_two_at_a_time_on_a_ten_gb_gpu(manager, make_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    for _ in range(6):
+        await enqueue(manager, vram_mb=4 * 1024, sleep=0.4, trace=str(log))
+    await make_worker([10 * 1024]).run()
+    runs = trace(log)
+    assert len(runs) == 6
+    assert overlaps(runs) == 2
+
+
+async def test_two_gpus_are_both_used_and_jobs_placed_tightly(manager, make_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    ids = [await enqueue(manager, vram_mb=7 * 1024, sleep=0.4, trace=str(log)) for _ in range(2)]
+    await make_worker([8 * 1024, 24 * 1024]).run()
+    gpus = {r["gpu"] for r in trace(log)}
+    assert gpus == {"0", "1"}  # CUDA_VISIBLE_DEVICES of each run
+    first = await manager.get(ids[0])
+    assert first.gpu == 0  # the tightest fit: 7 GB goes on the 8 GB GPU first
+
+
+async def test_jobs_that_fit_no_gpu_wait_without_blocking_others(manager, make_worker):
+    big = await enqueue(manager, vram_mb=40_000, priority=10)
+    small = await enqueue(manager, vram_mb=2_000)
+    await make_worker([24 * 1024]).run()
+    assert (await manager.get(big)).state is JobState.queued
+    assert (await manager.get(small)).state is JobState.succeeded
+
+
+async def test_timeout_kills_the_whole_process_group(manager, make_worker, store):
+    job_id = await enqueue(manager, model="toy_timeout", sleep=20, steps=1, max_attempts=1)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed
+    assert job.error is not None and job.error.startswith("timed out after 1 s")
+    assert job.pid is None or not _alive(job.pid)
+    kinds = [e.kind for e in await manager.events(job_id)]
+    assert kinds[-1] == "failed"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+async def test_missing_output_fails_without_retry(manager, make_worker):
+    job_id = await enqueue(manager, output=False)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed and job.attempt == 1
+    assert job.error == "bad output: output 'out.txt' was not written"
+
+
+async def test_refuses_to_start_when_no_gpu_fits_the_smallest_model(manager, make_worker):
+    from app import errors
+
+    worker = make_worker([512])
+    try:
+        await worker.run()
+    except errors.ConfigError as exc:
+        assert "smallest model needs 1000 MB" in exc.message and "512 MB" in exc.message
+    else:
+        raise AssertionError("the worker started without a usable GPU")
