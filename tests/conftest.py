@@ -132,9 +132,26 @@ media_type = "text/plain"
 def toy_model(name: str, *, timeout_s: float = 30, max_attempts: int = 3) -> str:
     """Registry TOML for a toy model (tests/models/toy.py) under `name`."""
     argv = [
-        "{python}", str(TOY), "--input", "{input}", "--output-dir", "{output_dir}", "--sleep", "{sleep}",
-        "--steps", "{steps}", "--exit-code", "{exit_code}", "--fail-attempts", "{fail_attempts}",
-        "--signal", "{signal}", "--output", "{output}", "--trace", "{trace}",
+        "{python}",
+        str(TOY),
+        "--input",
+        "{input}",
+        "--output-dir",
+        "{output_dir}",
+        "--sleep",
+        "{sleep}",
+        "--steps",
+        "{steps}",
+        "--exit-code",
+        "{exit_code}",
+        "--fail-attempts",
+        "{fail_attempts}",
+        "--signal",
+        "{signal}",
+        "--output",
+        "{output}",
+        "--trace",
+        "{trace}",
     ]
     head = f"""
 [models.{name}]
@@ -199,12 +216,12 @@ def store(settings: Settings) -> storage.ResultStore:
 
 
 @pytest.fixture
-def make_worker(
-    manager: JobManager, store: storage.ResultStore, settings: Settings
-) -> Callable[..., Worker]:
+def make_worker(manager: JobManager, store: storage.ResultStore, settings: Settings) -> Callable[..., Worker]:
     """Build a worker on fake GPUs (default: one 24 GB GPU), burst mode unless told otherwise."""
 
-    def build(gpus_mb: list[int] | None = None, *, burst: bool = True, name: str = "w1", **config: Any) -> Worker:
+    def build(
+        gpus_mb: list[int] | None = None, *, burst: bool = True, name: str = "w1", **config: Any
+    ) -> Worker:
         values: dict[str, Any] = {
             "worker_id": f"test:{name}",
             "lease_s": settings.lease_s,
@@ -258,7 +275,9 @@ async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-def png_bytes(size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (200, 100, 50), mode: str = "RGB") -> bytes:
+def png_bytes(
+    size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (200, 100, 50), mode: str = "RGB"
+) -> bytes:
     """A small real PNG with a gradient (distinct colors give distinct files)."""
     image = Image.new(mode, size, color if mode == "RGB" else None)
     if mode == "RGB":
@@ -310,7 +329,9 @@ def spawn_worker(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., A
         with (tmp_path / f"worker-{name}-{len(started)}.log").open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "app", "worker", *args],
-                env=worker_env(settings, name, **overrides), stdout=log, stderr=subprocess.STDOUT,
+                env=worker_env(settings, name, **overrides),
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         started.append(process)
         return process

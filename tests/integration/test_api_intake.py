@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,16 +17,20 @@ async def counts(engine: Any) -> tuple[int, int, int]:
     async with engine.connect() as conn:
         row = (
             await conn.execute(
-                text("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM inputs), (SELECT count(*) FROM job_events)")
+                text(
+                    "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM inputs),"
+                    " (SELECT count(*) FROM job_events)"
+                )
             )
         ).one()
     return int(row[0]), int(row[1]), int(row[2])
 
 
-async def submit(client: httpx.AsyncClient, image: bytes, *, name: str = "in.png", **form: Any) -> httpx.Response:
+async def submit(
+    client: httpx.AsyncClient, image: bytes, *, name: str = "in.png", **form: Any
+) -> httpx.Response:
     data = {"model": "relief", **{k: (json.dumps(v) if k == "params" else str(v)) for k, v in form.items()}}
-    headers = form.pop("headers", None) if "headers" in form else None
-    return await client.post("/jobs", files={"image": (name, image, "image/png")}, data=data, headers=headers)
+    return await client.post("/jobs", files={"image": (name, image, "image/png")}, data=data)
 
 
 async def test_upload_is_stored_and_reads_back_byte_identical(client, png, engine):
@@ -112,12 +115,16 @@ async def test_params_must_be_a_json_object(client, png, engine, params):
 
 async def test_not_an_image_is_415_whatever_its_name(client, engine):
     response = await client.post(
-        "/jobs", files={"image": ("photo.png", b"GIF89a-not-really" * 10, "image/png")}, data={"model": "relief"}
+        "/jobs",
+        files={"image": ("photo.png", b"GIF89a-not-really" * 10, "image/png")},
+        data={"model": "relief"},
     )
     assert response.status_code == 415
     assert "PNG, JPEG or WebP" in response.json()["detail"]
     gif = await client.post(
-        "/jobs", files={"image": ("x.png", b"plain text, not an image", "image/png")}, data={"model": "relief"}
+        "/jobs",
+        files={"image": ("x.png", b"plain text, not an image", "image/png")},
+        data={"model": "relief"},
     )
     assert gif.status_code == 415
     assert await counts(engine) == (0, 0, 0)
@@ -134,14 +141,15 @@ async def test_truncated_image_is_422(client, png, engine):
 
 
 async def test_oversized_upload_is_413_by_content_length(settings: Settings, engine):
-    from tests.conftest import serving
-
     from app.api.main import create_app
+    from tests.conftest import serving
 
     small = settings.model_copy(update={"max_upload_mb": 0.05})
     async with serving(create_app(small)) as base, httpx.AsyncClient(base_url=base) as http:
         body = b"\0" * 200_000
-        response = await http.post("/jobs", files={"image": ("a.png", body, "image/png")}, data={"model": "relief"})
+        response = await http.post(
+            "/jobs", files={"image": ("a.png", body, "image/png")}, data={"model": "relief"}
+        )
         assert response.status_code == 413
         assert "limit" in response.json()["detail"]
 
@@ -171,16 +179,19 @@ async def test_idempotency_key_returns_the_first_job(client, png, engine):
 
 
 async def test_queue_limit_answers_429_with_retry_after(settings, png, engine):
-    from tests.conftest import serving
-
     from app.api.main import create_app
+    from tests.conftest import serving
 
     limited = settings.model_copy(update={"queue_limit": 2})
     async with serving(create_app(limited)) as base, httpx.AsyncClient(base_url=base) as http:
         for i in range(2):
-            ok = await http.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"})
+            ok = await http.post(
+                "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"}
+            )
             assert ok.status_code == 201, i
-        full = await http.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"})
+        full = await http.post(
+            "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"}
+        )
         assert full.status_code == 429
         assert int(full.headers["retry-after"]) > 0
     assert (await counts(engine))[0] == 2
@@ -227,10 +238,17 @@ async def test_unknown_job_is_404(client):
 
 async def test_openapi_describes_the_api(client):
     schema = (await client.get("/openapi.json")).json()
-    for path in ("/jobs", "/jobs/{job_id}", "/jobs/{job_id}/input", "/jobs/{job_id}/events", "/models",
-                 "/files/{job_id}/{name}", "/jobs/{job_id}/cancel", "/admin/jobs/{job_id}/retry"):
+    for path in (
+        "/jobs",
+        "/jobs/{job_id}",
+        "/jobs/{job_id}/input",
+        "/jobs/{job_id}/events",
+        "/models",
+        "/files/{job_id}/{name}",
+        "/jobs/{job_id}/cancel",
+        "/admin/jobs/{job_id}/retry",
+    ):
         assert path in schema["paths"], path
     post = schema["paths"]["/jobs"]["post"]
     assert {"201", "413", "415", "422", "429"} <= set(post["responses"])
     assert (await client.get("/docs")).status_code == 200
-

@@ -13,12 +13,27 @@ from app.queue.manager import JobManager, NewJob
 from tests.conftest import png_bytes
 
 
-async def enqueue(manager: JobManager, *, model: str = "toy", priority: int = 0, vram_mb: int = 1000,
-                  max_attempts: int = 3, image: bytes | None = None, **params: Any) -> uuid.UUID:
+async def enqueue(
+    manager: JobManager,
+    *,
+    model: str = "toy",
+    priority: int = 0,
+    vram_mb: int = 1000,
+    max_attempts: int = 3,
+    image: bytes | None = None,
+    **params: Any,
+) -> uuid.UUID:
     """Queue a job directly through the manager (the API is tested elsewhere)."""
     checked = images.inspect(image or png_bytes(), max_pixels=10**8)
-    spec_defaults = {"sleep": 0.0, "steps": 2, "exit_code": 0, "fail_attempts": 0, "signal": "none",
-                     "output": True, "trace": "none"}
+    spec_defaults = {
+        "sleep": 0.0,
+        "steps": 2,
+        "exit_code": 0,
+        "fail_attempts": 0,
+        "signal": "none",
+        "output": True,
+        "trace": "none",
+    }
     job, _ = await manager.enqueue(
         NewJob("tester", model, {**spec_defaults, **params}, priority, vram_mb, max_attempts),
         checked,
@@ -53,7 +68,9 @@ async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store
 
 def overlaps(runs: list[dict[str, Any]]) -> int:
     """The largest number of runs that were going on at the same moment."""
-    edges = sorted([(r["start"], 1) for r in runs] + [(r["end"], -1) for r in runs], key=lambda e: (e[0], e[1]))
+    edges = sorted(
+        [(r["start"], 1) for r in runs] + [(r["end"], -1) for r in runs], key=lambda e: (e[0], e[1])
+    )
     level = peak = 0
     for _, step in edges:
         level += step

@@ -33,8 +33,13 @@ def main() -> int:
     print("toy model stderr line", file=sys.stderr, flush=True)
     if args.trace:
         with open(args.trace, "a") as f:
-            record = {"job": job, "pid": os.getpid(), "start": started, "end": time.time(),
-                      "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            record = {
+                "job": job,
+                "pid": os.getpid(),
+                "start": started,
+                "end": time.time(),
+                "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            }
             f.write(json.dumps(record) + "\n")
     if args.signal != "none":
         os.kill(os.getpid(), getattr(signal, args.signal))
