@@ -215,13 +215,19 @@ class Attempt:
         except storage.OutputInvalid as exc:
             return self._failure(f"bad output: {exc.message}", retryable=False)
         job = self.job
+        published = False
 
         async def write() -> None:
-            self._store.publish(job.id, job.attempt, out_dir, files)
+            # Publish once; a retry after a database outage repeats only the database write.
+            nonlocal published
+            if not published:
+                self._store.publish(job.id, job.attempt, out_dir, files)
+                published = True
             try:
                 await self._manager.succeed(job, files, {"duration_s": round(result.duration_s, 3)})
-            except BaseException:
-                self._store.unpublish(job.id, job.attempt)
+            except Exception as exc:
+                if not db.is_unavailable(exc):  # lost to fencing, or broken: the files must not stay
+                    self._store.unpublish(job.id, job.attempt)
                 raise
             log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
 

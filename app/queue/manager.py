@@ -319,9 +319,10 @@ class JobManager:
             rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, {"host": host, "worker_id": worker_id})).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
-    async def recover_expired(self, *, by_worker: str) -> list[TakenBack]:
-        """Queue again (or fail) running jobs whose lease ran out."""
-        return await self._take_back(sql.RECOVER_EXPIRED, {"by_worker": by_worker, "reason": "lease expired"})
+    async def recover_expired(self, *, by_worker: str, in_hand: Sequence[uuid.UUID] = ()) -> list[TakenBack]:
+        """Queue again (or fail) running jobs whose lease ran out, except those `by_worker` runs."""
+        values = {"by_worker": by_worker, "reason": "lease expired", "in_hand": list(in_hand)}
+        return await self._take_back(sql.RECOVER_EXPIRED, values)
 
     async def requeue_own(self, *, worker_id: str) -> list[TakenBack]:
         """On start: take back this worker identity's running jobs from its previous life."""

@@ -257,7 +257,13 @@ _TAKE_BACK = """
     SELECT id, attempt, worker_id, state, pid, host, (SELECT count(*) FROM wake) AS woken FROM back
 """
 
-RECOVER_EXPIRED = text(_TAKE_BACK.format(where="lease_expires_at < now()", channel=QUEUED_CHANNEL))
+# Expired leases, except the jobs the calling worker is running right now: after a database
+# outage their leases may have lapsed, but their worker is alive and will renew or finish them.
+RECOVER_EXPIRED = text(
+    _TAKE_BACK.format(
+        where="lease_expires_at < now() AND NOT (id = ANY(CAST(:in_hand AS uuid[])))", channel=QUEUED_CHANNEL
+    )
+)
 
 # On start: this worker's own running jobs belong to its previous life; no need to wait.
 REQUEUE_OWN = text(_TAKE_BACK.format(where="worker_id = :worker_id", channel=QUEUED_CHANNEL))
@@ -337,7 +343,7 @@ _RETRY = f"""
         INSERT INTO job_events (job_id, kind, attempt, detail)
         SELECT id, 'retried', attempt, jsonb_build_object('by', CAST(:by AS text)) FROM retried
     ), wake AS (
-        SELECT DISTINCT pg_notify('{QUEUED_CHANNEL}', model) FROM retried
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM (SELECT DISTINCT model FROM retried) AS m
     )
     SELECT id, (SELECT count(*) FROM wake) AS woken FROM retried
 """

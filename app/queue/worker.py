@@ -284,7 +284,7 @@ class Worker:
     async def reap(self) -> int:
         """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
         await self._kill_leftovers()
-        taken = await self._manager.recover_expired(by_worker=self.id)
+        taken = await self._manager.recover_expired(by_worker=self.id, in_hand=list(self._running))
         for t in taken:
             log.warning(
                 "took back a job whose lease expired",

