@@ -1,0 +1,44 @@
+# The two commands: `make run` starts the service, `make test` runs the whole test suite.
+# Each sets up what it needs first (a virtualenv in .venv with the project and its tools);
+# nothing but Python 3.11+ is required, PostgreSQL included (an embedded one is used).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# When this server answers, the suite also runs against it (CI machines have one).
+LOCAL_PG := postgresql://postgres@127.0.0.1:5432/test
+
+.PHONY: setup run test lint bench chaos clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/gpujobs serve
+
+test: setup
+	$(BIN)/python -m pytest
+	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
+		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) =="; \
+		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest; \
+	else echo "(no PostgreSQL at $(LOCAL_PG): the embedded server was the only one tested)"; fi
+
+lint: setup
+	$(BIN)/ruff check app tests
+	$(BIN)/ruff format --check app tests
+	$(BIN)/mypy app
+
+bench: setup
+	$(BIN)/python -m tests.bench.bench_queue
+
+chaos: setup
+	$(BIN)/python -m tests.bench.chaos
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

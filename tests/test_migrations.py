@@ -1,0 +1,55 @@
+"""Schema: Alembic upgrades an empty database to head, downgrades to base, and matches the tables."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app import db, migrate, tables
+from tests.conftest import _admin, _with_database
+
+
+async def _table_names(url: str) -> set[str]:
+    conn = await asyncpg.connect(db.asyncpg_dsn(url))
+    try:
+        rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        types = await conn.fetch("SELECT typname FROM pg_type WHERE typname = 'job_state'")
+    finally:
+        await conn.close()
+    return {r["tablename"] for r in rows} | {r["typname"] for r in types}
+
+
+async def _diff(url: str) -> list[object]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(
+                lambda sync: compare_metadata(MigrationContext.configure(sync), tables.Base.metadata)
+            )
+    finally:
+        await engine.dispose()
+
+
+async def test_upgrade_downgrade_and_no_difference(server_url):
+    name = f"gpujobs_mig_{uuid.uuid4().hex[:8]}"
+    await _admin(server_url, f"CREATE DATABASE {name}")
+    url = _with_database(server_url, name)
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        assert {"inputs", "jobs", "job_events", "workers", "alembic_version", "job_state"} <= await _table_names(url)
+        assert await _diff(url) == []  # autogenerate finds nothing: models and migrations agree
+        engine = db.create_engine(url, pool_size=1)
+        assert await migrate.current(engine) == migrate.head()
+        await engine.dispose()
+
+        await asyncio.to_thread(migrate.downgrade, url, "base")
+        assert await _table_names(url) == {"alembic_version"}
+        await asyncio.to_thread(migrate.upgrade, url)  # and back up again from base
+        assert await _diff(url) == []
+    finally:
+        await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,0 +1,48 @@
+"""Settings: environment variables, and bad values named at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import errors
+from app.settings import Settings, load_settings
+
+
+def test_defaults_and_env(monkeypatch):
+    monkeypatch.setenv("GPUJOBS_MAX_UPLOAD_MB", "5")
+    monkeypatch.setenv("GPUJOBS_DATABASE_URL", "postgres://u:p@db:5432/jobs")
+    settings = load_settings()
+    assert settings.max_upload_bytes == 5 * 1024 * 1024
+    assert settings.database_url == "postgresql+asyncpg://u:p@db:5432/jobs"
+    assert Settings().database_url is not None and Settings(database_url="").database_url is None
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "needle"),
+    [
+        ("GPUJOBS_PORT", "99999", "GPUJOBS_PORT"),
+        ("GPUJOBS_LEASE_S", "-1", "GPUJOBS_LEASE_S"),
+        ("GPUJOBS_DATABASE_URL", "mysql://x", "GPUJOBS_DATABASE_URL"),
+        ("GPUJOBS_GPUS", "24 parsecs", "GPUJOBS_GPUS"),
+        ("GPUJOBS_LOG_LEVEL", "loud", "GPUJOBS_LOG_LEVEL"),
+        ("GPUJOBS_HEARTBEAT_INTERVAL_S", "60", "heartbeat_interval_s must be shorter than lease_s"),
+    ],
+)
+def test_bad_setting_is_named(monkeypatch, env, value, needle):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    assert needle in caught.value.message
+
+
+def test_cli_refuses_bad_settings_with_the_name(monkeypatch):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "worker"],
+        env={"PATH": "/usr/bin:/bin", "GPUJOBS_LEASE_S": "soon"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "GPUJOBS_LEASE_S" in result.stderr
