@@ -268,10 +268,23 @@ async def serving(app: Any) -> AsyncIterator[str]:
         await task
 
 
+@contextlib.asynccontextmanager
+async def api_client(settings: Settings, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """Serve the API for `settings` (with `overrides`) and yield a client for it, over real HTTP.
+
+    Every test that talks HTTP goes through here, so how a test client authenticates is decided
+    in one place. `client.app` is the served FastAPI application.
+    """
+    app = create_app(settings.model_copy(update=overrides))
+    async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        http.app = app  # type: ignore[attr-defined]
+        yield http
+
+
 @pytest.fixture
 async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client talking to the API over a real socket (no in-process worker)."""
-    async with serving(create_app(settings)) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with api_client(settings) as http:
         yield http
 
 

@@ -41,7 +41,8 @@ async def test_upgrade_downgrade_and_no_difference(server_url):
     url = _with_database(server_url, name)
     try:
         await asyncio.to_thread(migrate.upgrade, url)
-        assert {"inputs", "jobs", "job_events", "workers", "alembic_version", "job_state"} <= await _table_names(url)
+        expected = {"inputs", "jobs", "job_events", "workers", "api_keys", "alembic_version", "job_state"}
+        assert expected <= await _table_names(url)
         assert await _diff(url) == []  # autogenerate finds nothing: models and migrations agree
         engine = db.create_engine(url, pool_size=1)
         assert await migrate.current(engine) == migrate.head()

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from app.settings import Settings
+from tests.conftest import api_client
 
 
 async def counts(engine: Any) -> tuple[int, int, int]:
@@ -141,11 +142,7 @@ async def test_truncated_image_is_422(client, png, engine):
 
 
 async def test_oversized_upload_is_413_by_content_length(settings: Settings, engine):
-    from app.api.main import create_app
-    from tests.conftest import serving
-
-    small = settings.model_copy(update={"max_upload_mb": 0.05})
-    async with serving(create_app(small)) as base, httpx.AsyncClient(base_url=base) as http:
+    async with api_client(settings, max_upload_mb=0.05) as http:
         body = b"\0" * 200_000
         response = await http.post(
             "/jobs", files={"image": ("a.png", body, "image/png")}, data={"model": "relief"}
@@ -179,11 +176,7 @@ async def test_idempotency_key_returns_the_first_job(client, png, engine):
 
 
 async def test_queue_limit_answers_429_with_retry_after(settings, png, engine):
-    from app.api.main import create_app
-    from tests.conftest import serving
-
-    limited = settings.model_copy(update={"queue_limit": 2})
-    async with serving(create_app(limited)) as base, httpx.AsyncClient(base_url=base) as http:
+    async with api_client(settings, queue_limit=2) as http:
         for i in range(2):
             ok = await http.post(
                 "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief"}

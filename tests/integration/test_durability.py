@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.api.main import create_app
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
-from tests.conftest import serving
+from tests.conftest import api_client
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -156,7 +155,7 @@ async def test_crash_by_signal_is_retried(manager, make_worker):
 
 @pytest.fixture
 async def api(settings) -> AsyncIterator[httpx.AsyncClient]:
-    async with serving(create_app(settings)) as base, httpx.AsyncClient(base_url=base) as http:
+    async with api_client(settings) as http:
         yield http
 
 
@@ -245,10 +244,7 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
         def pg_ctl(*args: str) -> None:
             _commands.pg_ctl(["-w", *args], pgdata=pg.pgdata, user=pg.system_user)
 
-        async with (
-            serving(create_app(settings)) as base,
-            httpx.AsyncClient(base_url=base, timeout=10) as http,
-        ):
+        async with api_client(settings) as http:
             ids = []
             for i in range(3):
                 response = await http.post(

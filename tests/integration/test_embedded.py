@@ -26,7 +26,8 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
             "from app import pgserver; import pathlib, sys; "
             f"s = pgserver.EmbeddedPostgres(pathlib.Path({str(data)!r})); print(s.start()); s.stop()"
         )
-        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-c", code]
+        other = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
         assert other.returncode == 0, other.stderr
         assert other.stdout.strip() == url
         conn = await asyncpg.connect(db.asyncpg_dsn(url))  # still up after the other process left

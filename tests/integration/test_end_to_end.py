@@ -13,9 +13,8 @@ import trimesh
 from PIL import Image
 from sqlalchemy import text
 
-from app.api.main import create_app
 from app.queue.jobs import JobState
-from tests.conftest import serving
+from tests.conftest import api_client
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -40,8 +39,7 @@ def gradient_png(width: int, height: int) -> bytes:
 
 
 async def test_upload_relief_and_download_a_watertight_glb(settings, tmp_path):
-    app = create_app(settings.model_copy(update={"run_worker": True}))
-    async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with api_client(settings, run_worker=True) as http:
         params = {"width_mm": 80, "depth_mm": 6, "base_mm": 2, "resolution": 64}
         response = await http.post(
             "/jobs",
@@ -77,8 +75,7 @@ async def test_upload_relief_and_download_a_watertight_glb(settings, tmp_path):
 async def test_signed_links_range_tamper_and_expiry(settings, manager, make_worker):
     job_id = await enqueue(manager)
     await make_worker().run()
-    app = create_app(settings)
-    async with serving(app) as base, httpx.AsyncClient(base_url=base) as http:
+    async with api_client(settings) as http:
         job = (await http.get(f"/jobs/{job_id}")).json()
         url = job["files"][0]["url"]
         whole = await http.get(url)
@@ -96,7 +93,7 @@ async def test_signed_links_range_tamper_and_expiry(settings, manager, make_work
         later = url.replace("exp=", "exp=9")
         assert (await http.get(later)).status_code == 403  # ... and the expiry
 
-        signer = app.state.services.signer
+        signer = http.app.state.services.signer
         expired = signer.url(job_id, "out.txt", now=time.time() - 2 * signer.ttl_s)
         refused = await http.get(expired)
         assert refused.status_code == 403 and "expired" in refused.json()["detail"]
