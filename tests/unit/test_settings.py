@@ -42,7 +42,9 @@ def test_cli_refuses_bad_settings_with_the_name(monkeypatch):
     result = subprocess.run(
         [sys.executable, "-m", "app", "worker"],
         env={"PATH": "/usr/bin:/bin", "GPUJOBS_LEASE_S": "soon"},
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "GPUJOBS_LEASE_S" in result.stderr
