@@ -1,7 +1,8 @@
 """Chaos bench: SIGKILL workers at random while they run jobs; check no job is lost or run twice.
 
     .venv/bin/python -m tests.bench.chaos [--jobs 200] [--workers 3] [--duration 60] [--kill-every 3]
-                                          [--seed 1] [--drain 60] [--slots 4] [--max-attempts 10] [--keep]
+                                          [--seed 1] [--drain 60] [--slots 4] [--max-attempts 10] [--long 0.1]
+                                          [--keep]
 
 A fresh embedded PostgreSQL in a temporary folder (or its own database on the server named by
 DATABASE_URL, dropped at the end), a registry with the toy model (tests/models/toy.py), N queued
@@ -225,15 +226,14 @@ async def open_jobs(engine: AsyncEngine) -> int:
     return int(found or 0)
 
 
-async def jobs_in_hand(engine: AsyncEngine, worker_id: str) -> tuple[int, int]:
-    """(jobs the worker is running now, jobs queued), by the database."""
-    query = text(
-        "SELECT count(*) FILTER (WHERE state = 'running' AND worker_id = :w),"
-        " count(*) FILTER (WHERE state = 'queued') FROM jobs"
-    )
+async def jobs_in_hand(engine: AsyncEngine, worker_id: str) -> tuple[set[tuple[str, int]], int]:
+    """((job id, attempt) the worker identity is running by the database, jobs queued)."""
+    running = text("SELECT id, attempt FROM jobs WHERE state = 'running' AND worker_id = :w")
+    queued = text("SELECT count(*) FROM jobs WHERE state = 'queued'")
     async with engine.connect() as conn:
-        row = (await conn.execute(query, {"w": worker_id})).one()
-    return int(row[0]), int(row[1])
+        rows = (await conn.execute(running, {"w": worker_id})).all()
+        count = await conn.scalar(queued)
+    return {(str(r.id), int(r.attempt)) for r in rows}, int(count or 0)
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ class ProcWatch(threading.Thread):
         self.marker = marker.encode()
         self.lock = threading.Lock()  # held while a worker is spawned or waited for
         self.keep: set[int] = set()  # our worker processes: subprocess.Popen reaps those
-        self.seen: dict[int, Seen] = {}
+        self.seen: dict[tuple[int, bytes], Seen] = {}  # by (pid, command line): pids are reused
         self.reaped = 0
         self._stop_event = threading.Event()
 
@@ -311,17 +311,18 @@ class ProcWatch(threading.Thread):
                 if stat[1] == me:
                     self._reap(pid)
                 continue
-            if self.marker in _read(f"/proc/{pid}/cmdline"):
-                self._note(pid, stat[1], now)
+            cmdline = _read(f"/proc/{pid}/cmdline")
+            if self.marker in cmdline:
+                self._note((pid, cmdline), stat[1], now)
 
-    def _note(self, pid: int, parent: int, now: float) -> None:
-        known = self.seen.get(pid)
+    def _note(self, key: tuple[int, bytes], parent: int, now: float) -> None:
+        known = self.seen.get(key)
         if known is not None:
             known.last = now
             return
-        job = _job_of(_read(f"/proc/{pid}/environ"))
+        job = _job_of(_read(f"/proc/{key[0]}/environ"))
         if job is not None:
-            self.seen[pid] = Seen(job, parent, now, now)
+            self.seen[key] = Seen(job, parent, now, now)
 
     def _reap(self, pid: int) -> None:
         with self.lock:
@@ -339,6 +340,21 @@ def become_subreaper() -> bool:
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def reap_children(wait_s: float = 2.0) -> int:
+    """Reap what is left of our children (the embedded server's postmaster is one, as subreaper)."""
+    reaped, deadline = 0, time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children left
+            break
+        if pid:
+            reaped += 1
+        else:
+            time.sleep(0.05)
+    return reaped
 
 
 def orphans(marker: str) -> list[tuple[int, str]]:
@@ -382,7 +398,7 @@ class Tally:
     kills: int = 0
     restarted_at_once: int = 0
     restarted_later: int = 0
-    jobs_in_hand_at_kill: int = 0
+    in_hand_at_kill: set[tuple[str, int]] = field(default_factory=set)  # (job id, attempt)
     killed_at: dict[int, float] = field(default_factory=dict)  # worker pid -> wall time of the SIGKILL
     exits: list[str] = field(default_factory=list)  # workers that exited on their own
 
@@ -404,7 +420,11 @@ class Fleet:
             log.flush()
             slot.proc = subprocess.Popen(
                 [sys.executable, "-m", "app", "worker"],
-                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             self._watch.keep.add(slot.proc.pid)
@@ -495,9 +515,10 @@ async def kill_one(fleet: Fleet, engine: AsyncEngine, rng: random.Random, starte
     in_hand, queued = await jobs_in_hand(engine, f"{socket.gethostname()}:{slot.name}")
     later = None if rng.random() < 0.5 else rng.uniform(LEASE_S + 1, LEASE_S + 4)
     fleet.kill(slot, later=later)
-    fleet.tally.jobs_in_hand_at_kill += in_hand
+    fleet.tally.in_hand_at_kill |= in_hand
     how = "restarted at once" if later is None else f"restart in {later:.1f} s"
-    print(f"  t={time.monotonic() - started:5.1f}s  SIGKILL {slot.name} ({in_hand} jobs running, {queued} queued), {how}")
+    at = time.monotonic() - started
+    print(f"  t={at:5.1f}s  SIGKILL {slot.name} ({len(in_hand)} jobs running, {queued} queued), {how}")
 
 
 async def chaos(fleet: Fleet, engine: AsyncEngine, opts: Options, rng: random.Random) -> float:
@@ -537,8 +558,12 @@ class Figures:
     max_attempt: int
     events: Counter[str]
     recovered: Counter[str]
+    recovered_attempts: set[tuple[str, int]]
     failed_errors: Counter[str]
+    attempt_failures: list[tuple[str, str, int]]
     bad_results: list[str]
+    stale_results: int
+    scratch_left: int
     trace_overlaps: list[tuple[str, float]]
     live_overlaps: list[tuple[str, float]]
     orphan_outlived: list[float]
@@ -557,8 +582,17 @@ class Figures:
     def trouble(self) -> bool:
         """Anything worth keeping the logs for."""
         return bool(
-            self.lost or self.run_twice or self.bad_results or self.orphans_at_end or self.tally.exits
-            or self.states["failed"] or self.states["canceled"] or self.trace_overlaps or self.logs["errors"]
+            self.lost
+            or self.run_twice
+            or self.bad_results
+            or self.orphans_at_end
+            or self.tally.exits
+            or self.states["failed"]
+            or self.states["canceled"]
+            or self.trace_overlaps
+            or self.logs["errors"]
+            or self.attempt_failures
+            or self.stale_results
         )
 
 
@@ -572,7 +606,12 @@ async def database_figures(engine: AsyncEngine) -> dict[str, Any]:
     events = "SELECT kind, count(*) FROM job_events GROUP BY kind"
     twice = "SELECT job_id FROM job_events WHERE kind = 'succeeded' GROUP BY job_id HAVING count(*) > 1"
     recovered = "SELECT detail->>'reason', count(*) FROM job_events WHERE kind = 'recovered' GROUP BY 1"
+    recovered_attempts = "SELECT job_id, attempt FROM job_events WHERE kind = 'recovered'"
     failed = "SELECT split_part(error, E'\\n', 1), count(*) FROM jobs WHERE state = 'failed' GROUP BY 1"
+    attempts = (
+        "SELECT detail->>'error', job_id, attempt FROM job_events"
+        " WHERE kind IN ('retry_scheduled', 'failed') AND detail->>'error' IS NOT NULL ORDER BY id"
+    )
     jobs = await _rows(engine, "SELECT id, state, attempt FROM jobs")
     return {
         "jobs": jobs,
@@ -581,7 +620,9 @@ async def database_figures(engine: AsyncEngine) -> dict[str, Any]:
         "events": Counter({r[0]: r[1] for r in await _rows(engine, events)}),
         "run_twice": [str(r[0]) for r in await _rows(engine, twice)],
         "recovered": Counter({str(r[0]): r[1] for r in await _rows(engine, recovered)}),
+        "recovered_attempts": {(str(r[0]), int(r[1])) for r in await _rows(engine, recovered_attempts)},
         "failed_errors": Counter({str(r[0]): r[1] for r in await _rows(engine, failed)}),
+        "attempt_failures": [(str(r[0]), str(r[1]), int(r[2])) for r in await _rows(engine, attempts)],
     }
 
 
@@ -623,13 +664,20 @@ def bad_results(jobs: list[Any], storage: Path, traced: set[tuple[str, int]]) ->
     return bad
 
 
+def stale_results(jobs: list[Any], storage: Path) -> int:
+    """Result folders (or half-published ones) of attempts that did not win their job."""
+    winners = {(str(j.id), str(j.attempt)) for j in jobs if str(j.state) == "succeeded"}
+    folders = (storage / "results").glob("*/*")
+    return sum((folder.parent.name, folder.name) not in winners for folder in folders)
+
+
 def log_counts(tmp: Path) -> Counter[str]:
     """From the worker logs: leftover model processes the workers killed, and errors."""
     counts: Counter[str] = Counter()
     for path in tmp.glob("worker-*.log"):
         for line in path.read_text(errors="replace").splitlines():
             counts["orphans killed"] += "killed leftover model process" in line
-            counts["errors"] += " ERROR " in line or line.startswith("Traceback")
+            counts["errors"] += " ERROR " in line or "Traceback" in line
     return counts
 
 
@@ -670,8 +718,12 @@ async def collect(
         max_attempt=found["max_attempt"],
         events=found["events"],
         recovered=found["recovered"],
+        recovered_attempts=found["recovered_attempts"],
         failed_errors=found["failed_errors"],
+        attempt_failures=found["attempt_failures"],
         bad_results=bad_results(found["jobs"], tmp / "storage", traced),
+        stale_results=stale_results(found["jobs"], tmp / "storage"),
+        scratch_left=len(list((tmp / "storage" / "scratch").glob("*/*"))),
         trace_overlaps=overlaps(trace),
         live_overlaps=overlaps(live_runs(watch)),
         orphan_outlived=outlived(watch, fleet.tally.killed_at),
@@ -742,13 +794,17 @@ def report(f: Figures) -> list[str]:
         _overlap_line(f.trace_overlaps, "overlapping completed runs (toy trace)"),
         _overlap_line(f.live_overlaps, "overlapping live processes (/proc sampler)"),
         f"{'succeeded jobs with a bad result':<44} {len(f.bad_results)}",
+        f"{'result folders of losing attempts':<44} {f.stale_results}",
+        f"{'attempts whose model failed (toy never does)':<44} {len(f.attempt_failures)}",
+        f"{'scratch folders left after the stop':<44} {f.scratch_left}",
         f"{'max attempt seen':<44} {f.max_attempt}",
         f"{'recovered events':<44} {f.events['recovered']} "
         + f"({', '.join(f'{n} {why}' for why, n in f.recovered.most_common()) or 'none'})",
         f"{'released events (graceful shutdown)':<44} {f.events['released']}",
         f"{'retry_scheduled events':<44} {f.events['retry_scheduled']}",
         f"{'SIGKILLs':<44} {t.kills} (restarted at once {t.restarted_at_once}, later {t.restarted_later};"
-        f" {t.jobs_in_hand_at_kill} jobs were running on them)",
+        f" {len(t.in_hand_at_kill)} attempts were running on them,"
+        f" {len(t.in_hand_at_kill & f.recovered_attempts)} of which were recovered)",
         f"{'orphans that outlived their killed worker':<44} {len(outlived_s)}{_spread(outlived_s)}",
         f"{'orphans killed by a worker (worker logs)':<44} {f.logs['orphans killed']}",
         f"{'orphan processes reaped by the bench':<44} {f.reaped}",
@@ -765,6 +821,10 @@ def details(f: Figures, tmp: Path) -> list[str]:
     lines = [f"  run twice: {job}" for job in f.run_twice[:10]]
     lines += [f"  failed ({n}): {error}" for error, n in f.failed_errors.most_common(5)]
     lines += [f"  bad result: {b}" for b in f.bad_results[:10]]
+    lines += [
+        f"  attempt failed: job {job} attempt {n}: {error} (log: {tmp}/storage/logs/{job}/attempt-{n}.log)"
+        for error, job, n in f.attempt_failures[:10]
+    ]
     lines += [f"  orphan at end: pid {pid} job {job} (killed)" for pid, job in f.orphans_at_end[:10]]
     lines += [f"  {e}" for e in f.tally.exits[:10]]
     if f.trouble:
@@ -787,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with database(tmp) as url:
             figures = asyncio.run(bench(opts, url, tmp))
+        reap_children()
         print("\n".join(report(figures) + details(figures, tmp)))
         keep = opts.keep or figures.trouble
     finally:
