@@ -1,4 +1,4 @@
-"""The `gpujobs` command: serve, worker, migrate, models."""
+"""The `gpujobs` command: serve, worker, migrate, models, keys; submit, jobs, prune (the HTTP client)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,17 @@ from typing import Annotated
 
 import typer
 
-from app import db, errors, migrate, pgserver, registry, storage
+from app import cli_keys, client, db, errors, logs, migrate, pgserver, registry, storage
 from app.settings import Settings, get_settings
 
 cli = typer.Typer(help="gpujobs: a durable job service for GPU models.", no_args_is_help=True)
+cli.add_typer(cli_keys.keys, name="keys")
+client.register(cli)  # submit, jobs list|show|cancel|retry, prune: the HTTP client
 log = logging.getLogger("gpujobs.cli")
 
 
 def _setup_logging(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(settings.log_level, settings.log_format, stream=sys.stderr)
 
 
 def _settings() -> Settings:
@@ -95,6 +93,8 @@ def serve(
                 loop="asyncio",
                 log_level=ready.log_level.lower(),
                 access_log=False,
+                log_config=None,  # our logging (logs.setup): one format for every line
+                timeout_graceful_shutdown=5,  # open event streams must not hold a shutdown forever
             )
     except errors.AppError as exc:
         raise _fail(exc) from exc
@@ -123,7 +123,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> None:
     try:
         w = build_worker(
             settings,
-            manager=JobManager(engine),
+            manager=JobManager(engine, quarantine_after=settings.quarantine_after),
             store=storage.ResultStore(settings.storage_dir),
             models=registry.load_registry(settings.models_file),
             listen_dsn=db.asyncpg_dsn(url),

@@ -32,7 +32,8 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
+        # No pre-ping: it costs three round trips per checkout. A dead connection fails its
+        # statement instead; SQLAlchemy then drops the pool and callers retry (db.is_unavailable).
         pool_recycle=1800,
         connect_args={"server_settings": {"application_name": "gpujobs"}},
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -261,3 +262,15 @@ def place(need_mb: int, budgets: Mapping[int, int]) -> int | None:
     """The GPU index with the smallest budget that still fits need_mb (ties: lowest index)."""
     fitting = [(budget, index) for index, budget in budgets.items() if fits(need_mb, budget)]
     return min(fitting)[1] if fitting else None
+
+
+def group_usage_mb(inventory: GpuInventory, pgid: int) -> dict[int, int]:
+    """GPU memory (MB) held by each process of process group `pgid` (a model and its children)."""
+    usage = {}
+    for pid, used_mb in inventory.process_memory_mb().items():
+        try:
+            if pid == pgid or os.getpgid(pid) == pgid:
+                usage[pid] = used_mb
+        except ProcessLookupError:  # ended since NVML listed it (or lives in another pid namespace)
+            continue
+    return usage

@@ -13,6 +13,8 @@ from app import errors
 from app.queue.manager import NewInput
 
 ACCEPTED = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+# How accepted files begin: one that begins so but cannot be identified is cut short, not foreign.
+SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")
 CHUNK = 1 << 20
 
 
@@ -33,13 +35,17 @@ def inspect(data: bytes, *, max_pixels: int) -> NewInput:
     if not data:
         raise errors.InvalidRequest("image: the file is empty", field="image")
     try:
-        with Image.open(io.BytesIO(data)) as probe:
-            kind, (width, height) = probe.format, probe.size
+        with warnings.catch_warnings():  # the pixel limit below is ours; PIL's warning is not needed
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as probe:
+                kind, (width, height) = probe.format, probe.size
     except UnidentifiedImageError as exc:
+        if data.startswith(SIGNATURES) and (not data.startswith(b"RIFF") or data[8:12] == b"WEBP"):
+            raise errors.InvalidRequest("image: the file is truncated or corrupt", field="image") from exc
         raise errors.UnsupportedMedia(
             "image: not a PNG, JPEG or WebP image (the type is read from the content, not the name)"
         ) from exc
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+    except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise errors.InvalidRequest(f"image: cannot be read ({exc})", field="image") from exc
     if kind not in ACCEPTED:
         raise errors.UnsupportedMedia(f"image: {kind} images are not accepted; send PNG, JPEG or WebP")

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from app import errors, images, registry
+from app import errors, images, learning, registry
 from app.queue import manager as manager_
 from app.queue.jobs import Job
 
@@ -22,6 +22,7 @@ class Limits:
     queue_limit: int
     priority_min: int
     priority_max: int
+    queue_limit_per_key: int = 0  # 0: no limit per principal
 
 
 def parse_params(raw: str | None) -> dict[str, Any]:
@@ -59,19 +60,24 @@ async def submit(
     image: BinaryIO,
     idempotency_key: str | None,
     limits: Limits,
+    learner: learning.VramLearner | None = None,
 ) -> tuple[Job, bool]:
     """Check everything, store the image, queue the job; (job, created). Nothing is stored on error."""
     spec = models.get(model)
     values = spec.validate_params(params)
     check_priority(priority, limits)
+    await manager.check_owner_queue(owner, limit=limits.queue_limit_per_key, idempotency_key=idempotency_key)
     data = await asyncio.to_thread(images.read_capped, image, limits.max_upload_bytes)
     checked = await asyncio.to_thread(images.inspect, data, max_pixels=limits.max_pixels)
+    declared = spec.estimate_vram_mb(checked.megapixels)
+    vram_mb = declared if learner is None else (await learner.estimate(spec, checked.megapixels))[0]
     new = manager_.NewJob(
         owner=owner,
         model=spec.name,
         params=values,
         priority=priority,
-        vram_mb=spec.estimate_vram_mb(checked.megapixels),
+        vram_mb=vram_mb,
+        declared_vram_mb=declared,
         max_attempts=spec.max_attempts,
         idempotency_key=idempotency_key,
     )

@@ -53,7 +53,8 @@ class LinkSigner:
 
     def verify(self, job_id: uuid.UUID, name: str, exp: int, sig: str, *, now: float | None = None) -> None:
         """Forbidden unless the signature matches and the link has not expired."""
-        if not hmac.compare_digest(self._sign(job_id, name, exp), sig):
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+        if not hmac.compare_digest(self._sign(job_id, name, exp).encode(), sig.encode()):
             raise errors.Forbidden("this download link is not valid")
         if exp < (now if now is not None else time.time()):
             raise errors.Forbidden("this download link has expired; fetch the job again for a fresh one")

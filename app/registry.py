@@ -43,7 +43,14 @@ _MEDIA_TYPES: Final = {"glb": "model/gltf-binary", "gltf": "model/gltf+json", "s
                        "obj": "model/obj", "png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg",
                        "json": "application/json", "txt": "text/plain"}  # fmt: skip
 _MODEL_REQUIRED: Final = frozenset({"argv", "vram", "timeout_s", "max_attempts", "outputs"})
-_MODEL_KEYS: Final = _MODEL_REQUIRED | {"description", "bad_input_exit_codes", "params"}
+_MODEL_KEYS: Final = _MODEL_REQUIRED | {
+    "description", "bad_input_exit_codes", "params", "oom_exit_codes", "oom_patterns",
+}  # fmt: skip
+# What CUDA out-of-memory looks like in a log (PyTorch, the CUDA runtime, cuBLAS, cuDNN).
+DEFAULT_OOM_PATTERNS: Final = (
+    r"CUDA out of memory", r"OutOfMemoryError", r"cudaErrorMemoryAllocation", r"CUBLAS_STATUS_ALLOC_FAILED",
+    r"CUDNN_STATUS_ALLOC_FAILED", r"out of memory on device",
+)  # fmt: skip
 _VRAM_KEYS: Final = frozenset({"base_mb", "mb_per_megapixel", "max_mb"})
 _PARAM_KEYS: Final = frozenset({"type", "default", "min", "max", "choices", "description"})
 _OUTPUT_KEYS: Final = frozenset({"name", "media_type", "required", "max_mb"})
@@ -143,6 +150,14 @@ class ModelSpec:
     max_attempts: int
     bad_input_exit_codes: frozenset[int]
     outputs: tuple[OutputSpec, ...]
+    oom_exit_codes: frozenset[int] = frozenset()
+    oom_patterns: tuple[str, ...] = DEFAULT_OOM_PATTERNS
+
+    def out_of_memory(self, exit_code: int | None, log_tail: str) -> bool:
+        """Did a failed run die of GPU out-of-memory (by exit code or a line in its log)?"""
+        if exit_code is not None and exit_code in self.oom_exit_codes:
+            return True
+        return any(re.search(pattern, log_tail) for pattern in self.oom_patterns)
 
     def validate_params(self, raw: Mapping[str, object]) -> dict[str, Value]:
         """Checked, typed parameters with defaults filled in; InvalidParams names the field."""
@@ -289,6 +304,8 @@ class _Loader:
             max_attempts=int(self.number(table["max_attempts"], "max_attempts", integer=True, low=1)),
             bad_input_exit_codes=self.exit_codes(table.get("bad_input_exit_codes", [])),
             outputs=self.outputs(table["outputs"], params),
+            oom_exit_codes=self.exit_codes(table.get("oom_exit_codes", []), "oom_exit_codes"),
+            oom_patterns=self.patterns(table.get("oom_patterns", list(DEFAULT_OOM_PATTERNS))),
         )
 
     def param(self, name: str, value: object) -> ParamSpec:
@@ -370,11 +387,20 @@ class _Loader:
         max_mb = self.number(table.get("max_mb", DEFAULT_OUTPUT_MAX_MB), f"{at}.max_mb", True, 1)
         return OutputSpec(name, media_type, required, int(max_mb))
 
-    def exit_codes(self, value: object) -> frozenset[int]:
+    def exit_codes(self, value: object, field: str = "bad_input_exit_codes") -> frozenset[int]:
         codes = value if isinstance(value, list) else [None]
         if any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255 for c in codes):
-            raise self.error("bad_input_exit_codes", "must be an array of exit codes from 1 to 255")
+            raise self.error(field, "must be an array of exit codes from 1 to 255")
         return frozenset(codes)
+
+    def patterns(self, value: object) -> tuple[str, ...]:
+        items = self.of(value, list, "oom_patterns", "an array of regular expressions")
+        for item in items:
+            try:
+                re.compile(self.of(item, str, "oom_patterns", "an array of regular expressions"))
+            except re.error as exc:
+                raise self.error("oom_patterns", f"{item!r} is not a regular expression ({exc})") from exc
+        return tuple(items)
 
     def keys(self, table: Mapping[str, object], allowed: Set[str], required: Set[str], at: str) -> None:
         listed = ", ".join(sorted(allowed))

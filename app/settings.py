@@ -6,8 +6,10 @@ Only `cli.py` and `api/` call `get_settings()`; everything else takes plain argu
 from __future__ import annotations
 
 import functools
+import re
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -31,13 +33,16 @@ class Settings(BaseSettings):
         64, gt=0, le=1000, description="Largest accepted image, in megapixels (decompression bombs)"
     )
     queue_limit: int = Field(10_000, ge=1, description="Most queued jobs; POST /jobs answers 429 when full")
+    queue_limit_per_key: int = Field(
+        100, ge=0, description="Most queued jobs per principal (its keys share it); 429 beyond; 0 = no limit"
+    )
     priority_min: int = Field(-100, description="Lowest priority a job may ask for")
     priority_max: int = Field(100, description="Highest priority a job may ask for")
     lease_s: float = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")
     heartbeat_interval_s: float = Field(5, gt=0, description="How often a worker renews its leases")
     poll_interval_s: float = Field(2, gt=0, description="Claim poll when no NOTIFY arrives (fallback)")
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
-    worker_name: str = Field("", description="Worker identity on this host (default: the host name)")
+    worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")
     run_worker: bool = Field(True, description="`gpujobs serve` also runs a worker in the same process")
     gpus: str | None = Field(None, description='Virtual GPUs when NVML is absent, e.g. "24GiB,24GiB"')
     virtual_gpu_mb: int = Field(24_576, gt=0, description="Size of the one virtual GPU when gpus is unset")
@@ -48,11 +53,58 @@ class Settings(BaseSettings):
         None, description="HMAC secret for download links; unset = generated once in storage_dir"
     )
     link_ttl_s: int = Field(3600, gt=0, description="How long a download link stays valid")
+    public_metrics: bool = Field(True, description="GET /metrics needs no API key (false: an admin key)")
+    public_docs: bool = Field(True, description="/docs, /redoc and /openapi.json need no API key")
+    cors_origins: str = Field(
+        "", description="Browser origins that may call the API, comma-separated (https://app.example.com)"
+    )
     kill_grace_s: float = Field(5, ge=0, description="Seconds between SIGTERM and SIGKILL of a model")
     shutdown_grace_s: float = Field(30, ge=0, description="On SIGTERM, how long running jobs may finish")
     retry_base_s: float = Field(5, ge=0, description="First retry delay; doubles each attempt (jitter)")
     retry_max_s: float = Field(600, ge=0, description="Longest retry delay")
+    # Scheduling (README "Scheduling"): aging, reservations and backfill, learned VRAM, OOM, quarantine.
+    age_step_s: float = Field(60, gt=0, description="A queued job gains one priority point per this wait")
+    age_max_boost: int = Field(10, ge=0, le=1000, description="Most priority points a job gains by waiting")
+    reserve_after_s: float = Field(
+        120, ge=0, description="The top job that fits no GPU gets a GPU held for it after this wait"
+    )
+    backfill_min_samples: int = Field(
+        5, ge=1, description="Finished runs of a model needed before it may backfill a held GPU"
+    )
+    learned_vram_min_samples: int = Field(
+        20, ge=1, description="Observed peaks of a model needed before its VRAM estimate is learned"
+    )
+    learned_vram_percentile: float = Field(95, gt=0, le=100, description="Percentile of observed peaks used")
+    learned_vram_margin_mb: int = Field(256, ge=0, description="Added to the learned VRAM estimate")
+    learned_vram_above_declared: bool = Field(
+        False, description="Let a learned estimate exceed the model's declared maximum"
+    )
+    oom_max_retries: int = Field(2, ge=0, description="Out-of-memory re-queues with a larger estimate")
+    oom_growth: float = Field(1.5, gt=1, description="Factor the VRAM estimate grows by after an OOM")
+    gpu_settle_timeout_s: float = Field(
+        30, ge=0, description="After a job ends, how long its GPU memory may take to come back"
+    )
+    quarantine_after: int = Field(
+        3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"
+    )
     log_level: str = Field("INFO", description="Log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as readable text, or one JSON object per line"
+    )
+    metrics_cache_s: float = Field(
+        5, ge=0, description="How long /metrics reuses what it read from the database"
+    )
+    ready_min_workers: int = Field(
+        0, ge=0, description="/readyz answers 503 while fewer live workers heartbeat (0 = never)"
+    )
+    stream_keepalive_s: float = Field(15, gt=0, description="Comment line sent on an idle job stream")
+    retention_days: float = Field(
+        30,
+        ge=0,
+        le=36_500,
+        description="Finished jobs older than this lose their files and inputs (0 = keep all)",
+    )
+    retention_interval_s: float = Field(3600, gt=0, description="How often a worker runs retention")
 
     @field_validator("database_url")
     @classmethod
@@ -78,6 +130,15 @@ class Settings(BaseSettings):
                 raise ValueError(exc.message) from exc
         return value or None
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        """Each origin is `*` or scheme://host[:port], without a path."""
+        for origin in (o.strip() for o in value.split(",") if o.strip()):
+            if origin != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?", origin):
+                raise ValueError(f"{origin!r} is not an origin such as https://app.example.com")
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -99,6 +160,11 @@ class Settings(BaseSettings):
     def max_upload_bytes(self) -> int:
         """The upload limit in bytes."""
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        """The allowed CORS origins."""
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def worker_id(self) -> str:
@@ -124,3 +190,21 @@ def load_settings(**overrides: object) -> Settings:
 def get_settings() -> Settings:
     """The process-wide settings (cached; call only from cli.py and api/)."""
     return load_settings()
+
+
+def markdown_table() -> str:
+    """The configuration table of the README, made from the fields above."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        shown = (
+            "unset"
+            if default is None
+            else (str(default) if not isinstance(default, bool) else str(default).lower())
+        )
+        rows.append(f"| `GPUJOBS_{name.upper()}` | `{shown}` | {field.description or ''} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

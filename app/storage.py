@@ -13,8 +13,8 @@ attempt folder behind, which `sweep()` removes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import mimetypes
 import os
 import re
 import shutil
@@ -113,20 +113,33 @@ class ResultStore:
         """Remove an attempt's scratch folder (or all of the job's)."""
         path = self.root / "scratch" / str(job_id)
         shutil.rmtree(path if attempt is None else path / str(attempt), ignore_errors=True)
-        if attempt is not None and path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+        _remove_if_empty(path)
 
-    def sweep(self, keep: Iterable[tuple[uuid.UUID, int]]) -> int:
-        """Remove scratch folders of every attempt not in `keep` (dead attempts); returns how many."""
-        alive = {(str(j), str(a)) for j, a in keep}
+    def scratch_attempts(self) -> list[tuple[uuid.UUID, int]]:
+        """Every (job id, attempt) that has a scratch folder now."""
+        found = []
+        for job_dir in _listing(self.root / "scratch"):
+            for attempt_dir in _listing(job_dir):
+                with contextlib.suppress(ValueError):
+                    found.append((uuid.UUID(job_dir.name), int(attempt_dir.name)))
+        return found
+
+    def sweep(
+        self, candidates: Iterable[tuple[uuid.UUID, int]], alive: Iterable[tuple[uuid.UUID, int]]
+    ) -> int:
+        """Remove the scratch folders of `candidates` that are not `alive`; returns how many.
+
+        Safe while other workers share the folder: list the candidates first, then ask the database
+        which attempts run; a folder is only made after its claim committed, so a running attempt
+        listed before the query is in its answer. Folders vanishing under us are fine.
+        """
+        running = set(alive)
         removed = 0
-        for job_dir in (self.root / "scratch").iterdir():
-            for attempt_dir in list(job_dir.iterdir()) if job_dir.is_dir() else []:
-                if (job_dir.name, attempt_dir.name) not in alive:
-                    shutil.rmtree(attempt_dir, ignore_errors=True)
-                    removed += 1
-            if job_dir.is_dir() and not any(job_dir.iterdir()):
-                job_dir.rmdir()
+        for job_id, attempt in candidates:
+            if (job_id, attempt) not in running:
+                shutil.rmtree(self.root / "scratch" / str(job_id) / str(attempt), ignore_errors=True)
+                _remove_if_empty(self.root / "scratch" / str(job_id))
+                removed += 1
         return removed
 
     def resolve(self, job: Job, name: str) -> tuple[Path, str, str | None]:
@@ -145,7 +158,15 @@ class ResultStore:
         return path, media_type, sha
 
 
-def media_type_for(name: str) -> str:
-    """A media type from a file name, for outputs the registry does not describe."""
-    guessed, _ = mimetypes.guess_type(name)
-    return guessed or "application/octet-stream"
+def _listing(folder: Path) -> list[Path]:
+    """The entries of a folder that another process may be removing (missing = empty)."""
+    try:
+        return list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove a folder if it is empty now; another process may remove it or add to it meanwhile."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()

@@ -73,6 +73,13 @@ class JobRow(Base):
     priority: Mapped[int] = mapped_column(Integer, server_default="0")
     vram_mb: Mapped[int] = mapped_column(Integer)
     vram_class: Mapped[int] = mapped_column(SmallInteger, Computed(VRAM_CLASS_SQL, persisted=True))
+    # The registry's estimate; vram_mb may differ (learned from observed peaks, raised after OOM).
+    declared_vram_mb: Mapped[int] = mapped_column(Integer, server_default="0")
+    vram_peak_mb: Mapped[int | None] = mapped_column(Integer)  # largest GPU memory seen (NVML)
+    # Added to priority as the job waits (bounded), so the claim orders by priority + age_boost.
+    age_boost: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    abnormal_runs: Mapped[int] = mapped_column(Integer, server_default="0")  # signals, lost workers
+    oom_retries: Mapped[int] = mapped_column(Integer, server_default="0")
     state: Mapped[JobState] = mapped_column(job_state, server_default=JobState.queued.value)
     attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     max_attempts: Mapped[int] = mapped_column(Integer)
@@ -103,10 +110,14 @@ class JobRow(Base):
             "ix_jobs_claim",
             "model",
             "vram_class",
-            text("priority DESC"),
+            text("(priority + age_boost) DESC"),
             "created_at",
             postgresql_where=text("state = 'queued'"),
         ),
+        # Retention: is an input still used by another job?
+        Index("ix_jobs_input", "input_id"),
+        # Retries waiting for their time (promoted back to queued when due).
+        Index("ix_jobs_scheduled", "run_after", postgresql_where=text("state = 'scheduled'")),
         # The reaper: running jobs by lease expiry.
         Index("ix_jobs_lease", "lease_expires_at", postgresql_where=text("state = 'running'")),
         # Heartbeats and restart recovery: a worker's running jobs.

@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 from PIL import Image
 
-from app import db, migrate, pgserver, registry, storage
+from app import auth, db, migrate, pgserver, registry, storage
 from app.api.main import create_app
 from app.queue.manager import JobManager
 from app.queue.worker import Worker, WorkerConfig
@@ -117,6 +117,11 @@ default = 0
 type = "str"
 choices = ["none", "SIGKILL", "SIGSEGV"]
 default = "none"
+[models.{name}.params.oom_attempts]
+type = "int"
+min = 0
+max = 10
+default = 0
 [models.{name}.params.output]
 type = "bool"
 default = true
@@ -152,6 +157,8 @@ def toy_model(name: str, *, timeout_s: float = 30, max_attempts: int = 3) -> str
         "{output}",
         "--trace",
         "{trace}",
+        "--oom-attempts",
+        "{oom_attempts}",
     ]
     head = f"""
 [models.{name}]
@@ -220,7 +227,13 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
     """Build a worker on fake GPUs (default: one 24 GB GPU), burst mode unless told otherwise."""
 
     def build(
-        gpus_mb: list[int] | None = None, *, burst: bool = True, name: str = "w1", **config: Any
+        gpus_mb: list[int] | None = None,
+        *,
+        burst: bool = True,
+        name: str = "w1",
+        inventory: FakeInventory | None = None,
+        manager_: JobManager | None = None,
+        **config: Any,
     ) -> Worker:
         values: dict[str, Any] = {
             "worker_id": f"test:{name}",
@@ -239,10 +252,10 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         }
         assert settings.database_url
         return Worker(
-            manager=manager,
+            manager=manager_ or manager,
             store=store,
             models=registry.load_registry(settings.models_file),
-            inventory=FakeInventory(gpus_mb or [24_576]),
+            inventory=inventory or FakeInventory(gpus_mb or [24_576]),
             config=WorkerConfig(**values),
             listen_dsn=None if burst else db.asyncpg_dsn(settings.database_url),
         )
@@ -268,17 +281,64 @@ async def serving(app: Any) -> AsyncIterator[str]:
         await task
 
 
+async def create_key(database_url: str, principal: str = "admin", *, admin: bool = False) -> str:
+    """A new API key for `principal`, stored straight through app.auth; returns its secret."""
+    engine = db.create_engine(database_url, pool_size=1)
+    try:
+        role = auth.Role.admin if admin else auth.Role.user
+        return (await auth.KeyStore(engine).create(principal, role=role)).secret
+    finally:
+        await engine.dispose()
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header for `key` (none for None)."""
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+_ADMIN: Any = object()
+
+
 @contextlib.asynccontextmanager
-async def api_client(settings: Settings, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def api_client(
+    settings: Settings, *, key: str | None = _ADMIN, **overrides: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     """Serve the API for `settings` (with `overrides`) and yield a client for it, over real HTTP.
 
     Every test that talks HTTP goes through here, so how a test client authenticates is decided
-    in one place. `client.app` is the served FastAPI application.
+    in one place: by default with a new admin key of principal "admin"; `key=` another key, or
+    None for no key at all. `client.app` is the served FastAPI application; `client_for(client,
+    key)` gives a second client of the same server for another key.
     """
+    if key is _ADMIN:
+        assert settings.database_url
+        key = await create_key(settings.database_url, "admin", admin=True)
     app = create_app(settings.model_copy(update=overrides))
-    async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with (
+        serving(app) as base,
+        httpx.AsyncClient(base_url=base, timeout=30, headers=bearer(key)) as http,
+    ):
         http.app = app  # type: ignore[attr-defined]
         yield http
+
+
+@contextlib.asynccontextmanager
+async def client_for(http: httpx.AsyncClient, key: str | None) -> AsyncIterator[httpx.AsyncClient]:
+    """Another client of the server behind `http`, with `key` (None: no key)."""
+    async with httpx.AsyncClient(base_url=http.base_url, timeout=30, headers=bearer(key)) as other:
+        other.app = http.app  # type: ignore[attr-defined]
+        yield other
+
+
+@pytest.fixture
+def make_key(settings: Settings) -> Callable[..., Any]:
+    """`await make_key(principal, admin=False)`: a new API key in the test database."""
+
+    async def make(principal: str, *, admin: bool = False) -> str:
+        assert settings.database_url
+        return await create_key(settings.database_url, principal, admin=admin)
+
+    return make
 
 
 @pytest.fixture

@@ -1,15 +1,41 @@
-"""Admin routes: retry failed or canceled jobs."""
+"""Admin routes: retry failed or canceled jobs; workers, stats and retention on demand."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 
-from app.api.deps import CallerDep, ServicesDep
-from app.api.schemas import ErrorPublic, JobPublic, RetryCount, RetryFilter
+from app import errors, retention
+from app.api.deps import CallerDep, InvalidPublic, ServicesDep, require_admin
+from app.api.schemas import (
+    ErrorPublic,
+    JobPublic,
+    PercentilesPublic,
+    PrunePublic,
+    PruneRequest,
+    QueueDepthPublic,
+    RetryCount,
+    RetryFilter,
+    StatsPublic,
+    WorkerGpuPublic,
+    WorkerPublic,
+)
+from app.queue import records
+from app.settings import Settings
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+# Admin keys only: 401 without a key, 403 with a user's (also enforced by `security.Authenticate`).
+router = APIRouter(
+    prefix="/admin",
+    tags=["admin"],
+    dependencies=[Depends(require_admin)],
+    responses={
+        401: {"model": ErrorPublic, "description": "Missing, invalid or revoked API key"},
+        403: {"model": ErrorPublic, "description": "Not an admin key"},
+        422: {"model": InvalidPublic, "description": "A parameter is not valid (the message names it)"},
+    },
+)
 
 
 @router.post(
@@ -20,6 +46,8 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> JobPublic:
     """Queue a failed or canceled job again with a fresh budget of attempts."""
     job = await services.manager.get(job_id)
+    if job.expired_at is not None:
+        raise errors.Gone(f"job {job_id} expired: retention deleted its input and files")
     attempts = services.models.get(job.model).max_attempts
     await services.manager.retry(job_id, by=caller.principal, attempts=attempts)
     return JobPublic.of(await services.manager.get(job_id), services.signer)
@@ -41,3 +69,76 @@ async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep
             until=body.until,
         )
     return RetryCount(retried=total)
+
+
+# -- observability ------------------------------------------------------------------------------
+
+STATS_WINDOW_S = 3600.0
+THROUGHPUT_WINDOW_S = 300.0
+
+
+def dead_after_s(settings: Settings) -> float:
+    """How long a worker may go without a heartbeat before it counts as dead (as the reaper judges)."""
+    return max(settings.lease_s, 3 * settings.heartbeat_interval_s)
+
+
+def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
+    return WorkerPublic(
+        id=w.id,
+        host=w.host,
+        pid=w.pid,
+        state=w.state,
+        live=w.state == "running" and w.heartbeat_age_s < dead_after,
+        started_at=w.started_at,
+        heartbeat_at=w.heartbeat_at,
+        heartbeat_age_s=round(w.heartbeat_age_s, 3),
+        models=list(w.models),
+        gpus=[WorkerGpuPublic.of(g) for g in w.gpus],
+        running_jobs=w.running_jobs,
+    )
+
+
+@router.get("/workers", response_model=list[WorkerPublic])
+async def list_workers(request: Request, services: ServicesDep) -> list[WorkerPublic]:
+    """Workers seen in the last day: host, state, heartbeat age, GPUs with their VRAM, running jobs."""
+    dead_after = dead_after_s(request.app.state.settings)
+    return [_worker_public(w, dead_after) for w in await services.manager.workers()]
+
+
+@router.get("/stats", response_model=StatsPublic)
+async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
+    """Queue depth by model and priority, wait and run p50/p95, throughput, failure rate, storage."""
+    manager = services.manager
+    dead_after = dead_after_s(request.app.state.settings)
+    depth = await manager.queue_depth()
+    workers = [_worker_public(w, dead_after) for w in await manager.workers(recent_s=0)]
+    done = await manager.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
+    judged = done.succeeded + done.failed
+    return StatsPublic(
+        queue=[QueueDepthPublic(state=s, model=m, priority=p, jobs=n) for s, m, p, n in depth],
+        live_workers=sum(w.live for w in workers),
+        window_s=STATS_WINDOW_S,
+        finished=done.finished,
+        succeeded=done.succeeded,
+        failed=done.failed,
+        failure_rate=round(done.failed / judged, 4) if judged else None,
+        wait_s=None if done.wait_s is None else PercentilesPublic(p50=done.wait_s[0], p95=done.wait_s[1]),
+        run_s=None if done.run_s is None else PercentilesPublic(p50=done.run_s[0], p95=done.run_s[1]),
+        throughput_window_s=THROUGHPUT_WINDOW_S,
+        throughput_per_min=round(done.recent / (THROUGHPUT_WINDOW_S / 60), 3),
+        storage_bytes=await request.app.state.disk_usage.read(),
+    )
+
+
+@router.post("/prune", response_model=PrunePublic, responses={409: {"model": ErrorPublic}})
+async def prune(body: PruneRequest, request: Request) -> PrunePublic:
+    """Delete the files, logs and unused inputs of finished jobs older than the retention age, now."""
+    settings: Settings = request.app.state.settings
+    older_than_s = body.older_than_s
+    if older_than_s is None:
+        if settings.retention_days <= 0:
+            raise errors.InvalidRequest("retention is off (retention_days = 0): give older_than_s")
+        older_than_s = settings.retention_days * 86_400
+    pruner: retention.Pruner = request.app.state.pruner
+    report = await pruner.prune(older_than_s=older_than_s, dry_run=body.dry_run)
+    return PrunePublic(**dataclasses.asdict(report))

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
-from app.api.deps import ServicesDep
+from app.api.deps import ServicesDep, get_caller
 
-router = APIRouter(tags=["models"])
+router = APIRouter(
+    tags=["models"],
+    dependencies=[Depends(get_caller)],
+    responses={401: {"description": "Missing, invalid or revoked API key"}},
+)
 
 
 @router.get("/models")
 async def list_models(services: ServicesDep) -> dict[str, Any]:
-    """Every registered model with its parameters, VRAM estimate, timeout and outputs."""
-    return {"models": [spec.public() for spec in services.models.models.values()]}
+    """Every registered model: parameters, VRAM declared and observed, timeout, outputs."""
+    models = []
+    for spec in services.models.models.values():
+        entry = spec.public()
+        if services.learner is not None:
+            entry["vram_learning"] = await services.learner.report(spec)
+        models.append(entry)
+    return {"models": models}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 
-from app import links, registry, storage
+from app import auth, errors, learning, links, registry, storage
 from app.intake import Limits
 from app.queue import manager as manager_
 
@@ -21,11 +23,13 @@ class Services:
     signer: links.LinkSigner
     models: registry.Registry
     limits: Limits
+    keys: auth.KeyStore
+    learner: learning.VramLearner | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is asking. Until API keys exist every caller is the one local principal."""
+    """Who is asking: the principal of the request's API key, and whether that key is an admin's."""
 
     principal: str
     admin: bool
@@ -42,10 +46,38 @@ def get_services(request: Request) -> Services:
     return services
 
 
-def get_caller() -> Caller:
-    """The caller of this request."""
-    return Caller(principal="anonymous", admin=True)
+# Parses nothing we rely on: the key is verified by `security.Authenticate` before the route runs
+# (and before the body is read). Declaring it puts the bearer scheme in the OpenAPI document.
+bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="apiKey",
+    description="An API key from `gpujobs keys create`, sent as `Authorization: Bearer <key>`",
+)
+
+
+def get_caller(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Caller:
+    """The caller, as authenticated by the security middleware; 401 if it was not."""
+    identity = getattr(request.state, "identity", None)
+    if not isinstance(identity, auth.Identity):
+        raise auth.Unauthorized()
+    return Caller(principal=identity.principal, admin=identity.admin)
+
+
+def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+    """The caller, if it holds an admin key; 403 otherwise."""
+    if not caller.admin:
+        raise errors.Forbidden("this needs an admin key")
+    return caller
+
+
+class InvalidPublic(BaseModel):
+    """A 422: our message naming the field, or FastAPI's list of field errors (each with its `loc`)."""
+
+    detail: str | list[dict[str, Any]]
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
+AdminDep = Annotated[Caller, Depends(require_admin)]

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
+from app import errors
 from app.api.deps import ServicesDep
 from app.api.schemas import ErrorPublic
 
@@ -17,7 +18,7 @@ router = APIRouter(tags=["files"])
 @router.get(
     "/files/{job_id}/{name}",
     response_class=FileResponse,
-    responses={403: {"model": ErrorPublic}, 404: {"model": ErrorPublic}},
+    responses={403: {"model": ErrorPublic}, 404: {"model": ErrorPublic}, 410: {"model": ErrorPublic}},
 )
 async def download(
     request: Request,
@@ -30,6 +31,8 @@ async def download(
     """A result file or log, by signed link (no key needed); supports Range and ETag."""
     services.signer.verify(job_id, name, exp, sig)
     job = await services.manager.get(job_id)
+    if job.expired_at is not None:
+        raise errors.Gone(f"the files of job {job_id} were deleted by retention on {job.expired_at:%Y-%m-%d}")
     path, media_type, sha256 = services.store.resolve(job, name)
     headers = {"Cache-Control": "private, max-age=3600"}
     if sha256 is not None:

@@ -5,29 +5,46 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, Header, Query, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Header, Query, Response, UploadFile
 
 from app import intake
-from app.api.deps import CallerDep, ServicesDep
+from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic
 from app.queue.jobs import JobState
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+# Every route needs a key (`security.Authenticate` checks it before the body is read).
+router = APIRouter(
+    prefix="/jobs",
+    tags=["jobs"],
+    dependencies=[Depends(get_caller)],
+    responses={
+        401: {"model": ErrorPublic, "description": "Missing, invalid or revoked API key"},
+        422: {"model": InvalidPublic, "description": "A parameter is not valid (the message names it)"},
+    },
+)
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorPublic, "description": "No such job"},
 }
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     200: {"model": JobPublic, "description": "Same Idempotency-Key as an earlier request: that job"},
+    400: {"model": ErrorPublic, "description": "Not a well-formed form, or too many or too large fields"},
     413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
     415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},
-    422: {"model": ErrorPublic, "description": "Unknown model, bad params or priority, broken image"},
-    429: {"model": ErrorPublic, "description": "The queue is full (see Retry-After)"},
+    422: {"model": InvalidPublic, "description": "Unknown model, bad params or priority, broken image"},
+    429: {"model": ErrorPublic, "description": "The queue, or this key's share of it, is full (Retry-After)"},
     503: {"model": ErrorPublic, "description": "The database is unavailable (see Retry-After)"},
 }
 
 
-@router.post("", status_code=201, response_model=JobPublic, responses=SUBMIT_ERRORS)
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobPublic,
+    responses=SUBMIT_ERRORS,
+    # One file and three fields: more parts, or a text field over 64 KiB, is refused (400) at once.
+    form_limits={"max_files": 1, "max_fields": 8, "max_part_size": 64 * 1024},
+)
 async def submit_job(
     services: ServicesDep,
     caller: CallerDep,
@@ -51,6 +68,7 @@ async def submit_job(
         image=image.file,
         idempotency_key=idempotency_key,
         limits=services.limits,
+        learner=services.learner,
     )
     response.headers["Location"] = f"/jobs/{job.id}"
     if not created:

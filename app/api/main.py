@@ -6,15 +6,16 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import asyncpg
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app import db, errors, gpu, intake, links, registry, storage
-from app.api import admin, catalog, files, health, jobs
+from app import auth, db, errors, gpu, intake, learning, links, registry, retention, storage
+from app.api import admin, catalog, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import manager as manager_
@@ -46,16 +47,44 @@ def build_worker(
         shutdown_grace_s=settings.shutdown_grace_s,
         retry_base_s=settings.retry_base_s,
         retry_max_s=settings.retry_max_s,
+        age_step_s=settings.age_step_s,
+        age_max_boost=settings.age_max_boost,
+        reserve_after_s=settings.reserve_after_s,
+        backfill_min_samples=settings.backfill_min_samples,
+        gpu_settle_timeout_s=settings.gpu_settle_timeout_s,
+        oom_max_retries=settings.oom_max_retries,
+        oom_growth=settings.oom_growth,
         python=sys.executable,
         burst=burst,
     )
     inventory = gpu.detect_inventory(settings.gpus, settings.virtual_gpu_mb)
     return worker_.Worker(
-        manager=manager, store=store, models=models, inventory=inventory, config=config, listen_dsn=listen_dsn
+        manager=manager,
+        store=store,
+        models=models,
+        inventory=inventory,
+        config=config,
+        listen_dsn=listen_dsn,
+        side_tasks=retention_task(settings, manager),
     )
 
 
-def build_services(settings: Settings, manager: manager_.JobManager) -> Services:
+def retention_task(
+    settings: Settings, manager: manager_.JobManager
+) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
+    """The worker's periodic retention run (none when retention_days is 0); one worker at a time prunes."""
+    if settings.retention_days <= 0:
+        return {}
+    pruner = retention.Pruner(manager, settings.storage_dir)
+    older_than_s = settings.retention_days * 86_400
+    return {
+        "retention": lambda: pruner.run_forever(
+            older_than_s=older_than_s, interval_s=settings.retention_interval_s
+        )
+    }
+
+
+def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.KeyStore) -> Services:
     """Everything the routes need, from settings."""
     secret = (
         settings.link_secret.encode()
@@ -68,6 +97,7 @@ def build_services(settings: Settings, manager: manager_.JobManager) -> Services
         queue_limit=settings.queue_limit,
         priority_min=settings.priority_min,
         priority_max=settings.priority_max,
+        queue_limit_per_key=settings.queue_limit_per_key,
     )
     return Services(
         manager=manager,
@@ -75,6 +105,16 @@ def build_services(settings: Settings, manager: manager_.JobManager) -> Services
         signer=links.LinkSigner(secret, ttl_s=settings.link_ttl_s),
         models=registry.load_registry(settings.models_file),
         limits=limits,
+        keys=keys,
+        learner=learning.VramLearner(
+            manager,
+            learning.LearningConfig(
+                min_samples=settings.learned_vram_min_samples,
+                percentile=settings.learned_vram_percentile,
+                margin_mb=settings.learned_vram_margin_mb,
+                above_declared=settings.learned_vram_above_declared,
+            ),
+        ),
     )
 
 
@@ -85,8 +125,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     assert settings.database_url, "create_app needs a database URL (the CLI starts the embedded one)"
     engine = db.create_engine(settings.database_url)
     app.state.engine = engine
-    services = build_services(settings, manager_.JobManager(engine))
+    manager = manager_.JobManager(engine, quarantine_after=settings.quarantine_after)
+    services = build_services(settings, manager, auth.KeyStore(engine))
     app.state.services = services
+    observers = ops.Observability(app).start()  # job feed for streams, metrics, retention on demand
+    await security.announce_missing_admin(services.keys)
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
     if settings.run_worker:
@@ -106,6 +149,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             worker.stop()
             with contextlib.suppress(Exception):
                 await task
+        await observers.stop()
         await engine.dispose()
 
 
@@ -134,10 +178,13 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    for router in (jobs.router, files.router, catalog.router, admin.router, health.router):
+    for router in (jobs.router, stream.router, files.router, catalog.router, admin.router, health.router):
         app.include_router(router)
+    app.include_router(ops.router)
     app.add_exception_handler(errors.AppError, _app_error)
     for kind in (sqlalchemy.exc.DBAPIError, OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
         app.add_exception_handler(kind, _database_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)
+    security.install(app, settings)
+    app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line
     return app

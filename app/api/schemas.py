@@ -152,3 +152,102 @@ class CancelPublic(BaseModel):
 
     id: uuid.UUID
     state: JobState
+
+
+class WorkerGpuPublic(BaseModel):
+    """One GPU of a worker, as its last heartbeat saw it (MB = MiB)."""
+
+    index: int
+    name: str
+    virtual: bool
+    total_mb: int
+    free_mb: int = Field(description="Free memory reported by NVML (virtual GPUs: total)")
+    reserved_mb: int = Field(description="VRAM promised to the jobs running on it")
+    running_jobs: int
+
+    @classmethod
+    def of(cls, gpu: dict[str, Any]) -> WorkerGpuPublic:
+        """From a heartbeat snapshot entry."""
+        return cls(
+            index=int(gpu.get("index", 0)),
+            name=str(gpu.get("name", "")),
+            virtual=bool(gpu.get("virtual", False)),
+            total_mb=int(gpu.get("total_mb", 0)),
+            free_mb=int(gpu.get("free_mb", 0)),
+            reserved_mb=int(gpu.get("reserved_mb", 0)),
+            running_jobs=int(gpu.get("running_jobs", 0)),
+        )
+
+
+class WorkerPublic(BaseModel):
+    """A worker: where it runs, whether it is alive, its GPUs and its jobs."""
+
+    id: str
+    host: str
+    pid: int
+    state: str = Field(description="running, stopping, stopped or dead")
+    live: bool = Field(description="Running and heartbeating within the dead-worker limit")
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_s: float
+    models: list[str]
+    gpus: list[WorkerGpuPublic]
+    running_jobs: list[uuid.UUID]
+
+
+class QueueDepthPublic(BaseModel):
+    """How many unfinished jobs of one model and priority are in one state."""
+
+    state: str
+    model: str
+    priority: int
+    jobs: int
+
+
+class PercentilesPublic(BaseModel):
+    """Median and 95th percentile, in seconds."""
+
+    p50: float
+    p95: float
+
+
+class StatsPublic(BaseModel):
+    """The service at a glance."""
+
+    queue: list[QueueDepthPublic]
+    live_workers: int
+    window_s: float = Field(description="Finished counts, failure rate and percentiles cover this window")
+    finished: int
+    succeeded: int
+    failed: int = Field(description="Failed or quarantined")
+    failure_rate: float | None = Field(description="failed / (succeeded + failed); null without either")
+    wait_s: PercentilesPublic | None = Field(description="Submission to the start of the last attempt")
+    run_s: PercentilesPublic | None = Field(description="Start to end of the last attempt")
+    throughput_window_s: float
+    throughput_per_min: float = Field(description="Jobs finished per minute over throughput_window_s")
+    storage_bytes: dict[str, int] = Field(description="Bytes below storage/: results, logs, scratch, ...")
+
+
+class PruneRequest(BaseModel):
+    """What to prune."""
+
+    older_than_s: float | None = Field(
+        None,
+        ge=0,
+        le=100 * 365 * 86_400,
+        description="Finished longer ago than this; default: the retention_days setting",
+    )
+    dry_run: bool = Field(False, description="Only report what would be deleted")
+
+
+class PrunePublic(BaseModel):
+    """What a prune deleted (or would delete)."""
+
+    cutoff: datetime
+    dry_run: bool
+    jobs: int
+    files_bytes: int
+    inputs_deleted: int | None = Field(description="Null in a dry run (not estimated)")
+    inputs_bytes: int
+    leftovers_removed: int = Field(description="Folders of already expired jobs found and removed")
+    job_ids: list[uuid.UUID] = Field(description="The first 1000 jobs expired")

@@ -8,6 +8,7 @@ or a newer attempt), the attempt kills its process and discards what it made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import db, errors, registry, runner, storage
+from app import db, errors, gpu, logs, registry, runner, scheduler, storage
 from app.queue import manager as manager_
 from app.queue.jobs import Job
 
@@ -40,6 +41,9 @@ class AttemptConfig:
     retry_base_s: float
     retry_max_s: float
     python: str
+    oom_max_retries: int = 2
+    oom_growth: float = 1.5
+    sample_interval_s: float = 0.5  # how often the model's GPU memory is read (NVML)
 
 
 def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
@@ -71,12 +75,19 @@ class Attempt:
         manager: manager_.JobManager,
         store: storage.ResultStore,
         config: AttemptConfig,
+        inventory: gpu.GpuInventory | None = None,
+        capacity_mb: int = 0,
     ) -> None:
         self.job = job
         self.spec = spec
         self._manager = manager
         self._store = store
         self._config = config
+        self._inventory = inventory
+        self._capacity_mb = capacity_mb  # the GPU's size less the buffer: the most an estimate may grow to
+        self.started_s = time.monotonic()
+        self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
+        self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory
         self._process: runner.ModelProcess | None = None
         self._stop_reason: str | None = None
         self._last_progress = 0.0
@@ -98,6 +109,7 @@ class Attempt:
     async def run(self) -> None:
         """Prepare, run the model, and write the outcome (the final write survives cancellation)."""
         job = self.job
+        logs.bind(job_id=str(job.id), attempt=job.attempt)  # this task's log context
         extra = {"job_id": str(job.id), "attempt": job.attempt, "gpu": job.gpu}
         log.info("job started", extra={"action": "job_started", **extra})
         try:
@@ -149,13 +161,21 @@ class Attempt:
         try:
             pid = await process.start()
         except OSError as exc:
-            return self._failure(f"the model could not be started: {exc}", retryable=False)
+            # A missing scratch folder is this host's trouble (retry); a missing program is not.
+            return self._failure(f"the model could not be started: {exc}", retryable=not scratch.is_dir())
         self._process = process
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
         else:
             await self._record_pid(pid)
-        result = await process.wait()
+        sampler = asyncio.create_task(self._sample_memory(pid), name=f"vram:{job.id}")
+        try:
+            result = await process.wait()
+        finally:
+            sampler.cancel()
+        if self.peak_mb:
+            with contextlib.suppress(errors.LeaseLost):
+                await self._manager.record_peak(job, self.peak_mb)
         return self._outcome(result, scratch / "out")
 
     async def _record_pid(self, pid: int) -> None:
@@ -183,6 +203,8 @@ class Attempt:
             return self._failure("canceled while running", retryable=False)
         if result.ok:
             return self._success(out_dir, result)
+        if not result.timed_out and self.spec.out_of_memory(result.exit_code, result.log_tail):
+            return self._out_of_memory(result)
         bad_input = result.exit_code in self.spec.bad_input_exit_codes
         error = describe(result, self.spec.timeout_s)
         return self._failure(
@@ -191,15 +213,43 @@ class Attempt:
             exit_code=result.exit_code,
             signal=result.signal,
             timed_out=result.timed_out,
+            abnormal=result.signal is not None and not result.timed_out,  # a signal we did not send
         )
+
+    def _out_of_memory(self, result: runner.RunResult) -> Callable[[], Awaitable[Any]]:
+        """Queue again with a larger estimate (no attempt spent), or fail once that cannot help."""
+        job = self.job
+        grown = scheduler.after_oom_mb(
+            job.vram_mb, self.peak_mb, growth=self._config.oom_growth, capacity_mb=self._capacity_mb
+        )
+        error = "out of GPU memory: " + describe(result, self.spec.timeout_s)
+        if job.oom_retries >= self._config.oom_max_retries or grown <= job.vram_mb:
+            why = f"{job.oom_retries} larger retries" if grown > job.vram_mb else "the whole GPU"
+            return self._failure(f"{error}\n(still out of memory with {why})", retryable=False)
+        detail = {"vram_mb": job.vram_mb, "new_vram_mb": grown, "peak_mb": self.peak_mb,
+                  "oom_retry": job.oom_retries + 1}
+        return lambda: self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
+
+    async def _sample_memory(self, pgid: int) -> None:
+        """Track the peak GPU memory of the model's process group while it runs (NVML)."""
+        if self._inventory is None:
+            return
+        while True:
+            usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
+            self.gpu_pids.update(usage)
+            total = sum(usage.values())
+            if total and total > (self.peak_mb or 0):
+                self.peak_mb = total
+            await asyncio.sleep(self._config.sample_interval_s)
 
     def _failure(self, error: str, *, retryable: bool, **detail: Any) -> Callable[[], Awaitable[Any]]:
         delay = retry_delay_s(self.job.attempt, self._config.retry_base_s, self._config.retry_max_s)
+        abnormal = bool(detail.pop("abnormal", False))
         detail = {"error": error.splitlines()[0], "retryable": retryable, **detail}
 
         async def write() -> None:
             state = await self._manager.fail(
-                self.job, error=error, retryable=retryable, delay_s=delay, detail=detail
+                self.job, error=error, retryable=retryable, delay_s=delay, detail=detail, abnormal=abnormal
             )
             log.info("job %s", state, extra={"action": f"job_{state}", "job_id": str(self.job.id)})
 

@@ -14,10 +14,12 @@ class JobState(enum.StrEnum):
     """Where a job is in its life (DESIGN.md "Job lifecycle")."""
 
     queued = "queued"
+    scheduled = "scheduled"  # waiting for its retry time (backoff); queued again when it comes
     running = "running"
     succeeded = "succeeded"
     failed = "failed"
     canceled = "canceled"
+    quarantined = "quarantined"  # its runs kept dying abnormally: parked for an admin
 
     @property
     def final(self) -> bool:
@@ -25,13 +27,13 @@ class JobState(enum.StrEnum):
         return self in FINAL_STATES
 
 
-FINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.canceled})
+FINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.canceled, JobState.quarantined})
 
-# Jobs are grouped into size classes of a quarter octave (256 MB and below is class 0) so the
+# Jobs are grouped into size classes of an eighth of an octave (256 MB and below is class 0) so the
 # claim can probe "the best job of each class that fits" through an index instead of walking
 # past every queued job that fits nowhere (DESIGN.md: the fit-filter trap).
 VRAM_CLASS_BASE_MB = 256
-VRAM_CLASSES_PER_OCTAVE = 4
+VRAM_CLASSES_PER_OCTAVE = 8
 VRAM_CLASS_SQL = (
     f"GREATEST(0, floor({VRAM_CLASSES_PER_OCTAVE} * log(2.0, "
     f"GREATEST(vram_mb, 1)::numeric / {VRAM_CLASS_BASE_MB})))::smallint"
@@ -44,8 +46,8 @@ def vram_class(vram_mb: int) -> int:
 
 
 def classes_up_to(budget_mb: int) -> list[int]:
-    """Every class that may hold a job fitting `budget_mb` (one extra against rounding)."""
-    return list(range(vram_class(max(budget_mb, 1)) + 2))
+    """Every class that may hold a job fitting `budget_mb` (the formulas agree with SQL's exactly)."""
+    return list(range(vram_class(max(budget_mb, 1)) + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,11 @@ class Job:
     host: str | None
     gpu: int | None
     pid: int | None
+    age_boost: int
+    declared_vram_mb: int
+    vram_peak_mb: int | None
+    abnormal_runs: int
+    oom_retries: int
     progress: float
     progress_message: str | None
     error: str | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import errors, tables
-from app.queue import sql
-from app.queue.jobs import Job, JobState, ResultFile, classes_up_to
+from app.queue import records, sql
+from app.queue.jobs import Job, JobState, ResultFile, classes_up_to, vram_class
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class NewJob:
     vram_mb: int
     max_attempts: int
     idempotency_key: str | None = None
+    declared_vram_mb: int | None = None  # the registry's estimate, when vram_mb was learned
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +98,9 @@ def _parse_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, quarantine_after: int = 3) -> None:
         self._engine = engine
+        self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class JobManager:
             "megapixels": image.megapixels,
             "priority": job.priority,
             "vram_mb": job.vram_mb,
+            "declared_vram_mb": job.vram_mb if job.declared_vram_mb is None else job.declared_vram_mb,
             "max_attempts": job.max_attempts,
             "idempotency_key": job.idempotency_key,
         }
@@ -200,8 +204,10 @@ class JobManager:
         job = await self.get(job_id, owner=owner)
         return await self.input_by_id(job.input_id)
 
-    async def input_by_id(self, input_id: int) -> tuple[str, bytes]:
+    async def input_by_id(self, input_id: int | None) -> tuple[str, bytes]:
         """An uploaded image by its id: (media type, bytes)."""
+        if input_id is None:
+            raise errors.Gone("the job's input image was deleted by retention")
         t = tables.Input
         async with self._engine.connect() as conn:
             row = (await conn.execute(select(t.media_type, t.data).where(t.id == input_id))).one()
@@ -218,14 +224,28 @@ class JobManager:
     # -- the worker's side ----------------------------------------------------------------
 
     async def claim(
-        self, *, worker_id: str, host: str, models: Sequence[str], budgets: Mapping[int, int], lease_s: float
+        self,
+        *,
+        worker_id: str,
+        host: str,
+        models: Sequence[str] | Mapping[str, float],
+        budgets: Mapping[int, int],
+        lease_s: float,
+        min_priority: int = -(2**31),
     ) -> Job | None:
-        """Lease the best queued job that fits one of `budgets` (GPU index -> free MB)."""
+        """Lease the best queued job that fits one of `budgets` (GPU index -> free MB).
+
+        `models` may map each model to the largest input (megapixels) to take (backfill), and
+        `min_priority` keeps out jobs whose effective priority is lower (reservations).
+        """
         if not budgets or not models:
             return None
         budget = max(budgets.values())
+        limits = dict(models) if isinstance(models, Mapping) else dict.fromkeys(models, math.inf)
         values = {
-            "models": list(models),
+            "models": list(limits),
+            "max_megapixels": list(limits.values()),
+            "min_priority": min_priority,
             "classes": classes_up_to(budget),
             "budget": budget,
             "gpu_ids": list(budgets),
@@ -267,20 +287,44 @@ class JobManager:
         await self._fenced(sql.SUCCEED, job, values)
 
     async def fail(
-        self, job: Job, *, error: str, retryable: bool, delay_s: float, detail: Mapping[str, Any]
+        self,
+        job: Job,
+        *,
+        error: str,
+        retryable: bool,
+        delay_s: float,
+        detail: Mapping[str, Any],
+        abnormal: bool = False,
     ) -> JobState:
-        """End this attempt unsuccessfully; returns the job's new state (fenced)."""
+        """End this attempt unsuccessfully; returns the job's new state (fenced).
+
+        `abnormal`: the process died by a signal nobody sent it (segfault, host OOM killer);
+        enough of those park the job in `quarantined`.
+        """
         values = {
             "error": error,
             "retryable": retryable,
             "delay_s": delay_s,
             "detail": json.dumps(dict(detail)),
+            "abnormal": abnormal,
+            "quarantine_after": self.quarantine_after,
         }
         return JobState((await self._fenced(sql.FAIL, job, values)).state)
 
     async def release(self, job: Job, *, reason: str) -> None:
         """Hand a running job back to the queue without spending an attempt (fenced)."""
         await self._fenced(sql.RELEASE, job, {"reason": reason})
+
+    async def promote_due(self) -> int:
+        """Queue the scheduled retries whose time has come; returns how many."""
+        async with self._engine.begin() as conn:
+            return int((await conn.execute(sql.PROMOTE_DUE)).one().promoted)
+
+    async def age_queued(self, *, step_s: float, max_boost: int) -> int:
+        """Raise the effective priority of jobs that have waited; returns how many changed."""
+        async with self._engine.begin() as conn:
+            result = await conn.execute(sql.AGE_QUEUED, {"step_s": step_s, "max_boost": max_boost})
+        return int(result.rowcount)
 
     async def running_attempts(self) -> list[tuple[uuid.UUID, int]]:
         """Every (job id, attempt) that is running anywhere."""
@@ -310,7 +354,8 @@ class JobManager:
 
     async def _take_back(self, statement: Any, values: Mapping[str, Any]) -> list[TakenBack]:
         async with self._engine.begin() as conn:
-            rows = (await conn.execute(statement, {"limit": 1000, **values})).all()
+            values = {"limit": 1000, "quarantine_after": self.quarantine_after, **values}
+            rows = (await conn.execute(statement, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
     async def leftovers_on_host(self, *, host: str, worker_id: str | None = None) -> list[TakenBack]:
@@ -395,3 +440,106 @@ class JobManager:
         async with self._engine.begin() as conn:
             rows = (await conn.execute(sql.RETRY_MATCHING, values)).all()
         return len(rows)
+
+    # -- security -------------------------------------------------------------------------
+
+    async def check_owner_queue(self, owner: str, *, limit: int, idempotency_key: str | None) -> None:
+        """QueueFull if `owner` already has `limit` queued jobs (0: no limit; repeats always pass)."""
+        if limit <= 0:
+            return
+        values = {"owner": owner, "limit": limit, "key": idempotency_key}
+        async with self._engine.connect() as conn:
+            full = await conn.scalar(sql.OWNER_QUEUE_FULL, values)
+        if full:
+            raise errors.QueueFull(
+                f"you have {limit} jobs waiting, the most one key may queue; "
+                "try again once some have started",
+                retry_after_s=30,
+            )
+
+    # -- observability --------------------------------------------------------------------
+
+    async def events_for_metrics(self, *, after: int, limit: int) -> list[Any]:
+        """Events after id `after`, oldest first, with what the metrics need (sql.EVENTS_FOR_METRICS)."""
+        values = {"after": after, "limit": limit, "kinds": list(sql.LIFECYCLE_KINDS)}
+        async with self._engine.connect() as conn:
+            return list((await conn.execute(sql.EVENTS_FOR_METRICS, values)).all())
+
+    async def queue_depth(self) -> list[tuple[str, str, int, int]]:
+        """Unfinished jobs counted by (state, model, priority)."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.QUEUE_DEPTH)).all()
+        return [(r.state, r.model, r.priority, r.jobs) for r in rows]
+
+    async def workers(self, *, recent_s: float = 86_400) -> list[records.WorkerInfo]:
+        """Workers alive or seen within `recent_s`, with their last GPU snapshot and running jobs."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.WORKERS, {"recent_s": recent_s})).all()
+        return [records.WorkerInfo.from_row(r) for r in rows]
+
+    async def finished_stats(self, *, window_s: float, recent_s: float) -> records.FinishedStats:
+        """Counts and wait / run percentiles of the jobs that finished within `window_s`."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sql.FINISHED_STATS, {"window_s": window_s, "recent_s": recent_s})).one()
+        return records.FinishedStats.from_row(row)
+
+    def advisory_lock(self, key: int) -> records.AdvisoryLock:
+        """`async with manager.advisory_lock(key) as held:` one holder at a time across processes."""
+        return records.AdvisoryLock(self._engine, key)
+
+    async def expirable(self, *, cutoff: datetime, limit: int) -> list[uuid.UUID]:
+        """Finished jobs whose files retention would delete (finished before `cutoff`), oldest first."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.EXPIRABLE, {"cutoff": cutoff, "limit": limit})).all()
+        return [r.id for r in rows]
+
+    async def expire(self, *, cutoff: datetime, limit: int) -> records.Expired:
+        """Mark up to `limit` jobs that finished before `cutoff` expired; delete inputs left unused."""
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(sql.EXPIRE, {"cutoff": cutoff, "limit": limit})).all()
+            ids = [r.id for r in rows]
+            detached = (await conn.execute(sql.DETACH_UNUSED_INPUTS, {"ids": ids})).all() if ids else []
+            inputs = [r.input_id for r in detached]
+            deleted = (await conn.execute(sql.DELETE_INPUTS, {"ids": inputs})).all() if inputs else []
+        return records.Expired(ids, len(deleted), sum(int(r.bytes) for r in deleted))
+
+    async def expired_among(self, job_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of `job_ids` are expired."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.EXPIRED_AMONG, {"ids": list(job_ids)})).all()
+        return {r.id for r in rows}
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    async def requeue_oom(self, job: Job, *, vram_mb: int, error: str, detail: Mapping[str, Any]) -> None:
+        """Queue an out-of-memory run again with a larger estimate, spending no attempt (fenced)."""
+        values = {"vram_mb": vram_mb, "error": error, "detail": json.dumps(dict(detail))}
+        await self._fenced(sql.REQUEUE_OOM, job, values)
+
+    async def record_peak(self, job: Job, peak_mb: int) -> None:
+        """Record the most GPU memory this attempt was seen using (fenced)."""
+        await self._fenced(sql.RECORD_PEAK, job, {"peak_mb": peak_mb})
+
+    async def waiting_head(
+        self, *, models: Sequence[str], budget: int, capacity: int
+    ) -> tuple[uuid.UUID, int, int, float] | None:
+        """The best queued job over `budget` but within `capacity`: (id, MB, priority, waited s)."""
+        if capacity <= budget or not models:
+            return None
+        classes = [c for c in classes_up_to(capacity) if c >= vram_class(budget + 1)]
+        values = {"models": list(models), "classes": classes, "budget": budget, "capacity": capacity}
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sql.WAITING_HEAD, values)).first()
+        return None if row is None else (row.id, row.vram_mb, row.effective, float(row.waited_s))
+
+    async def run_times(self) -> dict[str, tuple[int, float, float | None, float | None]]:
+        """Per model: (samples, mean s, intercept s, s per megapixel) of recent successes."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.RUN_TIMES)).all()
+        return {r.model: (r.samples, float(r.mean_s), r.intercept_s, r.slope_s) for r in rows}
+
+    async def vram_ratios(self) -> dict[str, tuple[list[float], int]]:
+        """Per model: observed peak ÷ declared estimate of recent successes, and the largest peak."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sql.VRAM_RATIOS)).all()
+        return {r.model: (list(r.ratios), int(r.max_peak_mb)) for r in rows}

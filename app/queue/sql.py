@@ -11,14 +11,29 @@ from sqlalchemy import text
 
 QUEUED_CHANNEL = "gpujobs_queued"
 CANCEL_CHANNEL = "gpujobs_cancel"
+# A job's state or progress changed (the SSE streams listen): {job, state, attempt, progress, event, kind}.
+JOB_CHANNEL = "gpujobs_job"
+
+
+def _tell(jobs: str, event: str | None = "event", *, message: bool = False) -> str:
+    """SQL: NOTIFY JOB_CHANNEL of each changed row of `jobs` and the `event` row written for it."""
+    source = f"{event} AS e JOIN {jobs} AS c ON c.id = e.job_id" if event else f"{jobs} AS c"
+    ids = "e.id, 'kind', e.kind" if event else "NULL, 'kind', NULL"
+    note = ", 'message', c.progress_message" if message else ""
+    return f"""
+        SELECT pg_notify('{JOB_CHANNEL}', json_build_object(
+            'job', c.id, 'state', c.state, 'attempt', c.attempt, 'progress', c.progress,
+            'event', {ids}{note})::text)
+        FROM {source}"""
+
 
 # -- intake -----------------------------------------------------------------------------------
 
-# Is the queue full (at least :limit queued jobs)? Counts at most :limit rows.
+# Is the queue full (at least :limit jobs waiting, retries included)? Counts at most :limit rows.
 QUEUE_FULL = text(
     """
     SELECT count(*) >= :limit FROM (
-        SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :limit
+        SELECT 1 FROM jobs WHERE state IN ('queued', 'scheduled') LIMIT :limit
     ) AS q
     """
 )
@@ -43,43 +58,50 @@ ENQUEUE = text(
     f"""
     WITH job AS (
         INSERT INTO jobs (owner, model, params, input_id, megapixels, priority, vram_mb,
-                          max_attempts, idempotency_key)
+                          declared_vram_mb, max_attempts, idempotency_key)
         VALUES (:owner, :model, CAST(:params AS jsonb), :input_id, :megapixels, :priority,
-                :vram_mb, :max_attempts, :idempotency_key)
+                :vram_mb, :declared_vram_mb, :max_attempts, :idempotency_key)
         ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
         RETURNING *
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, detail)
         SELECT id, 'submitted', 0,
-               jsonb_build_object('model', model, 'priority', priority, 'vram_mb', vram_mb)
+               jsonb_build_object('model', model, 'priority', priority, 'vram_mb', vram_mb,
+                                  'declared_vram_mb', declared_vram_mb)
         FROM job
+        RETURNING id, job_id, kind
+    ), told AS ({_tell("job")}
     )
     SELECT job.* FROM job, LATERAL (SELECT pg_notify('{QUEUED_CHANNEL}', job.model)) AS wake
+    WHERE (SELECT count(*) FROM told) >= 0
     """
 )
 
 # -- the claim --------------------------------------------------------------------------------
 
 # Claim the best queued job that fits one of this worker's GPUs, and place it on the GPU that
-# fits it most tightly. The candidate search probes the claim index once per (model, size class)
-# and keeps the best head, so queued jobs that fit nowhere are never walked past one by one.
-# `:gpu_ids` / `:gpu_budgets` are parallel arrays; `:budget` is their maximum.
+# fits it most tightly. "Best" is the highest effective priority (priority + age_boost), then the
+# oldest. The candidate search probes the claim index once per (model, size class) and keeps the
+# best head, so queued jobs that fit nowhere are never walked past one by one.
+# `:gpu_ids` / `:gpu_budgets` are parallel arrays; `:budget` is their maximum. `:max_megapixels`
+# (parallel to `:models`) and `:min_priority` narrow the claim for backfill and reservations.
 CLAIM = text(
-    """
+    f"""
     WITH candidate AS (
         SELECT head.id
-        FROM unnest(CAST(:models AS text[])) AS m(model)
+        FROM unnest(CAST(:models AS text[]), CAST(:max_megapixels AS real[])) AS m(model, max_mp)
         CROSS JOIN unnest(CAST(:classes AS smallint[])) AS k(cls)
         CROSS JOIN LATERAL (
-            SELECT j.id, j.priority, j.created_at
+            SELECT j.id, j.priority + j.age_boost AS effective, j.created_at
             FROM jobs AS j
             WHERE j.state = 'queued' AND j.model = m.model AND j.vram_class = k.cls
-              AND j.vram_mb <= :budget AND j.run_after <= now()
-            ORDER BY j.priority DESC, j.created_at
+              AND j.vram_mb <= :budget AND j.megapixels <= m.max_mp
+              AND j.priority + j.age_boost >= :min_priority
+            ORDER BY j.priority + j.age_boost DESC, j.created_at
             LIMIT 1
             FOR UPDATE SKIP LOCKED
         ) AS head
-        ORDER BY head.priority DESC, head.created_at
+        ORDER BY head.effective DESC, head.created_at
         LIMIT 1
     ), claimed AS (
         UPDATE jobs AS j
@@ -96,8 +118,10 @@ CLAIM = text(
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'claimed', attempt, worker_id, jsonb_build_object('gpu', gpu, 'vram_mb', vram_mb)
         FROM claimed
+        RETURNING id, job_id, kind
+    ), told AS ({_tell("claimed")}
     )
-    SELECT * FROM claimed
+    SELECT * FROM claimed WHERE (SELECT count(*) FROM told) >= 0
     """
 )
 
@@ -105,81 +129,105 @@ CLAIM = text(
 
 # The model process started: record its pid and host (restart recovery kills leftovers by them).
 SET_PID = text(
-    """
+    f"""
     WITH started AS (
         UPDATE jobs SET pid = :pid
         WHERE id = :id AND attempt = :attempt AND state = 'running'
-        RETURNING id, attempt, worker_id, gpu, host, pid, cancel_requested
+        RETURNING id, attempt, worker_id, gpu, host, pid, cancel_requested, state, progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'started', attempt, worker_id,
                jsonb_build_object('pid', pid, 'gpu', gpu, 'host', host)
         FROM started
+        RETURNING id, job_id, kind
+    ), told AS ({_tell("started")}
     )
-    SELECT cancel_requested FROM started
+    SELECT cancel_requested, (SELECT count(*) FROM told) AS told FROM started
     """
 )
 
 PROGRESS = text(
-    """
-    UPDATE jobs SET progress = :progress, progress_message = :message
-    WHERE id = :id AND attempt = :attempt AND state = 'running'
-    RETURNING cancel_requested
+    f"""
+    WITH moved AS (
+        UPDATE jobs SET progress = :progress, progress_message = :message
+        WHERE id = :id AND attempt = :attempt AND state = 'running'
+        RETURNING id, state, attempt, progress, progress_message, cancel_requested
+    ), told AS ({_tell("moved", None, message=True)}
+    )
+    SELECT cancel_requested, (SELECT count(*) FROM told) AS told FROM moved
     """
 )
 
 # An event for this attempt, written only while the attempt still owns the job.
 RUN_EVENT = text(
-    """
-    INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-    SELECT id, CAST(:kind AS text), attempt, worker_id, CAST(:detail AS jsonb)
-    FROM jobs WHERE id = :id AND attempt = :attempt AND state = 'running'
-    RETURNING id
+    f"""
+    WITH event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, CAST(:kind AS text), attempt, worker_id, CAST(:detail AS jsonb)
+        FROM jobs WHERE id = :id AND attempt = :attempt AND state = 'running'
+        RETURNING id, job_id, kind
+    ), told AS ({_tell("jobs")}
+    )
+    SELECT id, (SELECT count(*) FROM told) AS told FROM event
     """
 )
 
 SUCCEED = text(
-    """
+    f"""
     WITH done AS (
         UPDATE jobs
         SET state = 'succeeded', progress = 1, results = CAST(:results AS jsonb), error = NULL,
             finished_at = now(), lease_expires_at = NULL
         WHERE id = :id AND attempt = :attempt AND state = 'running'
-        RETURNING id, attempt, worker_id
+        RETURNING id, attempt, worker_id, state, progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'succeeded', attempt, worker_id, CAST(:detail AS jsonb) FROM done
+        RETURNING id, job_id, kind
+    ), told AS ({_tell("done")}
     )
-    SELECT id FROM done
+    SELECT id, (SELECT count(*) FROM told) AS told FROM done
     """
 )
 
-# A run that did not succeed: canceled if a cancel was asked for, queued again after
-# `:delay_s` while attempts remain and the failure is retryable, failed otherwise.
+# A run that did not succeed: canceled if a cancel was asked for, scheduled to run again after
+# `:delay_s` (queued at once when 0) while attempts remain and the failure is retryable, failed
+# otherwise. Scheduled jobs stay out of the claim index until PROMOTE_DUE queues them.
 FAIL = text(
     f"""
-    WITH ended AS (
-        UPDATE jobs
-        SET state = CAST(CASE
+    WITH decided AS (
+        SELECT id, CAST(CASE
                 WHEN cancel_requested THEN 'canceled'
+                WHEN :abnormal AND abnormal_runs + 1 >= :quarantine_after THEN 'quarantined'
+                WHEN :retryable AND attempt < max_attempts
+                     AND CAST(:delay_s AS double precision) > 0 THEN 'scheduled'
                 WHEN :retryable AND attempt < max_attempts THEN 'queued'
-                ELSE 'failed' END AS job_state),
-            error = :error, lease_expires_at = NULL, pid = NULL,
-            run_after = now() + make_interval(secs => :delay_s),
-            finished_at = CASE WHEN cancel_requested OR NOT (:retryable AND attempt < max_attempts)
-                          THEN now() END
-        WHERE id = :id AND attempt = :attempt AND state = 'running'
-        RETURNING id, attempt, worker_id, state, run_after, model
+                ELSE 'failed' END AS job_state) AS next
+        FROM jobs WHERE id = :id AND attempt = :attempt AND state = 'running'
+        FOR UPDATE
+    ), ended AS (
+        UPDATE jobs AS j
+        SET state = decided.next, error = :error, lease_expires_at = NULL, pid = NULL,
+            abnormal_runs = j.abnormal_runs + CASE WHEN :abnormal THEN 1 ELSE 0 END,
+            run_after = now() + make_interval(secs => CAST(:delay_s AS double precision)),
+            finished_at = CASE WHEN decided.next IN ('queued', 'scheduled') THEN NULL ELSE now() END
+        FROM decided WHERE j.id = decided.id
+        RETURNING j.id, j.attempt, j.worker_id, j.state, j.run_after, j.model, j.progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-        SELECT id, CASE state WHEN 'queued' THEN 'retry_scheduled' ELSE state::text END,
+        SELECT id, CASE WHEN state IN ('queued', 'scheduled') THEN 'retry_scheduled'
+                        ELSE state::text END,
                attempt, worker_id,
                CAST(:detail AS jsonb) || jsonb_build_object('run_after', run_after)
         FROM ended
+        RETURNING id, job_id, kind
     ), wake AS (
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM ended WHERE state = 'queued'
+    ), told AS ({_tell("ended")}
     )
-    SELECT ended.state, ended.run_after, (SELECT count(*) FROM wake) AS woken FROM ended
+    SELECT ended.state, ended.run_after, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
+    FROM ended
     """
 )
 
@@ -192,15 +240,45 @@ RELEASE = text(
         SET state = 'queued', max_attempts = max_attempts + 1, run_after = now(),
             lease_expires_at = NULL, pid = NULL, progress = 0, progress_message = NULL
         WHERE id = :id AND attempt = :attempt AND state = 'running' AND NOT cancel_requested
-        RETURNING id, attempt, worker_id, model
+        RETURNING id, attempt, worker_id, model, state, progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'released', attempt, worker_id, jsonb_build_object('reason', CAST(:reason AS text))
         FROM released
+        RETURNING id, job_id, kind
     ), wake AS (
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released
+    ), told AS ({_tell("released")}
     )
-    SELECT id, (SELECT count(*) FROM wake) AS woken FROM released
+    SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM released
+    """
+)
+
+# Retries whose time has come go back to the queue (and wake the workers).
+PROMOTE_DUE = text(
+    f"""
+    WITH due AS (
+        UPDATE jobs SET state = 'queued'
+        WHERE id IN (SELECT id FROM jobs WHERE state = 'scheduled' AND run_after <= now()
+                     ORDER BY run_after LIMIT 1000 FOR UPDATE SKIP LOCKED)
+        RETURNING model, id, state, attempt, progress
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM (SELECT DISTINCT model FROM due) AS m
+    ), told AS ({_tell("due", None)}
+    )
+    SELECT (SELECT count(*) FROM due) AS promoted, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
+    """
+)
+
+# Aging: a queued job's effective priority grows by one every :step_s it waits, up to :max_boost.
+# Each job is written at most :max_boost times; the claim index orders by priority + age_boost.
+AGE_QUEUED = text(
+    """
+    UPDATE jobs
+    SET age_boost = LEAST(:max_boost, floor(extract(epoch FROM now() - created_at) / :step_s))
+    WHERE state = 'queued'
+      AND age_boost < LEAST(:max_boost, floor(extract(epoch FROM now() - created_at) / :step_s))
     """
 )
 
@@ -209,12 +287,15 @@ RUNNING_ATTEMPTS = text("SELECT id, attempt FROM jobs WHERE state = 'running'")
 # -- leases -----------------------------------------------------------------------------------
 
 # Renew the leases of the jobs this worker is running (`:ids`) and its own heartbeat; returns
-# those it still owns. A job whose attempt died inside the worker is left to expire.
+# those it still owns. A lease that already ran out is not renewed, even if no reaper took the
+# job yet: once expired, another worker may be killing its process and taking it back. A job
+# whose attempt died inside the worker is left to expire.
 HEARTBEAT = text(
     """
     WITH renewed AS (
         UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_s)
         WHERE worker_id = :worker_id AND state = 'running' AND id = ANY(CAST(:ids AS uuid[]))
+          AND lease_expires_at > now()
         RETURNING id, attempt, cancel_requested
     ), me AS (
         UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state
@@ -226,24 +307,26 @@ HEARTBEAT = text(
 
 # Take back running jobs (those matched by {where}) from a worker that is gone: queue them again,
 # or fail them when their attempts are used up, or cancel them if a cancel was asked for.
-_TAKE_BACK = """
+_TAKE_BACK = f"""
     WITH lost AS (
-        SELECT id FROM jobs WHERE state = 'running' AND {where}
+        SELECT id FROM jobs WHERE state = 'running' AND {{where}}
         ORDER BY lease_expires_at LIMIT :limit
         FOR UPDATE SKIP LOCKED
     ), back AS (
         UPDATE jobs AS j
         SET state = CAST(CASE
                 WHEN j.cancel_requested THEN 'canceled'
+                WHEN j.abnormal_runs + 1 >= :quarantine_after THEN 'quarantined'
                 WHEN j.attempt >= j.max_attempts THEN 'failed'
                 ELSE 'queued' END AS job_state),
             error = CAST(:reason AS text) || ' (worker ' || coalesce(j.worker_id, '?') || ', attempt '
                     || j.attempt || ')',
+            abnormal_runs = j.abnormal_runs + 1,
             lease_expires_at = NULL, run_after = now(),
             finished_at = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
-                          THEN now() END
+                               OR j.abnormal_runs + 1 >= :quarantine_after THEN now() END
         FROM lost WHERE j.id = lost.id
-        RETURNING j.id, j.attempt, j.worker_id, j.state, j.pid, j.host, j.model
+        RETURNING j.id, j.attempt, j.worker_id, j.state, j.pid, j.host, j.model, j.progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, CASE state WHEN 'queued' THEN 'recovered' ELSE state::text END, attempt,
@@ -251,10 +334,14 @@ _TAKE_BACK = """
                jsonb_build_object('lost_worker', worker_id, 'reason', CAST(:reason AS text),
                                   'state', state)
         FROM back
+        RETURNING id, job_id, kind
     ), wake AS (
-        SELECT pg_notify('{channel}', model) FROM back WHERE state = 'queued'
+        SELECT pg_notify('{{channel}}', model) FROM back WHERE state = 'queued'
+    ), told AS ({_tell("back")}
     )
-    SELECT id, attempt, worker_id, state, pid, host, (SELECT count(*) FROM wake) AS woken FROM back
+    SELECT id, attempt, worker_id, state, pid, host, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
+    FROM back
 """
 
 # Expired leases, except the jobs the calling worker is running right now: after a database
@@ -307,25 +394,28 @@ CANCEL = text(
     WITH target AS (
         SELECT id, state AS old_state FROM jobs
         WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
-          AND state IN ('queued', 'running')
+          AND state IN ('queued', 'scheduled', 'running')
         FOR UPDATE
     ), changed AS (
         UPDATE jobs AS j
         SET cancel_requested = true,
-            state = CAST(CASE WHEN target.old_state = 'queued' THEN 'canceled'
-                         ELSE j.state::text END AS job_state),
-            finished_at = CASE WHEN target.old_state = 'queued' THEN now() END
+            state = CAST(CASE WHEN target.old_state = 'running' THEN 'running'
+                         ELSE 'canceled' END AS job_state),
+            finished_at = CASE WHEN target.old_state = 'running' THEN NULL ELSE now() END
         FROM target WHERE j.id = target.id
-        RETURNING j.id, j.state, j.attempt, j.worker_id
+        RETURNING j.id, j.state, j.attempt, j.worker_id, j.progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, CASE state WHEN 'canceled' THEN 'canceled' ELSE 'cancel_requested' END,
                attempt, worker_id, jsonb_build_object('by', CAST(:by AS text))
         FROM changed
+        RETURNING id, job_id, kind
     ), wake AS (
         SELECT pg_notify('{CANCEL_CHANNEL}', id::text) FROM changed WHERE state = 'running'
+    ), told AS ({_tell("changed")}
     )
-    SELECT changed.state, (SELECT count(*) FROM wake) AS woken FROM changed
+    SELECT changed.state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM changed
     """
 )
 
@@ -336,23 +426,26 @@ _RETRY = f"""
         UPDATE jobs
         SET state = 'queued', max_attempts = attempt + :attempts, run_after = now(),
             error = NULL, cancel_requested = false, finished_at = NULL, progress = 0,
-            progress_message = NULL, results = '[]'::jsonb, lease_expires_at = NULL, pid = NULL
-        WHERE state IN ('failed', 'canceled') AND {{where}}
-        RETURNING id, attempt, model
+            progress_message = NULL, results = '[]'::jsonb, lease_expires_at = NULL, pid = NULL,
+            abnormal_runs = 0, oom_retries = 0
+        WHERE state IN ('failed', 'canceled', 'quarantined') AND expired_at IS NULL AND {{where}}
+        RETURNING id, attempt, model, state, progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, detail)
         SELECT id, 'retried', attempt, jsonb_build_object('by', CAST(:by AS text)) FROM retried
+        RETURNING id, job_id, kind
     ), wake AS (
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM (SELECT DISTINCT model FROM retried) AS m
+    ), told AS ({_tell("retried")}
     )
-    SELECT id, (SELECT count(*) FROM wake) AS woken FROM retried
+    SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM retried
 """
 
 RETRY_ONE = text(_RETRY.format(where="id = :id"))
 
 RETRY_MATCHING = text(
     _RETRY.format(
-        where="""state = 'failed'
+        where="""state IN ('failed', 'quarantined')
           AND (CAST(:model AS text) IS NULL OR model = :model)
           AND (CAST(:error_contains AS text) IS NULL
                OR strpos(coalesce(error, ''), :error_contains) > 0)
@@ -369,5 +462,243 @@ EVENTS = text(
     FROM job_events AS e JOIN jobs AS j ON j.id = e.job_id
     WHERE e.job_id = :id AND (CAST(:owner AS text) IS NULL OR j.owner = :owner)
     ORDER BY e.id
+    """
+)
+
+# -- security ---------------------------------------------------------------------------------
+
+# Has :owner at least :limit queued jobs? Counts at most :limit rows. A request that repeats an
+# earlier Idempotency-Key of the owner is never refused: it only reads back the job it made.
+OWNER_QUEUE_FULL = text(
+    """
+    SELECT NOT EXISTS (
+               SELECT 1 FROM jobs
+               WHERE owner = :owner AND idempotency_key = CAST(:key AS text)
+           )
+       AND (SELECT count(*) FROM (
+                SELECT 1 FROM jobs WHERE owner = :owner AND state IN ('queued', 'scheduled') LIMIT :limit
+            ) AS q) >= :limit
+    """
+)
+
+# -- observability ----------------------------------------------------------------------------
+
+# Events that move a job through its life; the metrics pair each with the one before it.
+LIFECYCLE_KINDS = (
+    "submitted", "claimed", "retry_scheduled", "recovered", "released", "retried", "out_of_memory",
+    "succeeded", "failed", "canceled", "quarantined",
+)  # fmt: skip
+
+# Events after :after in id order, each with what the metrics need: the job's model, seconds since
+# the job was created, and the job's previous lifecycle event (its kind, and seconds since the
+# moment it made the job eligible: a scheduled retry counts from its run_after).
+EVENTS_FOR_METRICS = text(
+    """
+    SELECT e.id, e.kind, j.model, e.detail -> 'lost_worker' IS NOT NULL AS taken_back,
+           extract(epoch FROM e.at - j.created_at) AS since_created_s,
+           p.kind AS prev_kind, extract(epoch FROM e.at - p.eligible_at) AS since_prev_s
+    FROM job_events AS e
+    JOIN jobs AS j ON j.id = e.job_id
+    LEFT JOIN LATERAL (
+        SELECT p.kind, GREATEST(p.at, CASE WHEN p.kind = 'retry_scheduled'
+                                      THEN CAST(p.detail ->> 'run_after' AS timestamptz) END) AS eligible_at
+        FROM job_events AS p
+        WHERE e.kind = ANY(CAST(:kinds AS text[]))
+          AND p.job_id = e.job_id AND p.id < e.id AND p.kind = ANY(CAST(:kinds AS text[]))
+        ORDER BY p.id DESC
+        LIMIT 1
+    ) AS p ON true
+    WHERE e.id > :after
+    ORDER BY e.id
+    LIMIT :limit
+    """
+)
+
+# Jobs that are not finished, by state, model and priority (each state through its own index).
+QUEUE_DEPTH = text(
+    "\n    UNION ALL\n".join(
+        f"""
+    (SELECT CAST('{state}' AS text) AS state, model, priority, count(*) AS jobs
+     FROM jobs WHERE state = '{state}' GROUP BY model, priority)"""
+        for state in ("queued", "scheduled", "running")
+    )
+)
+
+# Workers alive or seen within :recent_s, with their GPU snapshot (from the last heartbeat) and the
+# jobs they are running now.
+WORKERS = text(
+    """
+    SELECT w.id, w.host, w.pid, w.state, w.started_at, w.heartbeat_at, w.models, w.gpus,
+           extract(epoch FROM now() - w.heartbeat_at) AS heartbeat_age_s,
+           coalesce(r.jobs, CAST('{}' AS uuid[])) AS running_jobs
+    FROM workers AS w
+    LEFT JOIN LATERAL (
+        SELECT array_agg(j.id ORDER BY j.started_at) AS jobs
+        FROM jobs AS j WHERE j.worker_id = w.id AND j.state = 'running'
+    ) AS r ON true
+    WHERE w.state IN ('running', 'stopping') OR w.heartbeat_at > now() - make_interval(secs => :recent_s)
+    ORDER BY w.id
+    """
+)
+
+# Jobs that finished within :window_s: counts, failures, and wait / run percentiles (wait: from
+# submission to the start of the last attempt; run: that attempt's start to the end).
+FINISHED_STATS = text(
+    """
+    WITH recent AS (
+        SELECT state, created_at, started_at, finished_at FROM jobs
+        WHERE finished_at > now() - make_interval(secs => :window_s)
+    )
+    SELECT count(*) AS finished,
+           count(*) FILTER (WHERE state = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE state IN ('failed', 'quarantined')) AS failed,
+           count(*) FILTER (WHERE finished_at > now() - make_interval(secs => :recent_s)) AS recent,
+           percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP (
+               ORDER BY extract(epoch FROM started_at - created_at)
+           ) FILTER (WHERE started_at IS NOT NULL) AS wait_s,
+           percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP (
+               ORDER BY extract(epoch FROM finished_at - started_at)
+           ) FILTER (WHERE started_at IS NOT NULL) AS run_s
+    FROM recent
+    """
+)
+
+# -- retention --
+
+# One process at a time prunes (session-level advisory lock, held on its own connection).
+RETENTION_LOCK_KEY = 0x67706A_7072756E  # "gpj" "prun"
+TRY_LOCK = text("SELECT pg_try_advisory_lock(:key)")
+UNLOCK = text("SELECT pg_advisory_unlock(:key)")
+
+# Finished jobs that still have their files and finished before :cutoff, oldest first (this is
+# the predicate of ix_jobs_retention). Queued, scheduled and running jobs never match.
+_EXPIRABLE = """
+    SELECT id FROM jobs
+    WHERE expired_at IS NULL AND state IN ('succeeded', 'failed', 'canceled') AND finished_at < :cutoff
+    ORDER BY finished_at
+    LIMIT :limit
+"""
+
+EXPIRABLE = text(_EXPIRABLE)
+
+# Mark a batch expired (links then answer 410) and write an `expired` event for each.
+EXPIRE = text(
+    f"""
+    WITH picked AS ({_EXPIRABLE} FOR UPDATE SKIP LOCKED
+    ), expired AS (
+        UPDATE jobs AS j SET expired_at = now() FROM picked WHERE j.id = picked.id
+        RETURNING j.id, j.attempt, j.input_id
+    ), event AS (
+        INSERT INTO job_events (job_id, kind, attempt, detail)
+        SELECT id, 'expired', attempt, jsonb_build_object('by', 'retention') FROM expired
+    )
+    SELECT id, input_id FROM expired
+    """
+)
+
+# Inputs of :ids that no unexpired job uses any more: detach them from their (expired) jobs.
+DETACH_UNUSED_INPUTS = text(
+    """
+    WITH candidate AS (
+        SELECT DISTINCT input_id FROM jobs
+        WHERE id = ANY(CAST(:ids AS uuid[])) AND input_id IS NOT NULL
+    ), unused AS (
+        SELECT input_id FROM candidate
+        EXCEPT
+        SELECT input_id FROM jobs
+        WHERE expired_at IS NULL AND input_id IN (SELECT input_id FROM candidate)
+    ), detached AS (
+        UPDATE jobs SET input_id = NULL WHERE input_id IN (SELECT input_id FROM unused)
+    )
+    SELECT input_id FROM unused
+    """
+)
+
+DELETE_INPUTS = text("DELETE FROM inputs WHERE id = ANY(CAST(:ids AS bigint[])) RETURNING id, bytes")
+
+# Which of :ids are expired (their leftover files may go).
+EXPIRED_AMONG = text("SELECT id FROM jobs WHERE id = ANY(CAST(:ids AS uuid[])) AND expired_at IS NOT NULL")
+
+
+# -- scheduling -------------------------------------------------------------------------------
+
+# Out of GPU memory: queue the job again at once with a larger VRAM estimate, without spending an
+# attempt (the budget grows by one, as `attempt` must only grow).
+REQUEUE_OOM = text(
+    f"""
+    WITH grown AS (
+        UPDATE jobs
+        SET state = 'queued', vram_mb = :vram_mb, oom_retries = oom_retries + 1,
+            max_attempts = max_attempts + 1, error = :error, lease_expires_at = NULL, pid = NULL,
+            run_after = now(), progress = 0, progress_message = NULL
+        WHERE id = :id AND attempt = :attempt AND state = 'running' AND NOT cancel_requested
+        RETURNING id, attempt, worker_id, model, state, progress
+    ), event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, 'out_of_memory', attempt, worker_id, CAST(:detail AS jsonb) FROM grown
+        RETURNING id, job_id, kind
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM grown
+    ), told AS ({_tell("grown")}
+    )
+    SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM grown
+    """
+)
+
+# The largest GPU memory this attempt's processes were seen using (NVML).
+RECORD_PEAK = text(
+    """
+    UPDATE jobs SET vram_peak_mb = GREATEST(coalesce(vram_peak_mb, 0), :peak_mb)
+    WHERE id = :id AND attempt = :attempt AND state = 'running'
+    RETURNING id
+    """
+)
+
+# The best queued job that fits none of the budgets now but one of the GPUs when empty: probed per
+# (model, size class) like the claim, without locking anything.
+WAITING_HEAD = text(
+    """
+    SELECT head.id, head.vram_mb, head.effective, extract(epoch FROM now() - head.created_at) AS waited_s
+    FROM unnest(CAST(:models AS text[])) AS m(model)
+    CROSS JOIN unnest(CAST(:classes AS smallint[])) AS k(cls)
+    CROSS JOIN LATERAL (
+        SELECT j.id, j.vram_mb, j.priority + j.age_boost AS effective, j.created_at
+        FROM jobs AS j
+        WHERE j.state = 'queued' AND j.model = m.model AND j.vram_class = k.cls
+          AND j.vram_mb > :budget AND j.vram_mb <= :capacity
+        ORDER BY j.priority + j.age_boost DESC, j.created_at
+        LIMIT 1
+    ) AS head
+    ORDER BY head.effective DESC, head.created_at
+    LIMIT 1
+    """
+)
+
+# Run time by model as a line over input megapixels, from recent successes (backfill estimates).
+RUN_TIMES = text(
+    """
+    SELECT model, count(*) AS samples, avg(run_s) AS mean_s,
+           regr_intercept(run_s, megapixels) AS intercept_s, regr_slope(run_s, megapixels) AS slope_s
+    FROM (
+        SELECT model, megapixels, extract(epoch FROM finished_at - started_at) AS run_s
+        FROM jobs
+        WHERE state = 'succeeded' AND finished_at > now() - interval '7 days'
+        ORDER BY finished_at DESC LIMIT 5000
+    ) AS recent
+    GROUP BY model
+    """
+)
+
+# Observed peak ÷ declared estimate per model, from recent runs that recorded a peak.
+VRAM_RATIOS = text(
+    """
+    SELECT model, array_agg(vram_peak_mb::real / declared_vram_mb ORDER BY finished_at DESC) AS ratios,
+           max(vram_peak_mb) AS max_peak_mb
+    FROM (
+        SELECT model, vram_peak_mb, declared_vram_mb, finished_at FROM jobs
+        WHERE vram_peak_mb IS NOT NULL AND declared_vram_mb > 0 AND state = 'succeeded'
+        ORDER BY finished_at DESC LIMIT 5000
+    ) AS recent
+    GROUP BY model
     """
 )

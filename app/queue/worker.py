@@ -17,14 +17,16 @@ import os
 import socket
 import uuid
 from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, registry, storage
+from app import db, errors, gpu, logs, registry, storage
 from app.queue import attempt as attempt_
 from app.queue import manager as manager_
+from app.queue import planner as planner_
 from app.queue import sql
 from app.queue.jobs import Job
 
@@ -48,6 +50,13 @@ class WorkerConfig:
     retry_max_s: float = 600.0
     python: str = "python3"
     burst: bool = False  # tests: exit once nothing is queued that fits and nothing runs
+    age_step_s: float = 60.0
+    age_max_boost: int = 10
+    reserve_after_s: float = 120.0
+    backfill_min_samples: int = 5
+    gpu_settle_timeout_s: float = 30.0
+    oom_max_retries: int = 2
+    oom_growth: float = 1.5
 
 
 class Worker:
@@ -62,8 +71,10 @@ class Worker:
         inventory: gpu.GpuInventory,
         config: WorkerConfig,
         listen_dsn: str | None = None,
+        side_tasks: Mapping[str, Callable[[], Coroutine[Any, Any, None]]] | None = None,
     ) -> None:
         self._manager = manager
+        self._side_tasks = dict(side_tasks or {})  # more named side tasks (retention), watched alike
         self._store = store
         self._models = models
         self._inventory = inventory
@@ -71,7 +82,16 @@ class Worker:
         self._listen_dsn = listen_dsn
         self.host = socket.gethostname()
         self._attempt_config = attempt_.AttemptConfig(
-            config.worker_id, config.kill_grace_s, config.retry_base_s, config.retry_max_s, config.python
+            config.worker_id, config.kill_grace_s, config.retry_base_s, config.retry_max_s, config.python,
+            oom_max_retries=config.oom_max_retries, oom_growth=config.oom_growth,
+        )
+        self.planner = planner_.Planner(
+            manager, inventory, models,
+            planner_.PlannerConfig(
+                vram_buffer_mb=config.vram_buffer_mb, max_jobs_per_gpu=config.max_jobs_per_gpu,
+                reserve_after_s=config.reserve_after_s, backfill_min_samples=config.backfill_min_samples,
+                settle_timeout_s=config.gpu_settle_timeout_s,
+            ),
         )
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._wake = asyncio.Event()
@@ -92,15 +112,29 @@ class Worker:
         """The jobs this worker is running now."""
         return [a.job for a, _ in self._running.values()]
 
+    def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
+        """The GPU snapshot stored on each heartbeat: NVML's reading plus what this worker reserved."""
+        reserved: Counter[int] = Counter()
+        count: Counter[int] = Counter()
+        for a, _ in self._running.values():
+            reserved[a.gpu] += a.job.vram_mb
+            count[a.gpu] += 1
+        return [
+            {**asdict(g), "reserved_mb": reserved[g.index], "running_jobs": count[g.index]}
+            for g in (self._inventory.snapshot() if gpus is None else gpus)
+        ]
+
     # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Start up, claim and run jobs until stopped, then shut down cleanly."""
+        logs.bind(worker=self.id)
         await self._start()
         side = [
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}"),
             asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
             asyncio.create_task(self._listen_loop(), name=f"listener:{self.id}"),
+            *(asyncio.create_task(go(), name=f"{name}:{self.id}") for name, go in self._side_tasks.items()),
         ]
         main = asyncio.create_task(self._claim_loop(), name=f"claim:{self.id}")
         try:
@@ -122,7 +156,7 @@ class Worker:
             host=self.host,
             pid=os.getpid(),
             models=list(self._models.models),
-            gpus=[asdict(g) for g in gpus],
+            gpus=self.gpu_report(gpus),
         )
         await self._kill_leftovers(worker_id=self.id)
         for taken in await self._manager.requeue_own(worker_id=self.id):
@@ -130,7 +164,8 @@ class Worker:
                 "took back a job from this worker's previous run",
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
             )
-        removed = self._store.sweep(await self._manager.running_attempts())
+        candidates = self._store.scratch_attempts()  # listed before asking who runs: see sweep()
+        removed = self._store.sweep(candidates, await self._manager.running_attempts())
         log.info(
             "worker started",
             extra={
@@ -189,31 +224,16 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)
 
-    def budgets(self) -> dict[int, int]:
-        """MB each GPU can still hand out now (GPUs at their job cap are left out)."""
-        reserved: Counter[int] = Counter()
-        count: Counter[int] = Counter()
-        for a, _ in self._running.values():
-            reserved[a.gpu] += a.job.vram_mb
-            count[a.gpu] += 1
-        cap = self._config.max_jobs_per_gpu
-        return {
-            g.index: gpu.available_mb(g, reserved_mb=reserved[g.index], buffer_mb=self._config.vram_buffer_mb)
-            for g in self._inventory.snapshot()
-            if not cap or count[g.index] < cap
-        }
+    def in_hand(self) -> list[planner_.InHand]:
+        """The jobs running now, as the planner needs them."""
+        return [planner_.InHand(a.job, a.gpu, a.started_s) for a, _ in self._running.values()]
 
     async def _fill(self) -> int:
         """Claim jobs while one fits; returns how many were started."""
         started = 0
         while not self._stopping.is_set():
-            budgets = {i: b for i, b in self.budgets().items() if b > 0}
-            job = await self._manager.claim(
-                worker_id=self.id,
-                host=self.host,
-                models=list(self._models.models),
-                budgets=budgets,
-                lease_s=self._config.lease_s,
+            job = await self.planner.claim(
+                self.in_hand(), worker_id=self.id, host=self.host, lease_s=self._config.lease_s
             )
             if job is None:
                 return started
@@ -229,15 +249,24 @@ class Worker:
             manager=self._manager,
             store=self._store,
             config=self._attempt_config,
+            inventory=self._inventory,
+            capacity_mb=self._capacity_mb(job.gpu),
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, job.id))
 
+    def _capacity_mb(self, gpu_index: int | None) -> int:
+        """The most a job may use on this GPU: its size less the buffer."""
+        sizes = {g.index: g.total_mb for g in self._inventory.snapshot()}
+        return max(0, sizes.get(gpu_index or 0, 0) - self._config.vram_buffer_mb)
+
     def _finished(self, job_id: uuid.UUID, task: asyncio.Task[None]) -> None:
         entry = self._running.get(job_id)
         if entry is not None and entry[1] is task:  # a newer attempt of the same job may have replaced it
             del self._running[job_id]
+            run = entry[0]
+            self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
         self._wake.set()  # room on a GPU: look for work
@@ -257,7 +286,7 @@ class Worker:
     async def heartbeat(self) -> None:
         """Renew leases; stop runs whose job was canceled or taken from us."""
         in_hand = dict(self._running)  # judged only if claimed before the statement ran
-        gpus = [asdict(g) for g in self._inventory.snapshot()]
+        gpus = self.gpu_report()
         owned = await self._manager.heartbeat(
             worker_id=self.id,
             job_ids=list(in_hand),
@@ -284,6 +313,9 @@ class Worker:
     async def reap(self) -> int:
         """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
         await self._kill_leftovers()
+        if await self._manager.promote_due():
+            self._wake.set()
+        await self._manager.age_queued(step_s=self._config.age_step_s, max_boost=self._config.age_max_boost)
         taken = await self._manager.recover_expired(by_worker=self.id, in_hand=list(self._running))
         for t in taken:
             log.warning(

@@ -69,6 +69,7 @@ async def test_kill_9_mid_job_completes_on_another_worker(manager, spawn_worker,
     spawn_worker("b")
     done = await until(manager, job_id, lambda j: j.state.final)
     assert done.state is JobState.succeeded and done.attempt == 2
+    assert done.abnormal_runs == 1  # a lost worker counts towards quarantine
     assert not alive(orphan)  # ...until the worker that takes the job back kills it
     history = await manager.events(job_id)
     [recovered] = [e for e in history if e.kind == "recovered"]

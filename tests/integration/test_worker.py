@@ -28,6 +28,7 @@ async def enqueue(
     spec_defaults = {
         "sleep": 0.0,
         "steps": 2,
+        "oom_attempts": 0,
         "exit_code": 0,
         "fail_attempts": 0,
         "signal": "none",

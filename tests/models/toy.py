@@ -22,6 +22,7 @@ def main() -> int:
     parser.add_argument("--signal", default="none", help="kill itself with this signal")
     parser.add_argument("--output", default="true")
     parser.add_argument("--trace", default="", help="append a JSON line per run to this file")
+    parser.add_argument("--oom-attempts", type=int, default=0, help="out of GPU memory while attempt <= this")
     args = parser.parse_args()
 
     job = os.environ.get("GPUJOBS_JOB", "?:0")
@@ -43,6 +44,9 @@ def main() -> int:
             f.write(json.dumps(record) + "\n")
     if args.signal != "none":
         os.kill(os.getpid(), getattr(signal, args.signal))
+    if attempt <= args.oom_attempts:
+        print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr, flush=True)
+        return 1
     if attempt <= args.fail_attempts:
         print(f"failing on purpose at attempt {attempt}", file=sys.stderr, flush=True)
         return 3

@@ -48,3 +48,14 @@ def test_cli_refuses_bad_settings_with_the_name(monkeypatch):
     )
     assert result.returncode == 2
     assert "GPUJOBS_LEASE_S" in result.stderr
+
+
+def test_readme_configuration_table_is_current():
+    """The README's table is `python -m app.settings`: every setting, its default and meaning."""
+    from pathlib import Path
+
+    from app.settings import markdown_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- settings-table:start -->")[1].split("<!-- settings-table:end -->")[0]
+    assert block.strip() == markdown_table(), "run: python -m app.settings, and paste it into README.md"

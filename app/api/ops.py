@@ -1,0 +1,146 @@
+"""Operations: GET /metrics, the request middleware (id, latency, log line), and the process's observers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import db, logs, metrics, notify, retention
+from app.api.deps import Services
+from app.settings import Settings
+
+router = APIRouter(tags=["ops"])
+log = logging.getLogger("gpujobs.http")
+
+REQUEST_ID_HEADER = "x-request-id"
+_GOOD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_JOB_LOCATION = re.compile(r"^/jobs/([0-9a-f-]{36})$")
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # logged at DEBUG: probes and scrapes
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {metrics.CONTENT_TYPE: {}}}})
+async def get_metrics(request: Request) -> Response:
+    """Prometheus metrics: jobs, queue, workers and GPUs (from the database) and this process's HTTP."""
+    body = await request.app.state.metrics.render()
+    return Response(body, media_type=metrics.CONTENT_TYPE)
+
+
+def request_id(scope: Scope) -> str:
+    """The client's X-Request-ID if it is a sane token, else a new one."""
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER.encode():
+            text = bytes(value).decode("latin-1")
+            if _GOOD_ID.match(text):
+                return text
+    return uuid.uuid4().hex
+
+
+def route_of(scope: Scope) -> str:
+    """The route template that served the request ("unmatched" before or without routing)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
+
+
+def job_of(scope: Scope, location: str) -> str | None:
+    """The job a request was about: in its path, or the one it created (POST /jobs answers Location)."""
+    in_path = scope.get("path_params", {}).get("job_id")
+    if in_path is not None:
+        return str(in_path)
+    found = _JOB_LOCATION.match(location)
+    return found[1] if found else None
+
+
+class RequestContext:
+    """ASGI middleware (outermost): request id in the log context and the response, latency, a log line.
+
+    Latency is measured until the response headers are sent, so long downloads and event streams
+    count the time the service took to answer, not the client's reading.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id(scope)
+        started = time.perf_counter()
+        answer: dict[str, Any] = {}
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = int(message["status"])
+                answer["seconds"] = time.perf_counter() - started
+                answer["location"] = dict(message.get("headers", [])).get(b"location", b"").decode("latin-1")
+                headers = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        with logs.bound(request_id=rid):
+            try:
+                await self.app(scope, receive, sending)
+            finally:
+                self._record(scope, answer, time.perf_counter() - started)
+
+    def _record(self, scope: Scope, answer: dict[str, Any], total_s: float) -> None:
+        status = int(answer.get("status", 500))
+        seconds = float(answer.get("seconds", total_s))
+        route = route_of(scope)
+        registry: metrics.Metrics | None = getattr(scope["app"].state, "metrics", None)
+        if registry is not None:
+            registry.http.labels(scope["method"], route, str(status)).observe(seconds)
+        job_id = job_of(scope, answer.get("location", ""))
+        level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+        log.log(
+            level,
+            "%s %s %d",
+            scope["method"],
+            scope["path"],  # never the query string: signed links carry their signature there
+            status,
+            extra={
+                "action": "http_request",
+                "route": route,
+                "status": status,
+                "ms": round(seconds * 1000, 1),
+                **({"job_id": job_id} if job_id else {}),
+            },
+        )
+
+
+class Observability:
+    """What one API process runs for observability: the job feed (LISTEN), metrics, retention, disk usage."""
+
+    def __init__(self, app: FastAPI) -> None:
+        settings: Settings = app.state.settings
+        services: Services = app.state.services
+        assert settings.database_url
+        self.feed = notify.JobFeed(db.asyncpg_dsn(settings.database_url))
+        app.state.feed = self.feed
+        app.state.metrics = metrics.Metrics(
+            services.manager, cache_s=settings.metrics_cache_s, subscribers=lambda: self.feed.subscribers
+        )
+        app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)
+        app.state.disk_usage = retention.DiskUsage(settings.storage_dir)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> Observability:
+        """Start listening for job changes (reconnects by itself)."""
+        self._task = asyncio.create_task(self.feed.run(), name="job-feed")
+        return self
+
+    async def stop(self) -> None:
+        """Stop listening."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

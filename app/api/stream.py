@@ -1,0 +1,203 @@
+"""GET /jobs/{id}/stream: server-sent events of a job's state and progress until it ends.
+
+Events, each `data:` a JSON object {job, kind, state, attempt, progress, ...}:
+
+- `state`: the job moved (submitted, claimed, started, retry_scheduled, recovered, ..., succeeded).
+  Its SSE `id` is the job_events id, so ids grow with every change of the job.
+- `progress`: the model reported progress. Milestones written to the history carry an id; the
+  frequent updates in between carry none (they are not kept, only the latest counts).
+
+On connect the stream sends the current state (with the newest event id), then live events; after
+a reconnect with `Last-Event-ID: n` it sends the events after `n` from the history instead, so
+nothing is repeated or skipped. It closes after a final state. Live events come from the process's
+one LISTEN connection (`notify.JobFeed`); the database is read only on connect and after the feed
+lost notifications (RESYNC), never polled.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import StreamingResponse
+
+from app import notify
+from app.api.deps import CallerDep, ServicesDep
+from app.api.schemas import ErrorPublic
+from app.queue import manager as manager_
+from app.queue.jobs import Job, JobState
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+RETRY_MS = 2000
+# The state a job is in right after each kind of event (for history replayed from job_events).
+KIND_STATE = {
+    "submitted": "queued",
+    "retried": "queued",
+    "recovered": "queued",
+    "released": "queued",
+    "out_of_memory": "queued",
+    "retry_scheduled": "scheduled",
+    "claimed": "running",
+    "started": "running",
+    "progress": "running",
+    "cancel_requested": "running",
+}
+FINAL = frozenset(s.value for s in JobState if s.final)
+
+
+def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
+    """One server-sent event."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
+
+
+def _of_event(job: Job, event: manager_.Event, *, newest: bool) -> str:
+    """An event from the history; the newest one carries the job's current state and progress."""
+    state = job.state.value if newest else KIND_STATE.get(event.kind, event.kind)
+    progress = job.progress if newest else float(event.detail.get("progress", 0.0) or 0.0)
+    data = {
+        "job": str(job.id),
+        "kind": event.kind,
+        "state": state,
+        "attempt": event.attempt,
+        "progress": progress,
+        "at": event.at.isoformat(),
+    }
+    if newest and job.state.final and job.error:
+        data["error"] = job.error
+    return sse("progress" if event.kind == "progress" else "state", data, event.id)
+
+
+def _of_note(note: notify.Note) -> str:
+    data: dict[str, Any] = {
+        "job": str(note.job),
+        "kind": note.kind,
+        "state": note.state,
+        "attempt": note.attempt,
+        "progress": note.progress,
+    }
+    if note.message:
+        data["message"] = note.message
+    live_progress = note.kind == "progress" or (note.kind is None and note.state == "running")
+    return sse("progress" if live_progress else "state", data, note.event)
+
+
+class JobStream:
+    """One client's stream of one job (see the module doc)."""
+
+    def __init__(
+        self,
+        manager: manager_.JobManager,
+        feed: notify.JobFeed,
+        job_id: uuid.UUID,
+        *,
+        owner: str | None,
+        keepalive_s: float,
+    ) -> None:
+        self._manager = manager
+        self._feed = feed
+        self._job_id = job_id
+        self._owner = owner
+        self._keepalive_s = keepalive_s
+        self.last_id = 0  # the newest event id sent
+        self._progress = (0, -1.0)  # (attempt, progress) last sent
+        self.done = False
+
+    async def catch_up(self, after: int | None) -> list[str]:
+        """From the database: the current state (after=None), or every event after `after`."""
+        job = await self._manager.get(self._job_id, owner=self._owner)
+        events = await self._manager.events(self._job_id, owner=self._owner)
+        if after is None:
+            events = events[-1:]
+        else:
+            events = [e for e in events if e.id > max(after, self.last_id)]
+        out = [_of_event(job, e, newest=e is events[-1]) for e in events]
+        if events:
+            self.last_id = events[-1].id
+        if (
+            job.state is JobState.running
+            and job.progress > 0
+            and (job.attempt, job.progress) > self._progress
+        ):
+            self._progress = (job.attempt, job.progress)
+            note = notify.Note(
+                job.id, job.state.value, job.attempt, job.progress, None, None, job.progress_message
+            )
+            out.append(_of_note(note))
+        self.done = job.state.final
+        return out
+
+    def on_note(self, note: notify.Note) -> str | None:
+        """A live note as an event, or None when it repeats or predates what was sent."""
+        if note.event is not None:
+            if note.event <= self.last_id:
+                return None
+            self.last_id = note.event
+        elif note.state == "running" and (note.attempt, note.progress) < self._progress:
+            return None
+        if note.state == "running":
+            self._progress = max(self._progress, (note.attempt, note.progress))
+        self.done = note.state in FINAL
+        return _of_note(note)
+
+    async def events(self, after: int | None) -> AsyncIterator[str]:
+        """The whole stream: catch up, then live notes until a final state."""
+        subscription = self._feed.subscribe(self._job_id)  # before reading: nothing falls in between
+        try:
+            yield f"retry: {RETRY_MS}\n\n"
+            for chunk in await self.catch_up(after):
+                yield chunk
+            while not self.done:
+                item = await subscription.next(self._keepalive_s)
+                if item is None:
+                    yield ": keepalive\n\n"
+                elif isinstance(item, notify.Note):
+                    live = self.on_note(item)
+                    if live is not None:
+                        yield live
+                else:  # RESYNC: notes may have been lost; the history has them
+                    for chunk in await self.catch_up(self.last_id):
+                        yield chunk
+        finally:
+            self._feed.unsubscribe(subscription)
+
+
+def _last_event_id(value: str | None) -> int | None:
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value.strip())
+
+
+@router.get(
+    "/{job_id}/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "state and progress events"},
+        404: {"model": ErrorPublic, "description": "No such job"},
+    },
+)
+async def stream_job(
+    job_id: uuid.UUID,
+    request: Request,
+    services: ServicesDep,
+    caller: CallerDep,
+    last_event_id: Annotated[str | None, Header(max_length=40)] = None,
+) -> StreamingResponse:
+    """Server-sent events of the job's state and progress until it ends; resumes after Last-Event-ID."""
+    await services.manager.get(job_id, owner=caller.owner_filter)  # 404 before the stream starts
+    stream = JobStream(
+        services.manager,
+        request.app.state.feed,
+        job_id,
+        owner=caller.owner_filter,
+        keepalive_s=request.app.state.settings.stream_keepalive_s,
+    )
+    return StreamingResponse(
+        stream.events(_last_event_id(last_event_id)),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

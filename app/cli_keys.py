@@ -1,0 +1,99 @@
+"""`gpujobs keys create|list|revoke`: the operator's side of API keys.
+
+A new key is printed once, alone on stdout (so `KEY=$(gpujobs keys create alice)` works); only its
+hash is stored. On a new installation, `gpujobs keys create admin --admin` makes the first admin key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Annotated, TypeVar
+
+import typer
+
+from app import auth, db, errors
+
+keys = typer.Typer(help="API keys: create, list and revoke.", no_args_is_help=True)
+_T = TypeVar("_T")
+
+
+def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
+    """Run `action` on the configured database (the embedded one when no URL is set)."""
+    from app import cli  # the command module; imported here because it imports this one
+
+    settings = cli._settings()
+
+    async def run(url: str) -> _T:
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            return await action(auth.KeyStore(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        with cli.database(settings) as ready:
+            return asyncio.run(run(ready.database_url or ""))
+    except errors.AppError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _when(at: datetime | None) -> str:
+    return at.strftime("%Y-%m-%d %H:%M") if at is not None else "-"
+
+
+@keys.command("create")
+def create(
+    name: Annotated[str, typer.Argument(help="The principal: who the key acts for and owns the jobs")],
+    admin: Annotated[bool, typer.Option("--admin", help="May see and manage every job")] = False,
+) -> None:
+    """Make a new key for NAME and print it: it is shown only this once."""
+    role = auth.Role.admin if admin else auth.Role.user
+    made = _with_store(lambda store: store.create(name, role=role))
+    typer.echo(made.secret)
+    typer.echo(
+        f"created {made.info.role} key {made.info.id} ({made.info.prefix}...) for {made.info.principal!r}; "
+        "it is shown only now: send it as `Authorization: Bearer <key>`",
+        err=True,
+    )
+
+
+@keys.command("list")
+def list_keys(
+    include_revoked: Annotated[bool, typer.Option("--all", help="Also show revoked keys")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """List keys (never their secrets): id, prefix, principal, role, created, last used."""
+    found = _with_store(lambda store: store.list_keys(include_revoked=include_revoked))
+    if as_json:
+        rows = [
+            {
+                "id": k.id,
+                "prefix": k.prefix,
+                "principal": k.principal,
+                "role": k.role.value,
+                "created_at": k.created_at.isoformat(),
+                "last_used_at": k.last_used_at.isoformat() if k.last_used_at else None,
+                "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None,
+            }
+            for k in found
+        ]
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    typer.echo(f"{'id':>5}  {'prefix':<12}  {'role':<5}  {'created':<16}  {'last used':<16}  principal")
+    for k in found:
+        revoked = f"  (revoked {_when(k.revoked_at)})" if k.revoked_at else ""
+        typer.echo(
+            f"{k.id:>5}  {k.prefix:<12}  {k.role.value:<5}  {_when(k.created_at):<16}  "
+            f"{_when(k.last_used_at):<16}  {k.principal}{revoked}"
+        )
+
+
+@keys.command("revoke")
+def revoke(key: Annotated[str, typer.Argument(help="The key's id or prefix, as `keys list` shows")]) -> None:
+    """Revoke a key: every request with it is refused (401) from now on."""
+    info = _with_store(lambda store: store.revoke(key))
+    typer.echo(f"revoked key {info.id} ({info.prefix}...) of {info.principal!r}")

@@ -1,0 +1,293 @@
+"""The HTTP client side of the `gpujobs` command: submit, jobs list|show|cancel|retry, prune.
+
+It talks to a running API (`--url` or GPUJOBS_URL) with an API key (`--key` or GPUJOBS_API_KEY).
+`submit --wait` follows the job's event stream (GET /jobs/{id}/stream) with a progress bar, resuming
+with Last-Event-ID when the connection drops, then downloads the results. Exit codes: 0 done,
+1 the job failed or was canceled, 2 the request was refused or the server could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from app import errors, retention
+
+jobs = typer.Typer(help="List, show, cancel and retry jobs.", no_args_is_help=True)
+err = Console(stderr=True)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
+RECONNECTS = 20
+
+Url = Annotated[str, typer.Option("--url", envvar="GPUJOBS_URL", help="The API's base URL")]
+Key = Annotated[
+    str | None, typer.Option("--key", envvar="GPUJOBS_API_KEY", help="API key (Bearer)", show_default=False)
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON")]
+
+
+def register(cli: typer.Typer) -> None:
+    """Add the client commands to the `gpujobs` command."""
+    cli.command()(submit)
+    cli.add_typer(jobs, name="jobs")
+    cli.command()(prune)
+
+
+def connect(url: str, key: str | None) -> httpx.Client:
+    """An HTTP client for the API, sending the key."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    timeout = httpx.Timeout(30.0, read=60.0)  # streams send a keepalive every 15 s
+    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print an error and exit."""
+    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
+    """One API call; its JSON answer, or exit 2 with the server's `detail`."""
+    try:
+        response = http.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {http.base_url}: {exc}")
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        fail(f"{response.status_code}: {detail}")
+    return response.json()
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """`k=v` pairs; values that read as JSON (numbers, true/false) are taken as such, else text."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.strip():
+            fail(f"--param {pair!r}: write it as name=value")
+        try:
+            params[name.strip()] = json.loads(raw)
+        except ValueError:
+            params[name.strip()] = raw
+    return params
+
+
+def show(job: dict[str, Any], as_json: bool) -> None:
+    """Print a job: JSON, or one readable line."""
+    if as_json:
+        typer.echo(json.dumps(job, indent=2))
+        return
+    progress = f" {job['progress'] * 100:.0f}%" if job["state"] == "running" else ""
+    error = f"  {job['error'].splitlines()[0]}" if job.get("error") else ""
+    typer.echo(
+        f"{job['id']}  {job['state']}{progress}  {job['model']}  attempt {job['attempt']}/"
+        f"{job['max_attempts']}  priority {job['priority']}  created {job['created_at']}{error}"
+    )
+
+
+# -- submit -------------------------------------------------------------------------------------
+
+
+def submit(
+    image: Annotated[Path, typer.Argument(help="PNG, JPEG or WebP image", exists=True, dir_okay=False)],
+    model: Annotated[str, typer.Option("--model", "-m", help="A registered model (gpujobs models)")],
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Model parameter name=value")
+    ] = None,
+    priority: Annotated[int, typer.Option(help="Higher runs first")] = 0,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends")] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Download the results here (implies --wait)")
+    ] = None,
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """Upload an image and queue a job; with --wait, show its progress and download the results."""
+    with connect(url, key) as http, image.open("rb") as f:
+        job = call(
+            http,
+            "POST",
+            "/jobs",
+            files={"image": (image.name, f, "application/octet-stream")},
+            data={"model": model, "priority": str(priority), "params": json.dumps(parse_params(param or []))},
+        )
+        if not (wait or out):
+            show(job, as_json)
+            return
+        err.print(f"job {job['id']} queued", highlight=False)
+        follow(http, job["id"])
+        job = call(http, "GET", f"/jobs/{job['id']}")
+        finish(http, job, out, as_json)
+
+
+def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: bool) -> None:
+    """Download the results of a succeeded job; exit 1 with its error otherwise."""
+    if job["state"] != "succeeded":
+        show(job, as_json)
+        fail(f"job {job['id']} {job['state']}: {job.get('error') or 'no error recorded'}", code=1)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for file in job["files"]:
+            path = download(http, file["url"], out / Path(file["name"]).name)
+            err.print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
+    show(job, as_json)
+
+
+def download(http: httpx.Client, link: str, path: Path) -> Path:
+    """Save a signed link to `path` (written to a temporary name, then renamed)."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with http.stream("GET", link) as response:
+            if response.status_code != 200:
+                fail(f"download of {path.name} answered {response.status_code}")
+            with partial.open("wb") as f:
+                for chunk in response.iter_bytes():
+                    f.write(chunk)
+        os.replace(partial, path)
+    except httpx.HTTPError as exc:
+        fail(f"download of {path.name} failed: {exc}")
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+# -- following a job ----------------------------------------------------------------------------
+
+
+def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, dict[str, Any]]]:
+    """Server-sent events from a stream's lines: (id, event, data)."""
+    event_id, event, data = None, "message", ""
+    for line in lines:
+        if line == "":
+            if data:
+                yield event_id, event, json.loads(data)
+            event_id, event, data = None, "message", ""
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+
+
+def follow(http: httpx.Client, job_id: str) -> None:
+    """Show the job's state and progress until it ends, reconnecting with Last-Event-ID."""
+    last: str | None = None
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(), console=err, transient=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("queued", total=1.0)
+        for attempt in range(RECONNECTS):
+            headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
+            try:
+                with http.stream("GET", f"/jobs/{job_id}/stream", headers=headers) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        fail(f"{response.status_code}: {response.text}")
+                    for event_id, _, data in sse(response.iter_lines()):
+                        last = event_id or last
+                        label = (
+                            f"{data['state']} (attempt {data['attempt']})"
+                            if data["attempt"]
+                            else data["state"]
+                        )
+                        bar.update(task, description=label, completed=data.get("progress", 0.0))
+                        if data["state"] in FINAL:
+                            return
+            except httpx.HTTPError as exc:
+                err.print(f"stream interrupted ({exc}); reconnecting", highlight=False)
+            time.sleep(min(0.5 * 2**attempt, 10))
+    fail(f"lost the stream of job {job_id} {RECONNECTS} times")
+
+
+# -- jobs ---------------------------------------------------------------------------------------
+
+
+@jobs.command("list")
+def list_jobs(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state")] = None,
+    model: Annotated[str | None, typer.Option(help="Only jobs of this model")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=200, help="How many")] = 50,
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """List jobs, newest first."""
+    query = {k: v for k, v in {"state": state, "model": model, "limit": limit}.items() if v is not None}
+    with connect(url, key) as http:
+        page = call(http, "GET", "/jobs", params=query)
+    if as_json:
+        typer.echo(json.dumps(page, indent=2))
+        return
+    for job in page["jobs"]:
+        show(job, False)
+
+
+@jobs.command("show")
+def show_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
+    """One job: state, progress, attempts, error and file links."""
+    with connect(url, key) as http:
+        job = call(http, "GET", f"/jobs/{job_id}")
+    show(job, as_json)
+    if not as_json:
+        for file in job["files"]:
+            typer.echo(f"  {file['name']}  {file['bytes']} bytes  {url.rstrip('/')}{file['url']}")
+
+
+@jobs.command("cancel")
+def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
+    """Cancel a job (queued: at once; running: within a heartbeat)."""
+    with connect(url, key) as http:
+        answer = call(http, "POST", f"/jobs/{job_id}/cancel")
+    typer.echo(f"{answer['id']}  {answer['state']}")
+
+
+@jobs.command("retry")
+def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
+    """Queue a failed or canceled job again (admin key)."""
+    with connect(url, key) as http:
+        show(call(http, "POST", f"/admin/jobs/{job_id}/retry"), as_json)
+
+
+# -- prune --------------------------------------------------------------------------------------
+
+
+def prune(
+    older_than: Annotated[
+        str | None,
+        typer.Option(help="Finished longer ago than this (90s, 12h, 7d, 2w); default: the server's"),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted")] = False,
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """Delete the files, logs and unused inputs of old finished jobs now (admin key)."""
+    try:
+        seconds = None if older_than is None else retention.parse_duration(older_than)
+    except errors.InvalidRequest as exc:
+        fail(exc.message)
+    with connect(url, key) as http:
+        report = call(http, "POST", "/admin/prune", json={"older_than_s": seconds, "dry_run": dry_run})
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    verb = "would expire" if dry_run else "expired"
+    inputs = "" if report["inputs_deleted"] is None else f", {report['inputs_deleted']} inputs deleted"
+    freed = report["files_bytes"] + report["inputs_bytes"]
+    typer.echo(f"{verb} {report['jobs']} jobs finished before {report['cutoff']}: {freed} bytes{inputs}")

@@ -1,0 +1,76 @@
+"""Learned VRAM: admit jobs on what their model was seen to use, not only on what it declared.
+
+Workers record each run's peak GPU memory (NVML, per process group). Once a model has
+`min_samples` recorded peaks, a new job is admitted on a high percentile of observed ÷ declared,
+times its own declared estimate (so input size still scales it), plus a margin, and never above
+the declared figure (or the declared maximum) unless the operator allows it. Without NVML no
+peaks are recorded and the declared estimate is used as is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app import registry, scheduler
+from app.queue import manager as manager_
+
+
+@dataclass(frozen=True, slots=True)
+class LearningConfig:
+    """How learned estimates are made (Settings: learned_vram_*)."""
+
+    min_samples: int = 20
+    percentile: float = 95.0
+    margin_mb: int = 256
+    above_declared: bool = False
+    ttl_s: float = 30.0
+
+
+class VramLearner:
+    """Per-model observed peaks, read from the database and cached for `ttl_s`."""
+
+    def __init__(self, manager: manager_.JobManager, config: LearningConfig) -> None:
+        self._manager = manager
+        self._config = config
+        self._ratios: dict[str, tuple[list[float], int]] = {}
+        self._read_at = -float("inf")
+
+    async def _observed(self) -> dict[str, tuple[list[float], int]]:
+        if time.monotonic() - self._read_at > self._config.ttl_s:
+            self._ratios = await self._manager.vram_ratios()
+            self._read_at = time.monotonic()
+        return self._ratios
+
+    async def estimate(self, spec: registry.ModelSpec, megapixels: float) -> tuple[int, int]:
+        """(MB to admit the job on, the declared estimate)."""
+        declared = spec.estimate_vram_mb(megapixels)
+        ratios, _ = (await self._observed()).get(spec.name, ([], 0))
+        cap = None if self._config.above_declared else (spec.max_vram_mb or declared)
+        learned = scheduler.learned_vram_mb(
+            declared, ratios, percentile=self._config.percentile, margin_mb=self._config.margin_mb,
+            min_samples=self._config.min_samples, cap_mb=cap,
+        )
+        return learned, declared
+
+    async def report(self, spec: registry.ModelSpec) -> dict[str, Any]:
+        """Declared versus observed for GET /models: samples, largest peak, the ratio admitted on."""
+        ratios, max_peak = (await self._observed()).get(spec.name, ([], 0))
+        learned_ratio = None
+        if len(ratios) >= self._config.min_samples:
+            probe = 1000  # the ratio the percentile gives, read off a 1000 MB declaration
+            learned_ratio = (
+                scheduler.learned_vram_mb(
+                    probe, ratios, percentile=self._config.percentile, margin_mb=0,
+                    min_samples=self._config.min_samples, cap_mb=None,
+                )
+                / probe
+            )
+        return {
+            "declared": {"base_mb": spec.base_mb, "mb_per_megapixel": spec.mb_per_megapixel,
+                         "max_mb": spec.max_vram_mb},
+            "observed": {"samples": len(ratios), "max_peak_mb": max_peak or None,
+                         "peak_to_declared_p": self._config.percentile, "ratio": learned_ratio},
+            "admits_on": "learned" if learned_ratio is not None else "declared",
+        }

@@ -1,0 +1,289 @@
+"""Prometheus metrics: job life, queue, workers and GPUs from the database; HTTP per process.
+
+Two kinds of series, so that numbers add up with any number of API and worker processes:
+
+- **From the database** (every `gpujobs_job*`, `gpujobs_worker*`, `gpujobs_gpu*` series): read at
+  scrape time, cached `cache_s`. Counters and histograms of job life are built by reading
+  `job_events` in id order, incrementally (each process keeps its place), so they count what every
+  process did, workers included, and every API process reports the same values. Queue depth and the
+  worker / GPU gauges come from the `jobs` table and the workers' last heartbeat snapshots.
+  Aggregate them across API processes with `max without (instance)`, not `sum`.
+- **Per process** (`gpujobs_http_*`, `gpujobs_stream_subscribers`, `process_*`, `python_*`): each
+  API process counts its own requests; Prometheus's `instance` label tells the processes apart;
+  aggregate with `sum`. The client's multiprocess mode is not used: each process is its own target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
+
+from app import db
+from app.queue import manager as manager_
+from app.queue import records
+from app.queue.jobs import FINAL_STATES
+
+log = logging.getLogger("gpujobs.metrics")
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+MB: Final = 1 << 20
+JOB_BUCKETS_S: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+HTTP_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+FINAL: Final = frozenset(s.value for s in FINAL_STATES)
+# Events after which a job waits in the queue, and events that end a running attempt.
+QUEUE_ENTRY: Final = frozenset(
+    {"submitted", "retry_scheduled", "recovered", "released", "retried", "out_of_memory"}
+)
+ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out_of_memory"}) | FINAL
+# How long a hole in the event ids may stay open (a transaction not yet committed) before it is
+# taken for a rolled-back insert and skipped.
+GAP_WAIT_S: Final = 10.0
+
+
+@dataclass(slots=True)
+class Buckets:
+    """One histogram's cumulative state."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count of observations <= le) pairs, ending with +Inf."""
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        running, pairs = 0, []
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], counts, strict=True):
+            running += count
+            pairs.append((bound, float(running)))
+        return pairs
+
+
+class JobTally:
+    """Counters and histograms of job life, built by reading job_events in id order."""
+
+    def __init__(self) -> None:
+        self.floor = 0  # every event id up to here is counted (or was a rolled-back hole)
+        self._gap_since: float | None = None
+        self.submitted: Counter[str] = Counter()
+        self.finished: Counter[tuple[str, str]] = Counter()
+        self.attempts: Counter[str] = Counter()
+        self.recoveries: Counter[str] = Counter()
+        self.wait: dict[str, Buckets] = {}
+        self.run: dict[str, Buckets] = {}
+        self.end_to_end: dict[str, Buckets] = {}
+
+    def add(self, rows: Iterable[Any], now: float) -> int:
+        """Count rows (ordered by id) up to the first hole that may still fill; returns how many."""
+        counted = 0
+        for row in rows:
+            if row.id != self.floor + 1:
+                self._gap_since = self._gap_since if self._gap_since is not None else now
+                if now - self._gap_since < GAP_WAIT_S:
+                    break
+            self._gap_since = None
+            self._count(row)
+            self.floor = row.id
+            counted += 1
+        return counted
+
+    def _count(self, row: Any) -> None:
+        model, kind = row.model, row.kind
+        if kind == "submitted":
+            self.submitted[model] += 1
+        elif kind == "claimed":
+            self.attempts[model] += 1
+            if row.prev_kind in QUEUE_ENTRY and row.since_prev_s is not None:
+                self._observe(self.wait, model, row.since_prev_s)
+        if kind in ATTEMPT_END and row.prev_kind == "claimed" and row.since_prev_s is not None:
+            self._observe(self.run, model, row.since_prev_s)
+        if kind in FINAL:
+            self.finished[(model, kind)] += 1
+            self._observe(self.end_to_end, model, row.since_created_s)
+        if kind == "recovered" or (kind in FINAL and row.taken_back):
+            self.recoveries[model] += 1
+
+    @staticmethod
+    def _observe(histograms: dict[str, Buckets], model: str, seconds: Any) -> None:
+        histograms.setdefault(model, Buckets(JOB_BUCKETS_S)).observe(max(0.0, float(seconds)))
+
+    def families(self) -> Iterable[Metric]:
+        """The tally as Prometheus metric families."""
+        yield _counter("gpujobs_jobs_submitted", "Jobs submitted", ["model"], self.submitted)
+        finished = CounterMetricFamily(
+            "gpujobs_jobs_finished", "Jobs that reached a final state", labels=["model", "state"]
+        )
+        for (model, state), count in sorted(self.finished.items()):
+            finished.add_metric([model, state], count)
+        yield finished
+        yield _counter("gpujobs_job_attempts", "Attempts started (claims)", ["model"], self.attempts)
+        yield _counter(
+            "gpujobs_job_recoveries", "Jobs taken back from a lost worker", ["model"], self.recoveries
+        )
+        yield _histogram(
+            "gpujobs_job_queue_wait_seconds", "Time queued before a claim (per attempt)", self.wait
+        )
+        yield _histogram("gpujobs_job_run_seconds", "Time from claim to the end of an attempt", self.run)
+        yield _histogram(
+            "gpujobs_job_end_to_end_seconds", "Time from submission to a final state", self.end_to_end
+        )
+
+
+def _counter(name: str, doc: str, labels: list[str], values: Counter[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, count in sorted(values.items()):
+        family.add_metric([key], count)
+    return family
+
+
+def _histogram(name: str, doc: str, by_model: dict[str, Buckets]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["model"])
+    for model, buckets in sorted(by_model.items()):
+        family.add_metric([model], buckets.cumulative(), sum_value=buckets.total)
+    return family
+
+
+class DatabaseMetrics:
+    """The series read from the database, refreshed at most every `cache_s` (a prometheus Collector)."""
+
+    def __init__(self, manager: manager_.JobManager, *, cache_s: float, batch: int = 5000) -> None:
+        self._manager = manager
+        self._cache_s = cache_s
+        self._batch = batch
+        self._lock = asyncio.Lock()
+        self._refreshed_at: float | None = None
+        self._up = 0
+        self.tally = JobTally()
+        self._depth: list[tuple[str, str, int, int]] = []
+        self._workers: list[records.WorkerInfo] = []
+
+    async def refresh(self, *, budget_s: float = 2.0) -> None:
+        """Read what changed since the last refresh, unless that was less than `cache_s` ago."""
+        async with self._lock:
+            now = time.monotonic()
+            if self._refreshed_at is not None and now - self._refreshed_at < self._cache_s:
+                return
+            try:
+                await self._tail(now + budget_s)
+                self._depth = await self._manager.queue_depth()
+                self._workers = await self._manager.workers(recent_s=0)
+            except Exception as exc:
+                if not db.is_unavailable(exc):
+                    raise
+                log.warning("metrics: database unavailable", extra={"action": "db_down"})
+                self._up = 0
+                return
+            self._up = 1
+            self._refreshed_at = time.monotonic()
+
+    async def _tail(self, deadline: float) -> None:
+        """Count new events in batches (a new process catches up over a few scrapes)."""
+        while time.monotonic() < deadline:
+            rows = await self._manager.events_for_metrics(after=self.tally.floor, limit=self._batch)
+            counted = self.tally.add(rows, time.monotonic())
+            if len(rows) < self._batch or counted < len(rows):
+                return
+
+    def collect(self) -> Iterable[Metric]:
+        """Every database-derived family, from the last refresh."""
+        up = GaugeMetricFamily("gpujobs_metrics_database_up", "1 if the last read of the database worked")
+        up.add_metric([], self._up)
+        yield up
+        yield from self.tally.families()
+        depth = GaugeMetricFamily(
+            "gpujobs_jobs", "Unfinished jobs by state and model", labels=["state", "model"]
+        )
+        totals: Counter[tuple[str, str]] = Counter()
+        for state, model, _priority, count in self._depth:
+            totals[(state, model)] += count
+        for (state, model), count in sorted(totals.items()):
+            depth.add_metric([state, model], count)
+        yield depth
+        yield from worker_families(self._workers)
+
+
+def worker_families(workers: Sequence[records.WorkerInfo]) -> Iterable[Metric]:
+    """Per worker and GPU gauges from the workers' last heartbeat snapshots."""
+    age = GaugeMetricFamily(
+        "gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat", labels=["worker"]
+    )
+    running = GaugeMetricFamily("gpujobs_worker_running_jobs", "Jobs the worker runs", labels=["worker"])
+    names = ("total", "free", "reserved")
+    memory = {
+        n: GaugeMetricFamily(
+            f"gpujobs_gpu_memory_{n}_bytes", f"GPU memory: {n}", labels=["worker", "gpu", "name"]
+        )
+        for n in names
+    }
+    gpu_jobs = GaugeMetricFamily(
+        "gpujobs_gpu_running_jobs", "Jobs on the GPU", labels=["worker", "gpu", "name"]
+    )
+    for w in workers:
+        age.add_metric([w.id], w.heartbeat_age_s)
+        running.add_metric([w.id], len(w.running_jobs))
+        for g in w.gpus:
+            labels = [w.id, str(g.get("index", "?")), str(g.get("name", ""))]
+            for n in names:
+                memory[n].add_metric(labels, int(g.get(f"{n}_mb") or 0) * MB)
+            gpu_jobs.add_metric(labels, int(g.get("running_jobs") or 0))
+    yield from (age, running, *memory.values(), gpu_jobs)
+
+
+class _Gauge:
+    """A gauge whose value is read from a callable at scrape time."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self._name, self._doc, self._read = name, doc, read
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self._name, self._doc)
+        family.add_metric([], self._read())
+        yield family
+
+
+class Metrics:
+    """One API process's registry: database series, HTTP latency, stream count, process stats."""
+
+    def __init__(
+        self, manager: manager_.JobManager, *, cache_s: float, subscribers: Callable[[], int]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.database = DatabaseMetrics(manager, cache_s=cache_s)
+        self.registry.register(self.database)
+        self.registry.register(
+            _Gauge("gpujobs_stream_subscribers", "Open job streams in this process", lambda: subscribers())
+        )
+        self.http = Histogram(
+            "gpujobs_http_request_duration_seconds",
+            "Time to answer an HTTP request (until the response headers), by route and status",
+            ["method", "route", "status"],
+            buckets=HTTP_BUCKETS_S,
+            registry=self.registry,
+        )
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+
+    async def render(self) -> bytes:
+        """The exposition text, after refreshing the database series if they are stale."""
+        await self.database.refresh()
+        return generate_latest(self.registry)

@@ -1,0 +1,214 @@
+"""Planner: what a worker may claim next, and on which GPU.
+
+Budgets: each GPU's free MB (DESIGN.md "Claiming"), less the jobs running on it, less the memory
+of jobs that ended but whose processes NVML still shows (a GPU is not offered again until its
+memory is back, or `settle_timeout_s` passed). Claims, in order, while a reservation holds:
+
+    1. any job, on the GPUs that are not held
+    2. on the held GPU: jobs that outrank the reserved one
+    3. on the held GPU: backfill, jobs expected to end before the reserved one could start
+
+The policy itself is in app/scheduler.py (pure, shared with the simulator).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app import gpu, registry, scheduler
+from app.queue import manager as manager_
+from app.queue.jobs import Job
+
+log = logging.getLogger("gpujobs.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Scheduling settings (see Settings for their meaning)."""
+
+    vram_buffer_mb: int = 512
+    max_jobs_per_gpu: int = 0
+    reserve_after_s: float = 120.0
+    backfill_min_samples: int = 5
+    settle_timeout_s: float = 30.0
+    refresh_s: float = 1.0  # how often the reservation is reconsidered
+    estimates_ttl_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class InHand:
+    """A job this worker runs: where, how big, since when (monotonic seconds)."""
+
+    job: Job
+    gpu: int
+    started_s: float
+
+
+@dataclass(slots=True)
+class _Settling:
+    gpu: int
+    vram_mb: int
+    pids: frozenset[int]
+    deadline_s: float
+    job_id: object
+
+
+class Planner:
+    """Budgets, reservation and backfill for one worker's GPUs."""
+
+    def __init__(
+        self,
+        manager: manager_.JobManager,
+        inventory: gpu.GpuInventory,
+        models: registry.Registry,
+        config: PlannerConfig,
+    ) -> None:
+        self._manager = manager
+        self._inventory = inventory
+        self._models = models
+        self._config = config
+        self._settling: list[_Settling] = []
+        self.reservation: scheduler.Reservation | None = None
+        self._reservation_at = -math.inf
+        self.estimates: dict[str, scheduler.RunTime] = {}
+        self._estimates_at = -math.inf
+
+    # -- budgets --------------------------------------------------------------------------
+
+    def settle(self, gpu_index: int, vram_mb: int, pids: set[int], job_id: object) -> None:
+        """A job ended: keep its memory counted until its processes leave the GPU."""
+        if pids:
+            deadline = time.monotonic() + self._config.settle_timeout_s
+            self._settling.append(_Settling(gpu_index, vram_mb, frozenset(pids), deadline, job_id))
+
+    def _settling_mb(self) -> Counter[int]:
+        """MB per GPU still held by ended jobs; entries whose memory came back are dropped."""
+        if not self._settling:
+            return Counter()
+        alive = set(self._inventory.process_memory_mb())
+        now = time.monotonic()
+        kept = []
+        for entry in self._settling:
+            if not entry.pids & alive:
+                continue
+            if now > entry.deadline_s:
+                log.warning(
+                    "GPU memory of an ended job did not come back; offering the GPU anyway",
+                    extra={"action": "gpu_settle_timeout", "gpu": entry.gpu, "job_id": str(entry.job_id)},
+                )
+                continue
+            kept.append(entry)
+        self._settling = kept
+        held: Counter[int] = Counter()
+        for entry in kept:
+            held[entry.gpu] += entry.vram_mb
+        return held
+
+    def rooms(self, running: Sequence[InHand]) -> list[scheduler.GpuRoom]:
+        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap)."""
+        reserved = self._settling_mb()
+        count: Counter[int] = Counter()
+        for r in running:
+            reserved[r.gpu] += r.job.vram_mb
+            count[r.gpu] += 1
+        cap, buffer = self._config.max_jobs_per_gpu, self._config.vram_buffer_mb
+        rooms = []
+        for g in self._inventory.snapshot():
+            available = gpu.available_mb(g, reserved_mb=reserved[g.index], buffer_mb=buffer)
+            if cap and count[g.index] >= cap:
+                available = 0
+            rooms.append(scheduler.GpuRoom(g.index, max(0, g.total_mb - buffer), available))
+        return rooms
+
+    # -- claiming -------------------------------------------------------------------------
+
+    async def claim(
+        self, running: Sequence[InHand], *, worker_id: str, host: str, lease_s: float
+    ) -> Job | None:
+        """Claim the next job this worker should start, or None."""
+        rooms = self.rooms(running)
+        budgets = {r.index: r.available_mb for r in rooms if r.available_mb > 0}
+        await self._refresh(rooms, running)
+        open_, held = scheduler.split_budgets(budgets, self.reservation)
+        models = list(self._models.models)
+
+        async def take(
+            budgets: dict[int, int], models: Sequence[str] | dict[str, float], min_priority: int = -(2**31)
+        ) -> Job | None:
+            return await self._manager.claim(
+                worker_id=worker_id,
+                host=host,
+                models=models,
+                budgets=budgets,
+                lease_s=lease_s,
+                min_priority=min_priority,
+            )
+
+        job = await take(open_, models)
+        if job is not None or not held or self.reservation is None:
+            return job
+        job = await take(held, models, min_priority=self.reservation.effective_priority + 1)
+        if job is not None:
+            return job
+        window = self.reservation.start_s - time.monotonic()
+        limits = scheduler.backfill_limits(
+            self.estimates, models, window, min_samples=self._config.backfill_min_samples
+        )
+        return await take(held, limits) if limits else None
+
+    async def _refresh(self, rooms: list[scheduler.GpuRoom], running: Sequence[InHand]) -> None:
+        """Reconsider the reservation (at most every `refresh_s`) and the run-time estimates."""
+        now = time.monotonic()
+        if now - self._estimates_at > self._config.estimates_ttl_s:
+            self.estimates = runtime_estimates(await self._manager.run_times())
+            self._estimates_at = now
+        if now - self._reservation_at < self._config.refresh_s:
+            return
+        self._reservation_at = now
+        budget = max((r.available_mb for r in rooms), default=0)
+        capacity = max((r.capacity_mb for r in rooms), default=0)
+        head = await self._manager.waiting_head(
+            models=list(self._models.models), budget=budget, capacity=capacity
+        )
+        previous, self.reservation = self.reservation, None
+        if head is not None:
+            job_id, vram_mb, effective, waited_s = head
+            waiting = scheduler.Waiting(job_id, vram_mb, effective, waited_s)
+            ends = [scheduler.Running(r.gpu, r.job.vram_mb, self._expected_end(r)) for r in running]
+            self.reservation = scheduler.reserve(
+                waiting, rooms, ends, now, after_s=self._config.reserve_after_s
+            )
+        if self.reservation is not None and (previous is None or previous.job_id != self.reservation.job_id):
+            log.info(
+                "GPU held for a waiting job",
+                extra={
+                    "action": "gpu_reserved",
+                    "gpu": self.reservation.gpu,
+                    "job_id": str(self.reservation.job_id),
+                },
+            )
+
+    def _expected_end(self, running: InHand) -> float:
+        """When a running job should end: its model's estimate, or its timeout when unknown."""
+        estimate = self.estimates.get(running.job.model)
+        if estimate is not None and estimate.samples >= self._config.backfill_min_samples:
+            return running.started_s + estimate.expected_s(running.job.megapixels)
+        return running.started_s + self._models.get(running.job.model).timeout_s
+
+
+def runtime_estimates(
+    rows: dict[str, tuple[int, float, float | None, float | None]],
+) -> dict[str, scheduler.RunTime]:
+    """Run-time lines from the database's statistics (a flat line when sizes never varied)."""
+    estimates = {}
+    for model, (samples, mean_s, intercept_s, slope_s) in rows.items():
+        if intercept_s is None or slope_s is None:
+            estimates[model] = scheduler.RunTime(mean_s, 0.0, samples)
+        else:
+            estimates[model] = scheduler.RunTime(float(intercept_s), max(0.0, float(slope_s)), samples)
+    return estimates

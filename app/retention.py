@@ -1,0 +1,207 @@
+"""Retention: finished jobs older than a set age lose their result files, logs and unused inputs.
+
+The job row stays, with `expired_at` set, so its links answer 410 Gone. The order of the work makes
+a crash harmless: a batch is marked expired (and inputs that no unexpired job uses are deleted) in
+one transaction, then the batch's folders are deleted; folders of expired jobs left by a crash in
+between are swept by the next run. Queued, scheduled and running jobs never match, and an expired
+job cannot be retried, so nothing deleted here is needed again.
+
+One process prunes at a time (a PostgreSQL advisory lock): every worker runs `run_forever`, and
+`gpujobs prune` / `POST /admin/prune` call `prune` on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Final
+
+from app import db, errors
+from app.queue import manager as manager_
+from app.queue import sql
+
+log = logging.getLogger("gpujobs.retention")
+
+PARTS: Final = ("results", "logs", "scratch")  # per-job folders below the storage root
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_S: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
+REPORTED_IDS: Final = 1000  # a report lists at most this many job ids
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "30s", "15m", "12h", "7d" or "2w"."""
+    match = _DURATION.match(text.lower())
+    if match is None:
+        raise errors.InvalidRequest(f"{text!r} is not a duration (examples: 90s, 15m, 12h, 7d, 2w)")
+    return float(match[1]) * _UNIT_S[match[2]]
+
+
+@dataclass(slots=True)
+class PruneReport:
+    """What one prune did (or, in a dry run, would do)."""
+
+    cutoff: datetime
+    dry_run: bool
+    jobs: int = 0
+    files_bytes: int = 0
+    inputs_deleted: int | None = 0  # None in a dry run: not estimated
+    inputs_bytes: int = 0
+    leftovers_removed: int = 0
+    job_ids: list[uuid.UUID] = field(default_factory=list)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files below `path` (0 if it does not exist; links are not followed)."""
+    total = 0
+    stack = [path]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+    return total
+
+
+def disk_usage(root: Path) -> dict[str, int]:
+    """Bytes used below the storage root: each part, the embedded database, the rest, and the total."""
+    usage = {part: tree_bytes(root / part) for part in (*PARTS, "pgdata")}
+    usage["total"] = tree_bytes(root)
+    usage["other"] = max(0, usage["total"] - sum(usage[p] for p in (*PARTS, "pgdata")))
+    return usage
+
+
+def job_folders(root: Path, job_id: uuid.UUID) -> list[Path]:
+    """The folders that hold one job's files."""
+    return [root / part / str(job_id) for part in PARTS]
+
+
+def _delete(root: Path, job_id: uuid.UUID) -> int:
+    freed = 0
+    for folder in job_folders(root, job_id):
+        if folder.is_dir() and not folder.is_symlink():
+            freed += tree_bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return freed
+
+
+def _jobs_on_disk(root: Path) -> list[uuid.UUID]:
+    """Every job id that has a folder below the storage root."""
+    found: set[uuid.UUID] = set()
+    for part in PARTS:
+        folder = root / part
+        with os.scandir(folder) if folder.is_dir() else contextlib.nullcontext(iter(())) as entries:
+            for entry in entries:
+                with contextlib.suppress(ValueError):
+                    found.add(uuid.UUID(entry.name))
+    return sorted(found)
+
+
+class Pruner:
+    """Deletes the files of old finished jobs, one process at a time."""
+
+    def __init__(self, manager: manager_.JobManager, root: Path, *, batch: int = 500) -> None:
+        self._manager = manager
+        self._root = root.resolve()
+        self._batch = batch
+
+    async def prune(self, *, older_than_s: float, dry_run: bool = False) -> PruneReport:
+        """Expire the jobs that finished more than `older_than_s` ago; Conflict if a prune is running."""
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        report = PruneReport(cutoff=cutoff, dry_run=dry_run)
+        async with self._manager.advisory_lock(sql.RETENTION_LOCK_KEY) as held:
+            if not held:
+                raise errors.Conflict("a prune is already running in another process; try again later")
+            if dry_run:
+                await self._estimate(report)
+            else:
+                await self._expire_all(report)
+                report.leftovers_removed = await self._sweep()
+        if not dry_run and (report.jobs or report.leftovers_removed):
+            log.info(
+                "pruned %d jobs",
+                report.jobs,
+                extra={
+                    "action": "retention_pruned",
+                    "jobs": report.jobs,
+                    "bytes_freed": report.files_bytes + report.inputs_bytes,
+                    "inputs_deleted": report.inputs_deleted,
+                },
+            )
+        return report
+
+    async def _estimate(self, report: PruneReport) -> None:
+        ids = await self._manager.expirable(cutoff=report.cutoff, limit=1_000_000)
+        report.jobs, report.inputs_deleted = len(ids), None
+        report.job_ids = ids[:REPORTED_IDS]
+        for job_id in ids:
+            for folder in job_folders(self._root, job_id):
+                report.files_bytes += await asyncio.to_thread(tree_bytes, folder)
+
+    async def _expire_all(self, report: PruneReport) -> None:
+        while True:
+            batch = await self._manager.expire(cutoff=report.cutoff, limit=self._batch)
+            for job_id in batch.job_ids:
+                report.files_bytes += await asyncio.to_thread(_delete, self._root, job_id)
+            report.jobs += len(batch.job_ids)
+            report.inputs_deleted = (report.inputs_deleted or 0) + batch.inputs_deleted
+            report.inputs_bytes += batch.input_bytes
+            room = REPORTED_IDS - len(report.job_ids)
+            report.job_ids.extend(batch.job_ids[: max(room, 0)])
+            if len(batch.job_ids) < self._batch:
+                return
+
+    async def _sweep(self) -> int:
+        """Delete folders of jobs already expired (a crash came between marking and deleting)."""
+        listed = await asyncio.to_thread(_jobs_on_disk, self._root)
+        removed = 0
+        for start in range(0, len(listed), 1000):
+            for job_id in await self._manager.expired_among(listed[start : start + 1000]):
+                await asyncio.to_thread(_delete, self._root, job_id)
+                removed += 1
+        return removed
+
+    async def run_forever(self, *, older_than_s: float, interval_s: float) -> None:
+        """Prune every `interval_s` (skipped while another process prunes); never raises but cancel."""
+        while True:
+            try:
+                await self.prune(older_than_s=older_than_s)
+            except errors.Conflict:
+                pass  # another worker is on it
+            except Exception as exc:
+                level = logging.WARNING if db.is_unavailable(exc) else logging.ERROR
+                log.log(level, "retention run failed: %s", exc, extra={"action": "retention_failed"})
+            await asyncio.sleep(interval_s)
+
+
+class DiskUsage:
+    """Disk usage of the storage root, measured at most every `ttl_s` (walking a big tree takes time)."""
+
+    def __init__(self, root: Path, *, ttl_s: float = 60.0) -> None:
+        self._root = root
+        self._ttl_s = ttl_s
+        self._lock = asyncio.Lock()
+        self._measured: tuple[float, dict[str, int]] | None = None
+
+    async def read(self) -> dict[str, int]:
+        """Bytes per part of storage/ (see `disk_usage`)."""
+        async with self._lock:
+            now = asyncio.get_running_loop().time()
+            if self._measured is None or now - self._measured[0] >= self._ttl_s:
+                self._measured = (now, await asyncio.to_thread(disk_usage, self._root))
+            return dict(self._measured[1])

@@ -1,0 +1,127 @@
+"""The `gpujobs` client commands, run as real processes against a real API over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import trimesh
+
+from tests.conftest import api_client, png_bytes
+from tests.integration.test_end_to_end import gradient_png
+
+
+async def gpujobs(http: Any, key: str | None, *args: str) -> tuple[int, str, str]:
+    """Run `python -m app ARGS` against the server behind `http`; (exit code, stdout, stderr)."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    env["GPUJOBS_URL"] = str(http.base_url)
+    if key is not None:
+        env["GPUJOBS_API_KEY"] = key
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app", *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(180):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_submit_wait_out_writes_the_mesh(settings, make_key, tmp_path):
+    image = tmp_path / "ramp.png"
+    image.write_bytes(gradient_png(120, 60))
+    out = tmp_path / "out"
+    key = await make_key("cli-user")
+    async with api_client(settings, run_worker=True) as http:
+        code, stdout, stderr = await gpujobs(
+            http, key, "submit", str(image), "--model", "relief",
+            "--param", "width_mm=60", "--param", "resolution=48", "--param", "format=glb",
+            "--priority", "3", "--wait", "--out", str(out),
+        )  # fmt: skip
+        assert code == 0, stderr
+        job_id = stdout.split()[0]
+        job = (await http.get(f"/jobs/{job_id}")).json()
+    assert job["state"] == "succeeded" and job["priority"] == 3 and job["params"]["resolution"] == 48
+    assert f"job {job_id} queued" in stderr and "wrote" in stderr
+    mesh_path = out / "mesh.glb"
+    assert mesh_path.stat().st_size == job["files"][0]["bytes"]
+    mesh = trimesh.load(mesh_path, force="mesh")
+    assert mesh.is_watertight
+    assert abs((mesh.bounds[1] - mesh.bounds[0])[0] - 60) < 0.01
+    assert not list(out.glob(".*partial"))
+
+
+async def test_a_failed_job_exits_non_zero_with_its_error(settings, make_key, tmp_path):
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("cli-user")
+    async with api_client(settings, run_worker=True) as http:
+        code, stdout, stderr = await gpujobs(
+            http, key, "submit", str(image), "-m", "toy", "-p", "exit_code=65", "--wait"
+        )
+    assert code == 1
+    assert "failed" in stdout and "bad input: exit code 65" in stderr
+
+
+async def test_jobs_list_show_cancel_retry_and_prune(settings, make_key, tmp_path):
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    admin = await make_key("ops", admin=True)
+    async with api_client(settings) as http:  # no worker: jobs stay queued
+        code, stdout, _ = await gpujobs(http, admin, "submit", str(image), "-m", "toy", "--json")
+        assert code == 0
+        job_id = json.loads(stdout)["id"]
+        code, stdout, _ = await gpujobs(http, admin, "jobs", "list", "--state", "queued", "--json")
+        assert code == 0 and [j["id"] for j in json.loads(stdout)["jobs"]] == [job_id]
+        code, stdout, _ = await gpujobs(http, admin, "jobs", "show", job_id)
+        assert code == 0 and stdout.startswith(f"{job_id}  queued  toy")
+        code, stdout, _ = await gpujobs(http, admin, "jobs", "cancel", job_id)
+        assert code == 0 and stdout.strip() == f"{job_id}  canceled"
+        code, stdout, _ = await gpujobs(http, admin, "jobs", "retry", job_id)
+        assert code == 0 and f"{job_id}  queued" in stdout
+        code, stdout, _ = await gpujobs(http, admin, "prune", "--older-than", "7d", "--dry-run")
+        assert code == 0 and stdout.startswith("would expire 0 jobs")
+
+        code, _, stderr = await gpujobs(http, None, "jobs", "list")
+        assert code == 2 and "401" in stderr  # the key comes from --key or GPUJOBS_API_KEY
+        code, _, stderr = await gpujobs(http, await make_key("user"), "prune")
+        assert code == 2 and "403" in stderr  # prune is for admins
+        code, _, stderr = await gpujobs(http, admin, "jobs", "show", "not-a-job")
+        assert code == 2 and "422" in stderr
+
+
+def test_params_are_typed_like_json():
+    from app import client
+
+    assert client.parse_params(["a=1", "b=2.5", "c=true", "d=glb", "e=x=y"]) == {
+        "a": 1,
+        "b": 2.5,
+        "c": True,
+        "d": "glb",
+        "e": "x=y",
+    }
+
+
+def test_server_sent_events_are_parsed():
+    from app import client
+
+    lines = ["retry: 2000", "", "id: 7", "event: state", 'data: {"state": "queued"}', "", ": keepalive", ""]
+    assert list(client.sse(iter(lines))) == [("7", "state", {"state": "queued"})]
+
+
+def test_durations(tmp_path: Path):
+    from app import errors, retention
+
+    assert [retention.parse_duration(t) for t in ("90", "30s", "15m", "12h", "7d", "2w")] == [
+        90, 30, 900, 43_200, 604_800, 1_209_600,
+    ]  # fmt: skip
+    try:
+        retention.parse_duration("soon")
+    except errors.InvalidRequest as exc:
+        assert "not a duration" in exc.message
+    else:
+        raise AssertionError("accepted 'soon'")

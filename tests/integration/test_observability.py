@@ -1,0 +1,275 @@
+"""Metrics, health, logs and the admin views, against real processes and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from app import logs, migrate
+from app.queue.jobs import JobState
+from tests.conftest import api_client, client_for
+from tests.integration.test_durability import running, until
+from tests.integration.test_stream import submit_toy
+from tests.integration.test_worker import enqueue
+
+MB = 1 << 20
+
+
+async def scrape(http: httpx.AsyncClient) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """GET /metrics, parsed with the Prometheus parser: {(sample name, labels): value}."""
+    response = await http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict[Any, float], metric: str, /, **labels: str) -> float:
+    """One sample's value (0 when absent)."""
+    return samples.get((metric, frozenset(labels.items())), 0.0)
+
+
+async def test_metrics_follow_a_job_through_its_life(settings, make_worker):
+    async with api_client(settings, metrics_cache_s=0) as http:
+        before = await scrape(http)
+        assert value(before, "gpujobs_metrics_database_up") == 1
+        job_id = await submit_toy(http, steps=2)
+        queued = await scrape(http)
+        assert value(queued, "gpujobs_jobs_submitted_total", model="toy") == 1
+        assert value(queued, "gpujobs_jobs", state="queued", model="toy") == 1
+        assert value(queued, "gpujobs_jobs_finished_total", model="toy", state="succeeded") == 0
+        post = {"method": "POST", "route": "/jobs", "status": "201"}
+        assert value(queued, "gpujobs_http_request_duration_seconds_count", **post) == 1
+
+        await make_worker().run()
+        done = await scrape(http)
+        assert (await http.get(f"/jobs/{job_id}")).json()["state"] == "succeeded"
+        assert value(done, "gpujobs_jobs", state="queued", model="toy") == 0
+        assert value(done, "gpujobs_jobs_finished_total", model="toy", state="succeeded") == 1
+        assert value(done, "gpujobs_job_attempts_total", model="toy") == 1
+        for name in ("queue_wait", "run", "end_to_end"):
+            assert value(done, f"gpujobs_job_{name}_seconds_count", model="toy") == 1
+            assert value(done, f"gpujobs_job_{name}_seconds_bucket", model="toy", le="+Inf") == 1
+        run_s = value(done, "gpujobs_job_run_seconds_sum", model="toy")
+        total_s = value(done, "gpujobs_job_end_to_end_seconds_sum", model="toy")
+        assert 0 < run_s <= total_s
+
+
+async def test_metrics_count_failures_retries_and_recoveries(settings, manager, make_worker):
+    async with api_client(settings, metrics_cache_s=0) as http:
+        lost = await enqueue(manager)
+        await enqueue(manager, fail_attempts=1)  # fails once, then succeeds
+        await enqueue(manager, exit_code=65)  # bad input: fails for good
+        job = await manager.claim(
+            worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
+        )
+        assert job is not None and job.id == lost
+        await asyncio.sleep(0.1)
+        assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
+        for _ in range(50):  # burst runs until the retry's backoff has passed and it ran again
+            await make_worker().run()
+            if all(j.state.final for j in (await manager.list_jobs()).jobs):
+                break
+            await asyncio.sleep(0.05)
+        samples = await scrape(http)
+    assert value(samples, "gpujobs_jobs_submitted_total", model="toy") == 3
+    assert value(samples, "gpujobs_jobs_finished_total", model="toy", state="succeeded") == 2
+    assert value(samples, "gpujobs_jobs_finished_total", model="toy", state="failed") == 1
+    assert value(samples, "gpujobs_job_attempts_total", model="toy") == 5  # 2 + 1 + (lost 1 + 1)
+    assert value(samples, "gpujobs_job_recoveries_total", model="toy") == 1
+    assert value(samples, "gpujobs_job_run_seconds_count", model="toy") == 5  # every attempt ended
+    assert value(samples, "gpujobs_job_queue_wait_seconds_count", model="toy") == 5
+    assert value(samples, "gpujobs_job_end_to_end_seconds_count", model="toy") == 3
+
+
+async def test_two_api_processes_report_the_same_job_numbers(settings, make_worker):
+    async with api_client(settings, metrics_cache_s=0) as one, api_client(settings, metrics_cache_s=0) as two:
+        for _ in range(3):
+            await submit_toy(one)
+        await make_worker().run()
+        first, second = await scrape(one), await scrape(two)
+    jobs = {k: v for k, v in first.items() if k[0].startswith(("gpujobs_job", "gpujobs_jobs"))}
+    assert jobs and jobs == {k: second[k] for k in jobs}  # read from the database: they agree
+    assert value(first, "gpujobs_jobs_submitted_total", model="toy") == 3
+    # ... while HTTP latency is per process: the three POSTs were all served by the first
+    post = {"method": "POST", "route": "/jobs", "status": "201"}
+    assert value(first, "gpujobs_http_request_duration_seconds_count", **post) == 3
+    assert value(second, "gpujobs_http_request_duration_seconds_count", **post) == 0
+
+
+async def test_worker_and_gpu_gauges_come_from_heartbeats(settings, manager, make_worker):
+    job_id = await enqueue(manager, sleep=5, steps=5, vram_mb=3000)
+    async with api_client(settings, metrics_cache_s=0) as http, running(make_worker([8192], burst=False)):
+        await until(manager, job_id, lambda j: j.state is JobState.running)
+        labels = {"worker": "test:w1", "gpu": "0", "name": "fake-0"}
+        deadline = time.monotonic() + 10
+        while True:  # the next heartbeat (every 0.5 s) records the reservation
+            samples = await scrape(http)
+            if value(samples, "gpujobs_gpu_memory_reserved_bytes", **labels) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert value(samples, "gpujobs_gpu_memory_reserved_bytes", **labels) == 3000 * MB
+        assert value(samples, "gpujobs_gpu_memory_total_bytes", **labels) == 8192 * MB
+        assert value(samples, "gpujobs_gpu_memory_free_bytes", **labels) == 8192 * MB  # the fake's NVML
+        assert value(samples, "gpujobs_gpu_running_jobs", **labels) == 1
+        assert value(samples, "gpujobs_worker_running_jobs", worker="test:w1") == 1
+        assert 0 <= value(samples, "gpujobs_worker_heartbeat_age_seconds", worker="test:w1") < 3
+        assert value(samples, "gpujobs_jobs", state="running", model="toy") == 1
+
+        workers = (await http.get("/admin/workers")).json()
+        [w] = workers
+        assert w["id"] == "test:w1" and w["state"] == "running" and w["live"] is True
+        assert w["host"] and w["heartbeat_age_s"] < 3 and w["running_jobs"] == [str(job_id)]
+        [g] = w["gpus"]
+        assert (g["total_mb"], g["free_mb"], g["reserved_mb"], g["running_jobs"]) == (8192, 8192, 3000, 1)
+        await manager.cancel(job_id, owner=None, by="test")
+
+
+async def test_healthz_and_readyz(settings, make_worker):
+    async with api_client(settings, key=None) as http, running(make_worker(burst=False)):
+        assert (await http.get("/healthz")).json() == {"status": "ok"}
+        deadline = time.monotonic() + 10
+        while (ready := await http.get("/readyz")).json().get("workers") != 1:
+            assert time.monotonic() < deadline, ready.text
+            await asyncio.sleep(0.1)
+        assert ready.status_code == 200
+        body = ready.json()
+        assert body["status"] == "ready" and body["schema"]["current"] == migrate.head()
+        assert body["gpus"] == [
+            {"worker": "test:w1", "index": 0, "name": "fake-0", "total_mb": 24576, "free_mb": 24576,
+             "reserved_mb": 0, "running_jobs": 0}
+        ]  # fmt: skip
+    async with api_client(settings, key=None, ready_min_workers=1) as http:
+        await asyncio.sleep(0.1)
+        response = await http.get("/readyz")  # the worker stopped: 0 live workers
+        assert response.status_code == 503 and "live workers" in response.json()["detail"]
+
+
+async def test_readyz_fails_when_the_schema_is_behind(settings):
+    async with api_client(settings, key=None) as http:
+        assert (await http.get("/readyz")).status_code == 200
+        await asyncio.to_thread(migrate.downgrade, settings.database_url, "-1")
+        response = await http.get("/readyz")
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        body = response.json()
+        assert "gpujobs migrate" in body["detail"] and body["schema"]["current"] != migrate.head()
+
+
+async def test_readyz_fails_when_the_database_is_down(settings):
+    down = "postgresql+asyncpg://nobody:secret@127.0.0.1:9/nothing"
+    async with api_client(settings, key=None, database_url=down) as http:
+        assert (await http.get("/healthz")).status_code == 200  # alive, but...
+        response = await http.get("/readyz")
+        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        assert "database" in response.json()["detail"]
+        metrics = await http.get("/metrics")  # still answers, and says the database is away
+        assert metrics.status_code == 200 and "gpujobs_metrics_database_up 0.0" in metrics.text
+
+
+class Lines(logging.Handler):
+    """Collect formatted log lines."""
+
+    def __init__(self, formatter: logging.Formatter) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(formatter)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def capture(formatter: logging.Formatter) -> tuple[Lines, Callable[[], None]]:
+    """Send every log record to a Lines handler until the returned function is called."""
+    handler, root = Lines(formatter), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+    def stop() -> None:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+    return handler, stop
+
+
+async def test_json_logs_carry_request_job_worker_and_attempt_and_no_secrets(settings, make_worker, make_key):
+    handler, stop = capture(logs.JsonFormatter())
+    key = await make_key("logger", admin=True)
+    try:
+        async with api_client(settings, key=key) as http:
+            job_id = await submit_toy(http)
+            await make_worker().run()
+            job = (await http.get(f"/jobs/{job_id}", headers={"X-Request-ID": "req-42"})).json()
+            answer = await http.get(job["files"][0]["url"])
+            assert answer.status_code == 200 and "x-request-id" in answer.headers
+    finally:
+        stop()
+    ours = [line for line in handler.lines if json.loads(line)["logger"].startswith("gpujobs")]
+    lines = [json.loads(line) for line in ours]
+    [read] = [e for e in lines if e.get("action") == "http_request" and e.get("request_id") == "req-42"]
+    assert read["route"] == "/jobs/{job_id}" and read["status"] == 200 and read["job_id"] == job_id
+    [submitted] = [e for e in lines if e.get("route") == "/jobs" and e.get("status") == 201]
+    assert submitted["job_id"] == job_id and submitted["message"] == "POST /jobs 201"  # the job it made
+    [started] = [e for e in lines if e.get("action") == "job_started"]
+    assert started["job_id"] == job_id and started["attempt"] == 1 and started["worker"] == "test:w1"
+    assert any(e.get("action") == "job_succeeded" and e.get("attempt") == 1 for e in lines)
+    text = "\n".join(ours)  # (the test's own HTTP client, httpx, logs its URLs: not ours)
+    assert key not in text and "sig=" not in text and "test-secret-of-enough-length" not in text
+
+
+def test_text_logs_are_readable_and_scrubbed():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.TextFormatter())
+    log = logging.getLogger("gpujobs.test")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        with logs.bound(job_id="j-1", attempt=2):
+            log.warning(
+                "connecting to postgresql://u:hunter2@db/x with gpj_abcdefghijklmnopqrstuvwxyz",
+                extra={"action": "demo", "api_key": "gj_secret", "image": b"\x89PNG" * 10},
+            )
+    finally:
+        log.removeHandler(handler)
+    line = stream.getvalue()
+    assert "WARNING" in line and "gpujobs.test: connecting to postgresql://u:***@db/x with gpj_***" in line
+    assert 'job_id=j-1 attempt=2 action=demo api_key=[redacted] image="<40 bytes>"' in line
+    assert "hunter2" not in line and "gj_secret" not in line and "PNG" not in line and "abcdefgh" not in line
+
+
+async def test_admin_stats(settings, manager, make_worker, store, make_key):
+    for _ in range(3):
+        await enqueue(manager)
+    await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    await enqueue(manager, priority=7)
+    await enqueue(manager, model="toy_timeout", priority=7)
+    async with api_client(settings) as http:
+        stats = (await http.get("/admin/stats")).json()
+        async with client_for(http, await make_key("user")) as user:
+            assert (await user.get("/admin/stats")).status_code == 403
+            assert (await user.get("/admin/workers")).status_code == 403
+    assert sorted((q["state"], q["model"], q["priority"], q["jobs"]) for q in stats["queue"]) == [
+        ("queued", "toy", 7, 1),
+        ("queued", "toy_timeout", 7, 1),
+    ]
+    assert (stats["finished"], stats["succeeded"], stats["failed"]) == (4, 3, 1)
+    assert stats["failure_rate"] == 0.25
+    assert stats["throughput_per_min"] == round(4 / 5, 3)
+    assert 0 <= stats["wait_s"]["p50"] <= stats["wait_s"]["p95"]
+    assert 0 < stats["run_s"]["p50"] <= stats["run_s"]["p95"]
+    results = sum(p.stat().st_size for p in (store.root / "results").rglob("*") if p.is_file())
+    assert stats["storage_bytes"]["results"] == results > 0
+    assert stats["storage_bytes"]["logs"] > 0 and stats["storage_bytes"]["total"] >= results

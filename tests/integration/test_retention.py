@@ -1,0 +1,145 @@
+"""Retention: old finished jobs lose their files, logs and unused inputs; nothing else is touched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import text
+
+from app.queue import sql
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.conftest import api_client, png_bytes
+from tests.integration.test_worker import enqueue
+
+WEEK_S = 7 * 86_400
+
+
+def image(shade: int) -> bytes:
+    """A distinct small PNG per shade (inputs are stored once per content)."""
+    return png_bytes(color=(shade, 10, 10))
+
+
+async def age(engine: Any, *job_ids: uuid.UUID, days: float = 10) -> None:
+    """Pretend the jobs were created, started and finished `days` ago."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET created_at = created_at - make_interval(days => :d),"
+                " started_at = started_at - make_interval(days => :d),"
+                " finished_at = finished_at - make_interval(days => :d) WHERE id = ANY(:ids)"
+            ),
+            {"d": days, "ids": list(job_ids)},
+        )
+
+
+def folders(root: Any, job_id: uuid.UUID) -> list[str]:
+    """Which of the job's folders exist."""
+    return [part for part in ("results", "logs", "scratch") if (root / part / str(job_id)).exists()]
+
+
+async def scene(manager: JobManager, make_worker: Any, engine: Any) -> dict[str, uuid.UUID]:
+    """Jobs in every situation retention must judge (see the test for what each must become)."""
+    jobs = {
+        "old_ok": await enqueue(manager, image=image(1)),
+        "old_failed": await enqueue(manager, image=image(2), exit_code=65),
+        "recent_ok": await enqueue(manager, image=image(2)),  # shares its input with old_failed
+    }
+    await make_worker().run()
+    jobs["old_canceled"] = await enqueue(manager, image=image(3))
+    await manager.cancel(jobs["old_canceled"], owner=None, by="test")
+    jobs["old_running"] = await enqueue(manager, image=image(4))
+    claimed = await manager.claim(worker_id="t:x", host="h", models=["toy"], budgets={0: 9000}, lease_s=600)
+    assert claimed is not None and claimed.id == jobs["old_running"]
+    jobs["old_queued"] = await enqueue(manager, image=image(5))
+    await age(engine, *(v for k, v in jobs.items() if k.startswith("old")))
+    return jobs
+
+
+async def test_prune_deletes_exactly_the_old_finished_jobs_files(
+    settings, manager, make_worker, engine, store
+):
+    jobs = await scene(manager, make_worker, engine)
+    old = {jobs["old_ok"], jobs["old_failed"], jobs["old_canceled"]}
+    assert folders(store.root, jobs["old_ok"]) == ["results", "logs"]
+    assert folders(store.root, jobs["old_failed"]) == ["logs"]
+    async with api_client(settings) as http:
+        link = (await http.get(f"/jobs/{jobs['old_ok']}")).json()["files"][0]["url"]
+        assert (await http.get(link)).status_code == 200
+
+        dry = (await http.post("/admin/prune", json={"older_than_s": WEEK_S, "dry_run": True})).json()
+        assert set(map(uuid.UUID, dry["job_ids"])) == old and dry["files_bytes"] > 0
+        assert dry["inputs_deleted"] is None and folders(store.root, jobs["old_ok"]) == ["results", "logs"]
+
+        report = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
+        assert set(map(uuid.UUID, report["job_ids"])) == old and report["jobs"] == 3
+        assert report["files_bytes"] == dry["files_bytes"]
+        assert report["inputs_deleted"] == 2  # old_ok's and old_canceled's; old_failed's is still used
+        assert report["inputs_bytes"] == len(image(1)) + len(image(3))
+
+        for name in old:
+            assert folders(store.root, name) == []
+        assert folders(store.root, jobs["recent_ok"]) == ["results", "logs"]
+        gone = await http.get(link)
+        assert gone.status_code == 410 and "retention" in gone.json()["detail"]
+        recent = (await http.get(f"/jobs/{jobs['recent_ok']}")).json()["files"][0]["url"]
+        assert (await http.get(recent)).status_code == 200
+        assert (await http.get(f"/jobs/{jobs['old_ok']}/input")).status_code == 410
+        assert (await http.get(f"/jobs/{jobs['old_failed']}/input")).content == image(2)
+        assert (await http.post(f"/admin/jobs/{jobs['old_failed']}/retry")).status_code == 410
+
+        again = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
+        assert again["jobs"] == 0 and again["inputs_deleted"] == 0
+
+    for name, job_id in jobs.items():
+        job = await manager.get(job_id)
+        assert (job.expired_at is not None) == (job_id in old), name
+    assert (await manager.get(jobs["old_running"])).state is JobState.running
+    assert (await manager.get(jobs["old_queued"])).state is JobState.queued
+    assert (await manager.get(jobs["old_ok"])).input_id is None
+    assert (await manager.get(jobs["old_failed"])).input_id is not None
+    assert [e.kind for e in await manager.events(jobs["old_ok"])][-1] == "expired"
+
+
+async def test_one_prune_at_a_time(settings, manager):
+    async with api_client(settings) as http:
+        async with manager.advisory_lock(sql.RETENTION_LOCK_KEY) as held:
+            assert held
+            busy = await http.post("/admin/prune", json={"older_than_s": WEEK_S})
+            assert busy.status_code == 409 and "already running" in busy.json()["detail"]
+        assert (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).status_code == 200
+
+
+async def test_folders_left_by_a_crash_are_swept(settings, manager, make_worker, engine, store):
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with engine.begin() as conn:  # marked expired, then the process died before deleting
+        await conn.execute(text("UPDATE jobs SET expired_at = now() WHERE id = :id"), {"id": job_id})
+    assert folders(store.root, job_id) == ["results", "logs"]
+    async with api_client(settings) as http:
+        report = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
+    assert report["jobs"] == 0 and report["leftovers_removed"] == 1
+    assert folders(store.root, job_id) == []
+
+
+async def test_workers_prune_periodically(settings, manager, make_worker, engine, store, spawn_worker):
+    keep = await enqueue(manager, image=image(1))
+    drop = await enqueue(manager, image=image(2))
+    await make_worker().run()
+    await age(engine, drop)
+    spawn_worker("pruner", retention_days=1, retention_interval_s=0.2)
+    deadline = time.monotonic() + 30
+    while (await manager.get(drop)).expired_at is None:
+        assert time.monotonic() < deadline, "the worker did not prune"
+        await asyncio.sleep(0.1)
+    assert folders(store.root, drop) == [] and folders(store.root, keep) == ["results", "logs"]
+    assert (await manager.get(keep)).expired_at is None
+
+
+async def test_retention_off_needs_an_explicit_age(settings):
+    async with api_client(settings, retention_days=0) as http:
+        refused = await http.post("/admin/prune", json={})
+        assert refused.status_code == 422 and "older_than_s" in refused.json()["detail"]

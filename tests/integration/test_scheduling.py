@@ -1,0 +1,173 @@
+"""Scheduling with the real worker, claim SQL and processes: reservations, aging, backfill,
+out-of-memory, GPU settling, quarantine and learned VRAM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from pathlib import Path
+
+from app import scheduler
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.conftest import api_client, png_bytes
+from tests.fakes import FakeInventory
+from tests.integration.test_durability import kinds, running, until
+from tests.integration.test_worker import enqueue
+
+
+async def _starved_for(manager, make_worker, *, reserve_after_s: float, watch_s: float) -> float | None:
+    """A big job behind a stream of small ones on one 10 GB GPU: seconds until it started (None: never)."""
+    for _ in range(3):
+        await enqueue(manager, vram_mb=3000, sleep=0.8, steps=1)
+    big = await enqueue(manager, vram_mb=8192, sleep=0.1, steps=1)
+    submitted = time.monotonic()
+    worker = make_worker([10_240], burst=False, reserve_after_s=reserve_after_s, backfill_min_samples=10_000)
+
+    async def feed() -> None:
+        while True:
+            await enqueue(manager, vram_mb=3000, sleep=0.8, steps=1)
+            await asyncio.sleep(0.15)
+
+    feeder = asyncio.create_task(feed())
+    try:
+        async with running(worker):
+            while time.monotonic() - submitted < watch_s:
+                if (await manager.get(big)).started_at is not None:
+                    return time.monotonic() - submitted
+                await asyncio.sleep(0.05)
+    finally:
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeder
+    return None
+
+
+async def test_without_a_reservation_small_jobs_starve_a_big_one(manager, make_worker):
+    assert await _starved_for(manager, make_worker, reserve_after_s=1e6, watch_s=4) is None
+
+
+async def test_reservation_bounds_the_wait_of_a_big_job(manager, make_worker):
+    waited = await _starved_for(manager, make_worker, reserve_after_s=0.5, watch_s=8)
+    assert waited is not None and waited < 0.5 + 0.8 + 1.5  # reservation time + one small run + slack
+
+
+async def test_age_raises_effective_priority(manager, make_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    old = await enqueue(manager, priority=0, trace=str(log))
+    await asyncio.sleep(1.3)
+    new = await enqueue(manager, priority=5, trace=str(log))
+    assert await manager.age_queued(step_s=0.2, max_boost=10) == 1  # only the old job aged
+    assert (await manager.get(old)).age_boost == 6 and (await manager.get(new)).age_boost == 0
+    await make_worker(max_jobs_per_gpu=1).run()
+    order = [line.split('"job": "')[1].split(":")[0] for line in log.read_text().splitlines()]
+    assert order == [str(old), str(new)]  # 0 + 6 outranks 5
+    assert await manager.age_queued(step_s=0.2, max_boost=3) == 0  # the boost is bounded
+
+
+async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_worker):
+    inventory = FakeInventory([10_240])
+    inventory.set_free(0, 6_000)  # memory held elsewhere: the reserved 8 GB job cannot start yet
+    worker = make_worker(inventory=inventory, backfill_min_samples=5)
+    planner, now = worker.planner, time.monotonic()
+    planner.reservation = scheduler.Reservation("big", 0, 8_000, 100, now + 10.0)
+    planner.estimates = {
+        "toy": scheduler.RunTime(1.0, 0.0, 50),
+        "toy_timeout": scheduler.RunTime(30.0, 0.0, 50),
+    }
+    planner._reservation_at = planner._estimates_at = now + 3600  # keep these for the test
+    long = await enqueue(manager, model="toy_timeout", priority=50)
+    short = await enqueue(manager, model="toy", priority=0)
+    claim = dict(worker_id="test:w1", host="h", lease_s=10)
+    first = await planner.claim([], **claim)
+    assert first is not None and first.id == short  # ends well before the reserved job starts
+    assert await planner.claim([], **claim) is None  # 37.5 s expected: would delay the reserved job
+    assert (await manager.get(long)).state is JobState.queued
+
+
+async def test_out_of_memory_requeues_bigger_without_spending_an_attempt(manager, make_worker):
+    job_id = await enqueue(manager, vram_mb=4000, oom_attempts=1, max_attempts=1)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.succeeded and job.attempt == 2
+    assert job.vram_mb == 6000 and job.oom_retries == 1 and job.max_attempts == 2
+    [event] = [e for e in await manager.events(job_id) if e.kind == "out_of_memory"]
+    assert event.detail["vram_mb"] == 4000 and event.detail["new_vram_mb"] == 6000
+
+
+async def test_out_of_memory_gives_up_after_its_retries(manager, make_worker):
+    job_id = await enqueue(manager, vram_mb=4000, oom_attempts=10, max_attempts=5)
+    async with running(make_worker(burst=False, oom_max_retries=2)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.failed and job.attempt == 3 and job.vram_mb == 9000
+    assert job.error is not None and "still out of memory with 2 larger retries" in job.error
+
+
+async def test_gpu_is_held_until_its_memory_returns(manager, make_worker):
+    inventory = FakeInventory([10_240])
+    first = await enqueue(manager, vram_mb=6000, sleep=0.6, steps=1)
+    second = await enqueue(manager, vram_mb=6000)
+    async with running(make_worker(inventory=inventory, burst=False)):
+        job = await until(manager, first, lambda j: j.pid is not None)
+        inventory.set_process(job.pid, 5_000)  # NVML sees the model's memory...
+        await until(manager, first, lambda j: j.state.final)
+        await asyncio.sleep(1.0)
+        assert (await manager.get(second)).state is JobState.queued  # ...still, after it ended
+        inventory.set_process(job.pid, None)  # the memory comes back
+        freed = time.monotonic()
+        await until(manager, second, lambda j: j.state is JobState.succeeded)
+        assert time.monotonic() - freed < 5
+    assert (await manager.get(first)).vram_peak_mb == 5_000
+
+
+async def test_quarantine_after_abnormal_deaths_and_release_by_admin(engine, make_worker, settings):
+    strict = JobManager(engine, quarantine_after=2)
+    job_id = await enqueue(strict, signal="SIGSEGV", max_attempts=5)
+    async with running(make_worker(burst=False, manager_=strict)):
+        job = await until(strict, job_id, lambda j: j.state.final)
+    assert job.state is JobState.quarantined and job.attempt == 2 and job.abnormal_runs == 2
+    assert (await kinds(strict, job_id))[-1] == "quarantined"
+    async with api_client(settings) as http:
+        released = await http.post(f"/admin/jobs/{job_id}/retry")
+        assert released.status_code == 200, released.text
+        assert released.json()["state"] == "queued"
+    job = await strict.get(job_id)
+    assert job.abnormal_runs == 0 and job.max_attempts == job.attempt + 3
+
+
+class ModelMemory(FakeInventory):
+    """Reports `per_model_mb` of GPU memory for every running model process of this test run."""
+
+    def __init__(self, sizes_mb: list[int], per_model_mb: int, marker: str) -> None:
+        super().__init__(sizes_mb)
+        self.per_model_mb, self.marker = per_model_mb, marker.encode()
+
+    def process_memory_mb(self) -> dict[int, int]:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if self.marker in (entry / "cmdline").read_bytes():
+                        found[int(entry.name)] = self.per_model_mb
+        return found
+
+
+async def test_learned_vram_replaces_the_declared_estimate(manager, make_worker, settings, tmp_path):
+    marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
+    for _ in range(3):
+        await enqueue(manager, vram_mb=1000, sleep=0.4, steps=1, trace=marker)
+    await make_worker(inventory=ModelMemory([24_576], 700, marker)).run()
+    overrides = {"learned_vram_min_samples": 3, "learned_vram_margin_mb": 50}
+    async with api_client(settings, **overrides) as http:
+        response = await http.post(
+            "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
+        )
+        job = response.json()
+        assert job["vram_mb"] == 750  # 95th percentile of 700/1000, times 1000, plus 50
+        models = {m["name"]: m for m in (await http.get("/models")).json()["models"]}
+    learning = models["toy"]["vram_learning"]
+    assert learning["observed"]["samples"] == 3 and learning["observed"]["max_peak_mb"] == 700
+    assert learning["admits_on"] == "learned"
+    assert models["relief"]["vram_learning"]["admits_on"] == "declared"
