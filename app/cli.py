@@ -114,7 +114,7 @@ def worker(
 
 
 async def _run_worker(settings: Settings, *, burst: bool) -> None:
-    from app.api.main import build_worker
+    from app.queue.factory import build_worker
     from app.queue.manager import JobManager
 
     url = settings.database_url or ""

@@ -62,7 +62,8 @@ class ResultStore:
     def scratch_dir(self, job_id: uuid.UUID, attempt: int) -> Path:
         """A fresh, empty scratch folder for one attempt, with an `out/` folder inside."""
         path = self.root / "scratch" / str(job_id) / str(attempt)
-        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():  # left by an earlier life of this attempt
+            shutil.rmtree(path, ignore_errors=True)
         (path / "out").mkdir(parents=True)
         return path
 

@@ -5,83 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator
 
 import asyncpg
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app import auth, db, errors, gpu, intake, learning, links, registry, retention, storage
+from app import auth, db, errors, intake, learning, links, registry, storage
 from app.api import admin, catalog, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
+from app.queue import factory
 from app.queue import manager as manager_
 from app.queue import worker as worker_
 from app.settings import Settings
+from app.web import pages as web_pages
 
 log = logging.getLogger("gpujobs.api")
-
-
-def build_worker(
-    settings: Settings,
-    *,
-    manager: manager_.JobManager,
-    store: storage.ResultStore,
-    models: registry.Registry,
-    listen_dsn: str | None,
-    burst: bool = False,
-) -> worker_.Worker:
-    """A worker configured from settings (used by `serve` and `gpujobs worker`)."""
-    config = worker_.WorkerConfig(
-        worker_id=settings.worker_id,
-        lease_s=settings.lease_s,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        poll_interval_s=settings.poll_interval_s,
-        reap_interval_s=settings.reap_interval_s,
-        vram_buffer_mb=settings.vram_buffer_mb,
-        max_jobs_per_gpu=settings.max_jobs_per_gpu,
-        kill_grace_s=settings.kill_grace_s,
-        shutdown_grace_s=settings.shutdown_grace_s,
-        retry_base_s=settings.retry_base_s,
-        retry_max_s=settings.retry_max_s,
-        age_step_s=settings.age_step_s,
-        age_max_boost=settings.age_max_boost,
-        reserve_after_s=settings.reserve_after_s,
-        backfill_min_samples=settings.backfill_min_samples,
-        gpu_settle_timeout_s=settings.gpu_settle_timeout_s,
-        oom_max_retries=settings.oom_max_retries,
-        oom_growth=settings.oom_growth,
-        python=sys.executable,
-        burst=burst,
-    )
-    inventory = gpu.detect_inventory(settings.gpus, settings.virtual_gpu_mb)
-    return worker_.Worker(
-        manager=manager,
-        store=store,
-        models=models,
-        inventory=inventory,
-        config=config,
-        listen_dsn=listen_dsn,
-        side_tasks=retention_task(settings, manager),
-    )
-
-
-def retention_task(
-    settings: Settings, manager: manager_.JobManager
-) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
-    """The worker's periodic retention run (none when retention_days is 0); one worker at a time prunes."""
-    if settings.retention_days <= 0:
-        return {}
-    pruner = retention.Pruner(manager, settings.storage_dir)
-    older_than_s = settings.retention_days * 86_400
-    return {
-        "retention": lambda: pruner.run_forever(
-            older_than_s=older_than_s, interval_s=settings.retention_interval_s
-        )
-    }
 
 
 def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.KeyStore) -> Services:
@@ -133,7 +74,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
     if settings.run_worker:
-        worker = build_worker(
+        worker = factory.build_worker(
             settings,
             manager=services.manager,
             store=services.store,
@@ -181,6 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
     for router in (jobs.router, stream.router, files.router, catalog.router, admin.router, health.router):
         app.include_router(router)
     app.include_router(ops.router)
+    web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)
     for kind in (sqlalchemy.exc.DBAPIError, OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
         app.add_exception_handler(kind, _database_error)

@@ -26,6 +26,8 @@ log = logging.getLogger("gpujobs.worker")
 
 EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
+PID_AFTER_S = 0.5
+
 # Reasons a run is stopped from outside, and what the attempt then writes.
 CANCELED = "canceled"
 LEASE_LOST = "lease lost"
@@ -77,6 +79,7 @@ class Attempt:
         config: AttemptConfig,
         inventory: gpu.GpuInventory | None = None,
         capacity_mb: int = 0,
+        image: tuple[str, bytes] | None = None,
     ) -> None:
         self.job = job
         self.spec = spec
@@ -84,6 +87,7 @@ class Attempt:
         self._store = store
         self._config = config
         self._inventory = inventory
+        self._image = image  # (media type, bytes) when the claim brought it
         self._capacity_mb = capacity_mb  # the GPU's size less the buffer: the most an estimate may grow to
         self.started_s = time.monotonic()
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
@@ -134,7 +138,8 @@ class Attempt:
         """Run the process; return the final write to make (None: this attempt lost the job)."""
         job, spec = self.job, self.spec
         scratch = self._store.scratch_dir(job.id, job.attempt)
-        media_type, data = await self._manager.input_by_id(job.input_id)
+        media_type, data = self._image or await self._manager.input_by_id(job.input_id)
+        self._image = None  # not kept in memory while the model runs
         input_path = scratch / f"input{EXTENSIONS.get(media_type, '')}"
         input_path.write_bytes(data)
         argv = spec.build_argv(
@@ -166,17 +171,27 @@ class Attempt:
         self._process = process
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
-        else:
-            await self._record_pid(pid)
-        sampler = asyncio.create_task(self._sample_memory(pid), name=f"vram:{job.id}")
+        side = [
+            asyncio.create_task(self._record_pid_later(pid), name=f"pid:{job.id}"),
+            asyncio.create_task(self._sample_memory(pid), name=f"vram:{job.id}"),
+        ]
         try:
             result = await process.wait()
         finally:
-            sampler.cancel()
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
         if self.peak_mb:
             with contextlib.suppress(errors.LeaseLost):
                 await self._manager.record_peak(job, self.peak_mb)
         return self._outcome(result, scratch / "out")
+
+    async def _record_pid_later(self, pid: int) -> None:
+        """Record the pid once the run has lasted PID_AFTER_S: only a lasting run leaves an orphan
+        worth killing after a crash, and quick jobs are spared the round trip."""
+        if self._stop_reason is None:
+            await asyncio.sleep(PID_AFTER_S)
+            await self._record_pid(pid)
 
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""
@@ -270,9 +285,9 @@ class Attempt:
         async def write() -> None:
             # Publish once; a retry after a database outage repeats only the database write.
             nonlocal published
-            if not published:
+            if not published and files:
                 self._store.publish(job.id, job.attempt, out_dir, files)
-                published = True
+            published = True
             try:
                 await self._manager.succeed(job, files, {"duration_s": round(result.duration_s, 3)})
             except Exception as exc:

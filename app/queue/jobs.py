@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import uuid
@@ -110,7 +111,7 @@ class Job:
     def from_row(cls, row: Any) -> Job:
         """From a `jobs` row mapping (all columns)."""
         data = dict(row._mapping) if hasattr(row, "_mapping") else dict(row)
-        data.pop("vram_class", None)
+        data = {k: v for k, v in data.items() if k in _JOB_FIELDS}  # e.g. vram_class, joined columns
         data["state"] = JobState(data["state"])
         data["results"] = tuple(ResultFile.from_json(r) for r in data.get("results") or ())
         return cls(**data)
@@ -118,3 +119,14 @@ class Job:
     def result(self, name: str) -> ResultFile | None:
         """The result file with this name, if any."""
         return next((r for r in self.results if r.name == name), None)
+
+
+_JOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Job))
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A job just leased by a worker, with its input image (media type, bytes)."""
+
+    job: Job
+    input: tuple[str, bytes] | None

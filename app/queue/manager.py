@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import errors, tables
 from app.queue import records, sql
-from app.queue.jobs import Job, JobState, ResultFile, classes_up_to, vram_class
+from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vram_class
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,9 @@ class JobManager:
 
     def __init__(self, engine: AsyncEngine, *, quarantine_after: int = 3) -> None:
         self._engine = engine
+        # Every unit below but enqueue and expire is one statement, atomic on its own: autocommit
+        # saves the BEGIN and COMMIT round trips a transaction would add around it.
+        self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
 
     # -- intake ---------------------------------------------------------------------------
@@ -166,7 +169,7 @@ class JobManager:
         query = select(tables.JobRow.__table__).where(tables.JobRow.id == job_id)
         if owner is not None:
             query = query.where(tables.JobRow.owner == owner)
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(query)).first()
         if row is None:
             raise errors.JobNotFound(f"no job {job_id}")
@@ -193,7 +196,7 @@ class JobManager:
         if cursor is not None:
             at, job_id = _parse_cursor(cursor)
             query = query.where((t.created_at < at) | ((t.created_at == at) & (t.id < job_id)))
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             jobs = [Job.from_row(r) for r in (await conn.execute(query)).all()]
         more = len(jobs) > limit
         jobs = jobs[:limit]
@@ -209,13 +212,13 @@ class JobManager:
         if input_id is None:
             raise errors.Gone("the job's input image was deleted by retention")
         t = tables.Input
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(select(t.media_type, t.data).where(t.id == input_id))).one()
         return str(row.media_type), bytes(row.data)
 
     async def events(self, job_id: uuid.UUID, *, owner: str | None = None) -> list[Event]:
         """The job's history, oldest first."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.EVENTS, {"id": job_id, "owner": owner})).all()
         if not rows:
             await self.get(job_id, owner=owner)  # 404 if not visible; every job has events
@@ -232,7 +235,7 @@ class JobManager:
         budgets: Mapping[int, int],
         lease_s: float,
         min_priority: int = -(2**31),
-    ) -> Job | None:
+    ) -> Claimed | None:
         """Lease the best queued job that fits one of `budgets` (GPU index -> free MB).
 
         `models` may map each model to the largest input (megapixels) to take (backfill), and
@@ -254,12 +257,15 @@ class JobManager:
             "host": host,
             "lease_s": lease_s,
         }
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(sql.CLAIM, values)).first()
-        return None if row is None else Job.from_row(row)
+        if row is None:
+            return None
+        image = None if row.input_data is None else (str(row.input_media_type), bytes(row.input_data))
+        return Claimed(Job.from_row(row), image)
 
     async def _fenced(self, statement: Any, job: Job, values: Mapping[str, Any]) -> Any:
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(statement, {"id": job.id, "attempt": job.attempt, **values})).first()
         if row is None:
             raise errors.LeaseLost(f"job {job.id} attempt {job.attempt} no longer owns the job")
@@ -317,18 +323,18 @@ class JobManager:
 
     async def promote_due(self) -> int:
         """Queue the scheduled retries whose time has come; returns how many."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             return int((await conn.execute(sql.PROMOTE_DUE)).one().promoted)
 
     async def age_queued(self, *, step_s: float, max_boost: int) -> int:
         """Raise the effective priority of jobs that have waited; returns how many changed."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             result = await conn.execute(sql.AGE_QUEUED, {"step_s": step_s, "max_boost": max_boost})
         return int(result.rowcount)
 
     async def running_attempts(self) -> list[tuple[uuid.UUID, int]]:
         """Every (job id, attempt) that is running anywhere."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             return [(r.id, r.attempt) for r in (await conn.execute(sql.RUNNING_ATTEMPTS)).all()]
 
     async def heartbeat(
@@ -348,19 +354,19 @@ class JobManager:
             "gpus": json.dumps(list(gpus)),
             "state": state,
         }
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.HEARTBEAT, values)).all()
         return {r.id: (r.attempt, r.cancel_requested) for r in rows}
 
     async def _take_back(self, statement: Any, values: Mapping[str, Any]) -> list[TakenBack]:
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             values = {"limit": 1000, "quarantine_after": self.quarantine_after, **values}
             rows = (await conn.execute(statement, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
     async def leftovers_on_host(self, *, host: str, worker_id: str | None = None) -> list[TakenBack]:
         """Running jobs with a process on `host` whose lease expired (or, given, of `worker_id`)."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, {"host": host, "worker_id": worker_id})).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
@@ -376,7 +382,7 @@ class JobManager:
 
     async def mark_dead_workers(self, *, dead_after_s: float) -> list[str]:
         """Mark workers whose heartbeat stopped as dead."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.MARK_DEAD_WORKERS, {"dead_after_s": dead_after_s})).all()
         return [r.id for r in rows]
 
@@ -391,19 +397,19 @@ class JobManager:
             "models": json.dumps(list(models)),
             "gpus": json.dumps(list(gpus)),
         }
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             await conn.execute(sql.REGISTER_WORKER, values)
 
     async def set_worker_state(self, worker_id: str, state: str) -> None:
         """Record that a worker is stopping or stopped."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             await conn.execute(sql.SET_WORKER_STATE, {"id": worker_id, "state": state})
 
     # -- user and admin actions -----------------------------------------------------------
 
     async def cancel(self, job_id: uuid.UUID, *, owner: str | None, by: str) -> JobState:
         """Cancel a queued job now, or ask the worker to kill a running one."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(sql.CANCEL, {"id": job_id, "owner": owner, "by": by})).first()
         if row is None:
             job = await self.get(job_id, owner=owner)
@@ -412,7 +418,7 @@ class JobManager:
 
     async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
         """Queue a failed or canceled job again with a fresh budget of attempts."""
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(sql.RETRY_ONE, {"id": job_id, "by": by, "attempts": attempts})).first()
         if row is None:
             job = await self.get(job_id)
@@ -437,7 +443,7 @@ class JobManager:
             "since": since,
             "until": until,
         }
-        async with self._engine.begin() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RETRY_MATCHING, values)).all()
         return len(rows)
 
@@ -448,7 +454,7 @@ class JobManager:
         if limit <= 0:
             return
         values = {"owner": owner, "limit": limit, "key": idempotency_key}
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             full = await conn.scalar(sql.OWNER_QUEUE_FULL, values)
         if full:
             raise errors.QueueFull(
@@ -462,24 +468,24 @@ class JobManager:
     async def events_for_metrics(self, *, after: int, limit: int) -> list[Any]:
         """Events after id `after`, oldest first, with what the metrics need (sql.EVENTS_FOR_METRICS)."""
         values = {"after": after, "limit": limit, "kinds": list(sql.LIFECYCLE_KINDS)}
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             return list((await conn.execute(sql.EVENTS_FOR_METRICS, values)).all())
 
     async def queue_depth(self) -> list[tuple[str, str, int, int]]:
         """Unfinished jobs counted by (state, model, priority)."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.QUEUE_DEPTH)).all()
         return [(r.state, r.model, r.priority, r.jobs) for r in rows]
 
     async def workers(self, *, recent_s: float = 86_400) -> list[records.WorkerInfo]:
         """Workers alive or seen within `recent_s`, with their last GPU snapshot and running jobs."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.WORKERS, {"recent_s": recent_s})).all()
         return [records.WorkerInfo.from_row(r) for r in rows]
 
     async def finished_stats(self, *, window_s: float, recent_s: float) -> records.FinishedStats:
         """Counts and wait / run percentiles of the jobs that finished within `window_s`."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(sql.FINISHED_STATS, {"window_s": window_s, "recent_s": recent_s})).one()
         return records.FinishedStats.from_row(row)
 
@@ -489,7 +495,7 @@ class JobManager:
 
     async def expirable(self, *, cutoff: datetime, limit: int) -> list[uuid.UUID]:
         """Finished jobs whose files retention would delete (finished before `cutoff`), oldest first."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.EXPIRABLE, {"cutoff": cutoff, "limit": limit})).all()
         return [r.id for r in rows]
 
@@ -505,7 +511,7 @@ class JobManager:
 
     async def expired_among(self, job_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Which of `job_ids` are expired."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.EXPIRED_AMONG, {"ids": list(job_ids)})).all()
         return {r.id for r in rows}
 
@@ -528,18 +534,18 @@ class JobManager:
             return None
         classes = [c for c in classes_up_to(capacity) if c >= vram_class(budget + 1)]
         values = {"models": list(models), "classes": classes, "budget": budget, "capacity": capacity}
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             row = (await conn.execute(sql.WAITING_HEAD, values)).first()
         return None if row is None else (row.id, row.vram_mb, row.effective, float(row.waited_s))
 
     async def run_times(self) -> dict[str, tuple[int, float, float | None, float | None]]:
         """Per model: (samples, mean s, intercept s, s per megapixel) of recent successes."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RUN_TIMES)).all()
         return {r.model: (r.samples, float(r.mean_s), r.intercept_s, r.slope_s) for r in rows}
 
     async def vram_ratios(self) -> dict[str, tuple[list[float], int]]:
         """Per model: observed peak ÷ declared estimate of recent successes, and the largest peak."""
-        async with self._engine.connect() as conn:
+        async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.VRAM_RATIOS)).all()
         return {r.model: (list(r.ratios), int(r.max_peak_mb)) for r in rows}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from app import gpu, registry, scheduler
 from app.queue import manager as manager_
-from app.queue.jobs import Job
+from app.queue.jobs import Claimed, Job
 
 log = logging.getLogger("gpujobs.worker")
 
@@ -129,7 +129,7 @@ class Planner:
 
     async def claim(
         self, running: Sequence[InHand], *, worker_id: str, host: str, lease_s: float
-    ) -> Job | None:
+    ) -> Claimed | None:
         """Claim the next job this worker should start, or None."""
         rooms = self.rooms(running)
         budgets = {r.index: r.available_mb for r in rooms if r.available_mb > 0}
@@ -139,7 +139,7 @@ class Planner:
 
         async def take(
             budgets: dict[int, int], models: Sequence[str] | dict[str, float], min_priority: int = -(2**31)
-        ) -> Job | None:
+        ) -> Claimed | None:
             return await self._manager.claim(
                 worker_id=worker_id,
                 host=host,

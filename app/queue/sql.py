@@ -80,11 +80,12 @@ ENQUEUE = text(
 # -- the claim --------------------------------------------------------------------------------
 
 # Claim the best queued job that fits one of this worker's GPUs, and place it on the GPU that
-# fits it most tightly. "Best" is the highest effective priority (priority + age_boost), then the
-# oldest. The candidate search probes the claim index once per (model, size class) and keeps the
-# best head, so queued jobs that fit nowhere are never walked past one by one.
-# `:gpu_ids` / `:gpu_budgets` are parallel arrays; `:budget` is their maximum. `:max_megapixels`
-# (parallel to `:models`) and `:min_priority` narrow the claim for backfill and reservations.
+# fits it most tightly; the input image comes back with it (no second round trip). "Best" is the
+# highest effective priority (priority + age_boost), then the oldest. The candidate search probes
+# the claim index once per (model, size class) and keeps the best head, so queued jobs that fit
+# nowhere are never walked past one by one. `:gpu_ids` / `:gpu_budgets` are parallel arrays;
+# `:budget` is their maximum. `:max_megapixels` (parallel to `:models`) and `:min_priority`
+# narrow the claim for backfill and reservations.
 CLAIM = text(
     f"""
     WITH candidate AS (
@@ -121,7 +122,9 @@ CLAIM = text(
         RETURNING id, job_id, kind
     ), told AS ({_tell("claimed")}
     )
-    SELECT * FROM claimed WHERE (SELECT count(*) FROM told) >= 0
+    SELECT claimed.*, i.media_type AS input_media_type, i.data AS input_data
+    FROM claimed LEFT JOIN inputs AS i ON i.id = claimed.input_id
+    WHERE (SELECT count(*) FROM told) >= 0
     """
 )
 

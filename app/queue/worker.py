@@ -23,7 +23,7 @@ from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, logs, registry, storage
+from app import db, errors, gpu, logs, registry, runner, storage
 from app.queue import attempt as attempt_
 from app.queue import manager as manager_
 from app.queue import planner as planner_
@@ -128,6 +128,7 @@ class Worker:
 
     async def run(self) -> None:
         """Start up, claim and run jobs until stopped, then shut down cleanly."""
+        runner.prefer_pidfd_watcher()
         logs.bind(worker=self.id)
         await self._start()
         side = [
@@ -232,16 +233,16 @@ class Worker:
         """Claim jobs while one fits; returns how many were started."""
         started = 0
         while not self._stopping.is_set():
-            job = await self.planner.claim(
+            claimed = await self.planner.claim(
                 self.in_hand(), worker_id=self.id, host=self.host, lease_s=self._config.lease_s
             )
-            if job is None:
+            if claimed is None:
                 return started
-            self._start_attempt(job)
+            self._start_attempt(claimed.job, claimed.input)
             started += 1
         return started
 
-    def _start_attempt(self, job: Job) -> None:
+    def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
         self.claimed += 1
         run = attempt_.Attempt(
             job,
@@ -251,6 +252,7 @@ class Worker:
             config=self._attempt_config,
             inventory=self._inventory,
             capacity_mb=self._capacity_mb(job.gpu),
+            image=image,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)

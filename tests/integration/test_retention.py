@@ -53,7 +53,7 @@ async def scene(manager: JobManager, make_worker: Any, engine: Any) -> dict[str,
     await manager.cancel(jobs["old_canceled"], owner=None, by="test")
     jobs["old_running"] = await enqueue(manager, image=image(4))
     claimed = await manager.claim(worker_id="t:x", host="h", models=["toy"], budgets={0: 9000}, lease_s=600)
-    assert claimed is not None and claimed.id == jobs["old_running"]
+    assert claimed is not None and claimed.job.id == jobs["old_running"]
     jobs["old_queued"] = await enqueue(manager, image=image(5))
     await age(engine, *(v for k, v in jobs.items() if k.startswith("old")))
     return jobs

@@ -82,7 +82,7 @@ async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_
     short = await enqueue(manager, model="toy", priority=0)
     claim = dict(worker_id="test:w1", host="h", lease_s=10)
     first = await planner.claim([], **claim)
-    assert first is not None and first.id == short  # ends well before the reserved job starts
+    assert first is not None and first.job.id == short  # ends well before the reserved job starts
     assert await planner.claim([], **claim) is None  # 37.5 s expected: would delay the reserved job
     assert (await manager.get(long)).state is JobState.queued
 
@@ -107,7 +107,7 @@ async def test_out_of_memory_gives_up_after_its_retries(manager, make_worker):
 
 async def test_gpu_is_held_until_its_memory_returns(manager, make_worker):
     inventory = FakeInventory([10_240])
-    first = await enqueue(manager, vram_mb=6000, sleep=0.6, steps=1)
+    first = await enqueue(manager, vram_mb=6000, sleep=2.0, steps=1)  # seen by the sampler
     second = await enqueue(manager, vram_mb=6000)
     async with running(make_worker(inventory=inventory, burst=False)):
         job = await until(manager, first, lambda j: j.pid is not None)
