@@ -1,0 +1,371 @@
+"""The warm-runner line protocol, and `serve()`: a persistent model runner in a few lines of Python.
+
+One JSON object per UTF-8 line, at most MAX_LINE_BYTES (docs/persistent.md shows every message):
+
+    runner -> worker  {"ready": true, "model": "relief", "pid": 123}        once, after loading
+    worker -> runner  {"job": "<id>:<attempt>", "input": "/abs/in.png", "output_dir": "/abs/out",
+                       "params": {...}}                                     one job at a time
+    runner -> worker  {"job": J, "progress": 0.3, "message": "meshing"}     zero or more, then one of
+                      {"job": J, "done": true, "outputs": ["mesh.glb"]}
+                      {"job": J, "error": "...", "bad_input": false, "oom": false}
+                      {"job": J or null, "error": "...", "protocol": true}  the job line was malformed
+
+A runner exits 0 when its stdin closes (the worker closed it, or died). `serve()` keeps the real
+stdout for protocol lines only: file descriptor 1 (Python prints and C extensions alike) is pointed
+at stderr and fd 0 at /dev/null, so nothing the model does can break the protocol. This module
+needs only the standard library: a model living in another environment may copy it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Final, TypeAlias, TypeVar
+
+MAX_LINE_BYTES: Final = 1024 * 1024  # both directions; a longer line is a protocol error
+EXIT_LOAD_FAILED: Final = 3  # load() raised
+EXIT_ORPHANED: Final = 4  # stdin closed while a job ran: the worker is gone, nobody wants the result
+MAX_ERROR_CHARS: Final = 8192
+MAX_MESSAGE_CHARS: Final = 1024
+OOM_MARKERS: Final = (
+    "OutOfMemoryError", "CUDA out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED", "out of memory on device",
+)  # fmt: skip
+
+M = TypeVar("M")
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid protocol message."""
+
+
+class BadInput(Exception):
+    """The job's input or params cannot be processed; retrying will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Worker -> runner: one job."""
+
+    job: str
+    input: Path
+    output_dir: Path
+    params: Mapping[str, Any]
+
+    def encode(self) -> bytes:
+        """The request as one protocol line."""
+        message = {"job": self.job, "input": str(self.input), "output_dir": str(self.output_dir)}
+        return _line({**message, "params": dict(self.params)})
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Runner -> worker: the model is loaded."""
+
+    model: str
+    pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Runner -> worker: how far the job is (fraction in [0, 1])."""
+
+    job: str
+    fraction: float
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Runner -> worker: the job succeeded; its files are in the output folder."""
+
+    job: str
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Runner -> worker: the job failed (`protocol`: its request line was malformed)."""
+
+    job: str | None
+    error: str
+    bad_input: bool = False
+    oom: bool = False
+    protocol: bool = False
+
+
+Reply: TypeAlias = Ready | Progress | Done | Failed
+
+
+def encode(reply: Reply) -> bytes:
+    """A reply as one protocol line (texts are shortened to their limits)."""
+    if isinstance(reply, Ready):
+        return _line({"ready": True, "model": reply.model, "pid": reply.pid})
+    if isinstance(reply, Progress):
+        text = reply.message[:MAX_MESSAGE_CHARS]
+        return _line({"job": reply.job, "progress": reply.fraction, "message": text})
+    if isinstance(reply, Done):
+        return _line({"job": reply.job, "done": True, "outputs": list(reply.outputs)})
+    extra = {"protocol": True} if reply.protocol else {"bad_input": reply.bad_input, "oom": reply.oom}
+    return _line({"job": reply.job, "error": reply.error[:MAX_ERROR_CHARS], **extra})
+
+
+def _line(message: Mapping[str, Any]) -> bytes:
+    """One JSON object as one protocol line."""
+    return (json.dumps(message, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+def _object(line: bytes) -> dict[str, Any]:
+    """The JSON object on one line; ProtocolError when it is not one."""
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"line over {MAX_LINE_BYTES} bytes")
+    try:
+        message = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError
+        raise ProtocolError(f"not a JSON line: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"not a JSON object but {type(message).__name__}")
+    return message
+
+
+def _get(message: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """message[key] when it has the right JSON type (bool is no number); ProtocolError otherwise."""
+    if key not in message and default is not ...:
+        return default
+    value = message.get(key)
+    number = kind in (int, float, (int, float))
+    if key not in message or not isinstance(value, kind) or (number and isinstance(value, bool)):
+        raise ProtocolError(f"{key!r} is missing or has the wrong type")
+    return value
+
+
+def parse_request(line: bytes) -> Request:
+    """Read a worker's job line; ProtocolError names what is wrong (unknown keys are ignored)."""
+    message = _object(line)
+    job = _get(message, "job", str)
+    paths = [Path(_get(message, key, str)) for key in ("input", "output_dir")]
+    params = _get(message, "params", dict)
+    if not job or len(job) > 200:
+        raise ProtocolError("'job' must be 1 to 200 characters")
+    if not all(path.is_absolute() for path in paths):
+        raise ProtocolError("'input' and 'output_dir' must be absolute paths")
+    return Request(job, paths[0], paths[1], params)
+
+
+def parse_reply(line: bytes) -> Reply:
+    """Read a runner's line; ProtocolError names what is wrong (unknown keys are ignored)."""
+    message = _object(line)
+    if "ready" in message:
+        if message["ready"] is not True:
+            raise ProtocolError("'ready' must be true")
+        return Ready(_get(message, "model", str, ""), _get(message, "pid", int, None))
+    if "error" in message:
+        job = message.get("job")
+        if job is not None and not isinstance(job, str):
+            raise ProtocolError("'job' must be a string or null")
+        flags = [bool(_get(message, key, bool, False)) for key in ("bad_input", "oom", "protocol")]
+        return Failed(job, _get(message, "error", str), *flags)
+    job = _get(message, "job", str)
+    if "progress" in message:
+        fraction = float(_get(message, "progress", (int, float)))
+        if math.isnan(fraction):
+            raise ProtocolError("'progress' is not a number")
+        return Progress(job, min(max(fraction, 0.0), 1.0), _get(message, "message", str, ""))
+    if "done" in message:
+        outputs = _get(message, "outputs", list, [])
+        if message["done"] is not True or not all(isinstance(name, str) for name in outputs):
+            raise ProtocolError("'done' must be true and 'outputs' a list of file names")
+        return Done(job, tuple(outputs))
+    raise ProtocolError("not a ready, progress, done or error message")
+
+
+async def read_reply(reader: asyncio.StreamReader) -> Reply | str | None:
+    """The worker's read of a runner's next line: a reply, a protocol violation as text, None at EOF."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        return f"unterminated last line {exc.partial[:200]!r}" if exc.partial else None
+    except asyncio.LimitOverrunError:
+        return f"a line over {MAX_LINE_BYTES} bytes"
+    try:
+        return parse_reply(line)
+    except ProtocolError as exc:
+        return f"{exc}: {line[:200]!r}"
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) looks like running out of GPU memory."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names = " ".join(kind.__name__ for kind in type(current).__mro__)
+        if any(marker in f"{names} {current}" for marker in OOM_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One job as the model author sees it: read `input`, write into `output_dir`, report progress."""
+
+    id: str
+    input: Path
+    output_dir: Path
+    params: Mapping[str, Any]
+    send: Callable[[Reply], None] = field(repr=False, compare=False)
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        """Report how far the job is (0..1, clamped; NaN is ignored) with a short message."""
+        if not math.isnan(fraction):
+            self.send(Progress(self.id, min(max(float(fraction), 0.0), 1.0), str(message)))
+
+
+class _Channel:
+    """The protocol's private ends of stdin and stdout; a thread reads requests as they come."""
+
+    def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
+        self._reader, self._writer = reader, writer
+        self._lock = threading.Lock()
+        self._lines: queue.Queue[bytes | None] = queue.Queue()
+        self.busy = False
+
+    @classmethod
+    def take_stdio(cls) -> _Channel:
+        """Keep private copies of fds 0 and 1; point fd 1 at stderr and fd 0 at /dev/null."""
+        sys.stdout.flush()
+        reader, writer = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+        os.dup2(2, 1)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(line_buffering=True)
+        return cls(reader, writer)
+
+    def send(self, reply: Reply) -> None:
+        """Write one protocol line (any thread may call this)."""
+        with self._lock:
+            self._writer.write(encode(reply))
+            self._writer.flush()
+
+    def requests(self) -> Iterator[bytes]:
+        """Request lines until stdin closes (an overlong line comes back cut, for its error)."""
+        threading.Thread(target=self._read, name="modelkit-stdin", daemon=True).start()
+        while (line := self._lines.get()) is not None:
+            yield line
+
+    def _read(self) -> None:
+        """Queue lines; on EOF end the loop, or the whole process if a job is running."""
+        while line := self._reader.readline(MAX_LINE_BYTES + 1):
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while (rest := self._reader.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass  # skip the rest of the overlong line
+            self._lines.put(line)
+        if self.busy:
+            _say("stdin closed during a job: the worker is gone; exiting")
+            os._exit(EXIT_ORPHANED)
+        self._lines.put(None)
+
+
+def _say(text: str) -> None:
+    """A line of the kit's own on stderr (it lands in the runner's and the job's log)."""
+    print(f"[modelkit] {text}", file=sys.stderr, flush=True)
+
+
+def serve(
+    load: Callable[[], M],
+    handle: Callable[[M, Job], Iterable[str] | None],
+    *,
+    name: str,
+    bad_input: tuple[type[BaseException], ...] = (),
+) -> int:
+    """Load the model once, then answer jobs until stdin closes; return the process exit code.
+
+    `handle(model, job)` may return the output file names; by default every plain file in
+    `job.output_dir` is listed. Exceptions of the `bad_input` types (and BadInput) fail the job
+    without retry; any other exception fails it as a model error, marked `oom` when it looks so.
+    """
+    channel = _Channel.take_stdio()
+    _say(f"loading {name} (pid {os.getpid()})")
+    started = time.monotonic()
+    try:
+        model = load()
+    except Exception:
+        traceback.print_exc()
+        _say(f"loading {name} failed")
+        return EXIT_LOAD_FAILED
+    _say(f"loaded {name} in {time.monotonic() - started:.2f} s")
+    channel.send(Ready(name, os.getpid()))
+    for line in channel.requests():
+        try:
+            request = parse_request(line)
+        except ProtocolError as exc:
+            _say(f"rejected a malformed job line: {exc}")
+            channel.send(Failed(_job_of(line), str(exc), protocol=True))
+            continue
+        job = Job(request.job, request.input, request.output_dir, request.params, channel.send)
+        channel.busy = True
+        reply = _run(handle, model, job, (BadInput, *bad_input))
+        channel.busy = False
+        channel.send(reply)
+    _say("stdin closed; exiting")
+    return 0
+
+
+def _run(
+    handle: Callable[[M, Job], Iterable[str] | None],
+    model: M,
+    job: Job,
+    bad_input: tuple[type[BaseException], ...],
+) -> Done | Failed:
+    """Run one job and turn its end into the final reply; stderr is flushed before that is sent."""
+    _say(f"job {job.id} started")
+    started = time.monotonic()
+    try:
+        job.output_dir.mkdir(parents=True, exist_ok=True)
+        returned = handle(model, job)
+        outputs = sorted(p.name for p in job.output_dir.iterdir() if p.is_file() and p.name[0] != ".")
+        reply: Done | Failed = Done(job.id, tuple(outputs if returned is None else map(str, returned)))
+        _say(f"job {job.id} done in {time.monotonic() - started:.2f} s")
+    except bad_input as exc:
+        _say(f"job {job.id}: bad input: {exc}")
+        reply = Failed(job.id, str(exc) or type(exc).__name__, bad_input=True)
+    except Exception as exc:
+        traceback.print_exc()
+        reply = Failed(job.id, f"{type(exc).__name__}: {exc}", oom=is_oom(exc))
+    _free_gpu_cache()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return reply
+
+
+def _job_of(line: bytes) -> str | None:
+    """The job id of a malformed request, when it can be read at all."""
+    try:
+        job = json.loads(line).get("job")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return job if isinstance(job, str) and len(job) <= 200 else None
+
+
+def _free_gpu_cache() -> None:
+    """Hand PyTorch's cached blocks back after each job: an idle runner holds only what it keeps."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.cuda.empty_cache()
+        except Exception as exc:  # a broken CUDA context shows up on the next job
+            _say(f"torch.cuda.empty_cache() failed: {exc!r}")

@@ -1,0 +1,400 @@
+"""WarmRunner: one persistent model process that serves jobs one at a time (app/modelkit protocol).
+
+    start() --ready--> IDLE <--done, bad input, OOM-- RUNNING <--run_job()-- IDLE
+    any other end (exit, timeout, stop(), crash, protocol error, model error, close()) --> DEAD
+
+Kills go to the runner's process group (SIGTERM, `kill_grace_s`, SIGKILL, a last SIGKILL for
+forked helpers). A model error other than bad input or OOM ends the runner too: it may have left
+the model or its CUDA context broken. Nothing restarts a runner; app/warmpool.py starts a fresh one
+for the next job. stderr goes to the runner's log and, during a job, to the job's log as well.
+Progress reaches `on_progress` in order, never after `run_job()` returns. Use from the loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import BinaryIO, TypeAlias
+
+from app import modelkit, runner
+
+_LOG = logging.getLogger("gpujobs.warm")
+_PIPE_DRAIN_S = 2.0
+_STDERR_SETTLE_S = 0.02  # after a job's final line, for stderr the kit flushed before it to arrive
+
+ProgressCallback = runner.ProgressCallback
+_Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
+
+
+class RunnerState(StrEnum):
+    """Where a runner is in its life."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSING = "closing"
+    DEAD = "dead"
+
+
+class Outcome(StrEnum):
+    """How one job in a warm runner ended."""
+
+    DONE = "done"
+    FAILED = "failed"  # the model raised (the runner was ended)
+    BAD_INPUT = "bad_input"
+    OOM = "oom"
+    CRASHED = "crashed"  # the runner died or broke the protocol
+    TIMED_OUT = "timed_out"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """How to start a runner."""
+
+    name: str  # what it serves, for logs ("relief on GPU 0")
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: Path
+    log_path: Path  # the runner's own log, across its jobs
+    load_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    """How one job ended; for CRASHED, the runner's exit code or signal too."""
+
+    outcome: Outcome
+    error: str | None
+    outputs: tuple[str, ...]
+    stopped: str | None  # the reason given to stop()
+    exit_code: int | None
+    signal: int | None
+    duration_s: float
+    log_tail: str  # the last lines of this job's log
+
+    @property
+    def ok(self) -> bool:
+        """Whether the job succeeded."""
+        return self.outcome is Outcome.DONE
+
+
+class StartFailed(Exception):
+    """The runner could not start, or exited, timed out, was stopped or broke the protocol first."""
+
+
+class _Log:
+    """An append-only log file and its recent tail; a failing disk never stops the pipes."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: BinaryIO | None = path.open("ab", buffering=0)
+        self._tail = b""
+
+    def write(self, data: bytes) -> None:
+        """Append bytes (the tail keeps them even when the file cannot)."""
+        self._tail = (self._tail + data)[-runner.TAIL_BYTES :]
+        try:
+            if self._file is not None:
+                self._file.write(data)
+        except OSError as exc:
+            _LOG.error("cannot write a runner log: %s", exc, extra={"action": "log_write_failed"})
+            self.close()
+
+    def note(self, text: str) -> None:
+        """One line of the worker's own, so the log says what happened."""
+        self.write(f"[warm] {text}\n".encode())
+
+    def tail(self) -> str:
+        """The last TAIL_LINES lines of the last TAIL_BYTES bytes."""
+        return "\n".join(self._tail.decode("utf-8", errors="replace").splitlines()[-runner.TAIL_LINES :])
+
+    def close(self) -> None:
+        """Close the file (again is fine)."""
+        with contextlib.suppress(OSError):
+            if self._file is not None:
+                self._file.close()
+        self._file = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to a process group, if anything of ours is still in it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> int:
+    """The return code once the process has exited (Process.wait() would also wait for its pipes)."""
+    while True:
+        if proc.returncode is not None:
+            return proc.returncode
+        await asyncio.sleep(0.02)
+
+
+async def _call(callback: ProgressCallback, event: modelkit.Progress) -> None:
+    """Await the progress callback; its failures are logged, never raised."""
+    try:
+        await callback(event.fraction, event.message)
+    except Exception:
+        _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
+
+
+class WarmRunner:
+    """One persistent model process: `start()`, `run_job()` one job at a time, `close()`."""
+
+    def __init__(self, launch: Launch, *, kill_grace_s: float = 5.0) -> None:
+        if not launch.argv or launch.load_timeout_s <= 0 or kill_grace_s < 0:
+            raise ValueError("argv must not be empty, load_timeout_s > 0 and kill_grace_s >= 0")
+        self.launch, self._grace = launch, kill_grace_s
+        self.state, self.last_used_s, self.jobs_done = RunnerState.STARTING, time.monotonic(), 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log = _Log(launch.log_path)
+        self._job: tuple[str, _Log, ProgressCallback] | None = None  # the job in flight
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self._stop_reason: str | None = None
+        self._ending: asyncio.Task[None] | None = None
+        self._eof = False
+
+    @property
+    def pid(self) -> int | None:
+        """The runner's pid, which is also its process-group id; None before start()."""
+        return None if self._proc is None else self._proc.pid
+
+    def describe_exit(self) -> str:
+        """How the process ended, in words."""
+        code = None if self._proc is None else self._proc.returncode
+        if code is None:
+            return "running"
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+    async def start(self) -> int:
+        """Start the runner in its own session and wait for its ready line; StartFailed otherwise."""
+        launch = self.launch
+        try:
+            self._proc = proc = await asyncio.create_subprocess_exec(
+                *launch.argv, cwd=launch.cwd, env=dict(launch.env), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                limit=modelkit.MAX_LINE_BYTES,
+            )  # fmt: skip
+        except OSError as exc:
+            self.state = RunnerState.DEAD
+            self._log.close()
+            raise StartFailed(f"the runner could not be started: {exc}") from exc
+        self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")
+        assert proc.stdout is not None and proc.stderr is not None
+        self._tasks = [
+            asyncio.create_task(self._read_stdout(proc.stdout), name=f"warm-stdout-{proc.pid}"),
+            asyncio.create_task(self._read_stderr(proc.stderr), name=f"warm-stderr-{proc.pid}"),
+        ]
+        problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
+        if problem is not None:
+            await asyncio.shield(self._end(problem))
+            tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
+            raise StartFailed(f"{problem} ({self.describe_exit()}){tail}")
+        self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
+        _LOG.info("warm runner %s ready", launch.name, extra={"action": "runner_ready", "pid": proc.pid})
+        return proc.pid
+
+    async def _wait_ready(self, deadline: float) -> str | None:
+        """None once the ready line came; otherwise what went wrong."""
+        try:
+            event = await self._next(deadline)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._end("cancelled while loading"))
+            raise
+        if isinstance(event, modelkit.Ready):
+            self._log.note(f"ready: model {event.model!r}, pid {event.pid}")
+            return None
+        if event is Outcome.TIMED_OUT:
+            return f"not ready after {self.launch.load_timeout_s:g} s"
+        if event is Outcome.STOPPED:
+            return f"stopped while loading: {self._stop_reason}"
+        return "exited while loading" if event is None else f"protocol error before ready: {event}"
+
+    def stop(self, reason: str) -> None:
+        """Abort loading or the job (also one about to be sent) for `reason`; the runner is then ended."""
+        self._stop_reason = self._stop_reason or reason
+        self._stop.set()
+
+    def clear_stop(self) -> None:
+        """Forget a stop() that came after the last job had ended (the pool does this on acquire)."""
+        self._stop_reason = None
+        self._stop.clear()
+
+    def close(self, reason: str = "closed") -> asyncio.Task[None]:
+        """End the runner (stdin closed, it should exit; its group killed after the grace); await it."""
+        return self._end(reason, gentle=True)
+
+    async def run_job(
+        self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
+    ) -> WarmResult:
+        """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
+        if self.state is not RunnerState.IDLE:
+            raise RuntimeError(f"run_job() on a runner that is {self.state}")
+        line = request.encode()  # a request that cannot be sent fails here, before anything changed
+        job, job_log, started = request.job, _Log(log_path), time.monotonic()
+        self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
+        job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
+        try:
+            outcome, error, outputs = await self._exchange(job, line, started + timeout_s, timeout_s)
+        except asyncio.CancelledError:
+            self._job = None
+            job_log.close()
+            await asyncio.shield(self._end("cancelled during a job"))
+            raise
+        finally:
+            if self.state is RunnerState.RUNNING:
+                self.state = RunnerState.IDLE  # out-of-turn lines from here on end the runner
+        if outcome in (Outcome.DONE, Outcome.BAD_INPUT, Outcome.OOM):
+            self.last_used_s, self.jobs_done = time.monotonic(), self.jobs_done + 1
+            await asyncio.sleep(_STDERR_SETTLE_S)
+        else:
+            await asyncio.shield(self._end(f"job {job}: {error}"))
+        self._job = None
+        return self._result(job_log, outcome, error, outputs, time.monotonic() - started)
+
+    def _result(
+        self, log: _Log, outcome: Outcome, error: str | None, outputs: tuple[str, ...], took_s: float
+    ) -> WarmResult:
+        """Close the job's log and describe the job's end."""
+        assert self._proc is not None
+        code = self._proc.returncode if outcome is Outcome.CRASHED else None  # else the kill was ours
+        log.note(f"{outcome}{': ' + error if error else ''} after {took_s:.2f} s; runner {self.state}")
+        log.close()
+        stopped = self._stop_reason if outcome is Outcome.STOPPED else None
+        exit_code, sig = (code, None) if code is None or code >= 0 else (None, -code)
+        return WarmResult(outcome, error, outputs, stopped, exit_code, sig, took_s, log.tail())
+
+    async def _exchange(
+        self, job: str, line: bytes, deadline: float, timeout_s: float
+    ) -> tuple[Outcome, str | None, tuple[str, ...]]:
+        """Write the job line, then wait for its final reply, the deadline or a stop."""
+        assert self._proc is not None and self._proc.stdin is not None
+        if not self._stop.is_set():
+            with contextlib.suppress(ConnectionError, TimeoutError):  # EOF or the deadline shows next
+                self._proc.stdin.write(line)
+                await asyncio.wait_for(self._proc.stdin.drain(), deadline - time.monotonic())
+        event = await self._next(deadline)
+        if event is Outcome.STOPPED:
+            return event, self._stop_reason, ()
+        if event is Outcome.TIMED_OUT:
+            return event, f"timed out after {timeout_s:g} s", ()
+        return _judge(event, job)
+
+    async def _next(self, deadline: float) -> _Event | Outcome:
+        """The next event from stdout, or why there was none (the deadline, or stop())."""
+        if self._stop.is_set():
+            return Outcome.STOPPED
+        get = asyncio.create_task(self._events.get(), name=f"warm-next-{self.pid}")
+        stop = asyncio.create_task(self._stop.wait(), name=f"warm-stop-{self.pid}")
+        try:
+            timeout = max(deadline - time.monotonic(), 0.0)
+            await asyncio.wait({get, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            get.cancel()  # no-op when done; a pending get() loses nothing when cancelled
+        if get.done() and not get.cancelled():
+            return get.result()
+        return Outcome.STOPPED if self._stop.is_set() else Outcome.TIMED_OUT
+
+    async def _read_stdout(self, reader: asyncio.StreamReader) -> None:
+        """Pass progress on, queue other events; after a protocol violation drain the pipe unparsed."""
+        while (event := await modelkit.read_reply(reader)) is not None:
+            if isinstance(event, modelkit.Progress) and self._job is not None and event.job == self._job[0]:
+                self._job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
+                await _call(self._job[2], event)
+                continue
+            self._hand_on(event)
+            if isinstance(event, str):
+                self._log.note(f"protocol error on stdout: {event}")
+                while await reader.read(1 << 16):
+                    pass
+        self._eof = True  # the process is on its way out: let it finish before any signal
+        self._hand_on(None)
+
+    def _hand_on(self, event: _Event) -> None:
+        """Queue an event for whoever waits; while idle, any event (EOF included) ends the runner."""
+        if self.state is RunnerState.IDLE:
+            self._end("exited while idle" if event is None else f"spoke out of turn: {event}")
+        elif self.state in (RunnerState.STARTING, RunnerState.RUNNING):
+            self._events.put_nowait(event)
+
+    async def _read_stderr(self, reader: asyncio.StreamReader) -> None:
+        """Copy stderr into the runner log and, during a job, the job log."""
+        while True:
+            try:
+                chunk = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                chunk = exc.partial
+            except asyncio.LimitOverrunError as exc:
+                chunk = await reader.read(max(exc.consumed, 1))
+            if not chunk:
+                return
+            self._log.write(chunk)
+            if self._job is not None:
+                self._job[1].write(chunk)
+
+    def _end(self, why: str, *, gentle: bool = False) -> asyncio.Task[None]:
+        """Kill and reap the runner, once: later calls get the same task."""
+        if self._ending is None:
+            self.state = RunnerState.CLOSING if self.state is not RunnerState.DEAD else self.state
+            self._ending = asyncio.create_task(self._kill(why, gentle), name=f"warm-end-{self.pid}")
+        return self._ending
+
+    async def _kill(self, why: str, gentle: bool) -> None:
+        """Close stdin (gentle) or SIGTERM, SIGKILL the group after the grace; reap; close the logs."""
+        if (proc := self._proc) is not None:
+            self._log.note(f"ending runner pid {proc.pid}: {why}")
+            level = logging.INFO if gentle else logging.WARNING
+            _LOG.log(level, "ending warm runner: %s", why, extra={"action": "runner_ended", "pid": proc.pid})
+            steps: list[str | signal.Signals] = ["eof"] if gentle or self._eof else []
+            for step in [*steps, signal.SIGTERM, signal.SIGKILL]:
+                if proc.returncode is not None:
+                    break
+                if step == "eof" and proc.stdin is not None:
+                    proc.stdin.close()
+                elif isinstance(step, signal.Signals):
+                    _signal_group(proc.pid, step)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_exited(proc), None if step == signal.SIGKILL else self._grace)
+            _signal_group(proc.pid, signal.SIGKILL)  # forked helpers must not outlive it
+            await self._close_pipes(proc)
+            self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")
+        self.state = RunnerState.DEAD
+        self._log.close()
+
+    async def _close_pipes(self, proc: asyncio.subprocess.Process) -> None:
+        """Let the readers reach EOF (give up on pipes a process that left the group holds open)."""
+        _done, pending = await asyncio.wait(self._tasks, timeout=_PIPE_DRAIN_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if (transport := getattr(proc, "_transport", None)) is not None:  # no public close(); it is reaped
+            transport.close()
+
+
+def _judge(event: _Event, job: str) -> tuple[Outcome, str | None, tuple[str, ...]]:
+    """The outcome a job's final event means."""
+    if event is None:
+        return Outcome.CRASHED, "the runner exited during the job", ()
+    if isinstance(event, str):
+        return Outcome.CRASHED, f"protocol error: {event}", ()
+    if isinstance(event, modelkit.Failed) and event.protocol:
+        return Outcome.CRASHED, f"protocol error: the runner rejected the job line: {event.error}", ()
+    if isinstance(event, modelkit.Ready) or event.job != job:
+        return Outcome.CRASHED, f"protocol error: unexpected {event!r}", ()
+    if isinstance(event, modelkit.Done):
+        return Outcome.DONE, None, event.outputs
+    assert isinstance(event, modelkit.Failed)
+    outcome = Outcome.OOM if event.oom else Outcome.BAD_INPUT if event.bad_input else Outcome.FAILED
+    return outcome, event.error, ()

@@ -1,0 +1,72 @@
+"""A persistent test model served with app.modelkit: counts loads, sleeps, crashes or hangs on request.
+
+argv: --loads FILE (one line per load), --load-sleep S, --fail-load. Job params (all optional):
+sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
+group), junk (print to stdout from Python and from the fd), bad_input, oom, fail. Writes out.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app import modelkit
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda.OutOfMemoryError, which the kit recognises by name."""
+
+
+def load(loads: Path | None, sleep_s: float, fail: bool) -> dict[str, int]:
+    """Count the load, take a while, maybe fail."""
+    print("warm_toy: loading (a print to stdout)")  # must not reach the protocol
+    if loads is not None:
+        with loads.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+    time.sleep(sleep_s)
+    if fail:
+        raise RuntimeError("warm_toy: load failed on purpose")
+    return {"pid": os.getpid()}
+
+
+def handle(model: dict[str, int], job: modelkit.Job) -> None:
+    """Do what the params ask."""
+    params = job.params
+    steps = int(params.get("steps", 2))
+    for step in range(1, steps + 1):
+        time.sleep(float(params.get("sleep", 0.0)) / steps)
+        job.progress(step / steps, f"step {step}")
+        if params.get("crash") and step == 1:
+            os._exit(13)
+    if params.get("junk"):
+        print("junk from print()", flush=True)
+        os.write(1, b"junk from fd 1\n")
+    if params.get("spawn"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        (job.output_dir / "child.pid").write_text(str(child.pid))
+    while params.get("hang"):
+        time.sleep(0.05)
+    if params.get("bad_input"):
+        raise modelkit.BadInput("the input is not what warm_toy wants")
+    if params.get("oom"):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if params.get("fail"):
+        raise ValueError("warm_toy failed on purpose")
+    (job.output_dir / "out.txt").write_text(f"{job.id} pid {model['pid']} input {job.input.name}\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--loads", type=Path)
+    parser.add_argument("--load-sleep", type=float, default=0.0)
+    parser.add_argument("--fail-load", action="store_true")
+    args = parser.parse_args()
+    return modelkit.serve(lambda: load(args.loads, args.load_sleep, args.fail_load), handle, name="warm_toy")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

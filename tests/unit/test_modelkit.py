@@ -1,0 +1,269 @@
+"""Tests for app.modelkit: the line protocol, and the kit serving a real model process (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import modelkit, runner
+
+ROOT = Path(__file__).resolve().parents[2]
+WARM_TOY = ROOT / "tests" / "models" / "warm_toy.py"
+
+
+def _line(message: object) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
+def _job(name: str, tmp_path: Path, **params: Any) -> dict[str, Any]:
+    """A valid job message for warm_toy."""
+    paths = {"input": str(tmp_path / "in.png"), "output_dir": str(tmp_path / name)}
+    return {"job": name, **paths, "params": params}
+
+
+# -- the protocol, as pure functions ------------------------------------------------------
+
+
+def test_a_request_round_trips(tmp_path: Path) -> None:
+    request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {"sleep": 0.5, "name": "é"})
+    assert modelkit.parse_request(request.encode()) == request
+    assert request.encode().endswith(b"\n") and request.encode().count(b"\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (b"not json\n", "not a JSON line"),
+        (b"\xff\xfe\n", "not a JSON line"),
+        (b"[1, 2]\n", "not a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, "not a JSON line"),
+        (_line({"input": "/a", "output_dir": "/b", "params": {}}), "'job'"),
+        (_line({"job": "j", "output_dir": "/b", "params": {}}), "'input'"),
+        (_line({"job": "j", "input": "/a", "output_dir": 3, "params": {}}), "'output_dir'"),
+        (_line({"job": "j", "input": "/a", "output_dir": "/b"}), "'params'"),
+        (_line({"job": "j", "input": "/a", "output_dir": "/b", "params": [1]}), "'params'"),
+        (_line({"job": "", "input": "/a", "output_dir": "/b", "params": {}}), "1 to 200"),
+        (_line({"job": "j", "input": "in.png", "output_dir": "/b", "params": {}}), "absolute"),
+        (b"x" * (modelkit.MAX_LINE_BYTES + 1), "line over"),
+    ],
+)
+def test_malformed_requests_are_rejected(line: bytes, problem: str) -> None:
+    with pytest.raises(modelkit.ProtocolError, match=problem):
+        modelkit.parse_request(line)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        modelkit.Ready("relief", 42),
+        modelkit.Progress("j:1", 0.25, "meshing"),
+        modelkit.Done("j:1", ("mesh.glb",)),
+        modelkit.Failed("j:1", "no alpha", bad_input=True),
+        modelkit.Failed("j:1", "CUDA out of memory", oom=True),
+        modelkit.Failed(None, "not a JSON line", protocol=True),
+    ],
+)
+def test_replies_round_trip(reply: modelkit.Reply) -> None:
+    assert modelkit.parse_reply(modelkit.encode(reply)) == reply
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"ready": False},
+        {"job": "j", "progress": True},
+        {"job": "j", "progress": "half"},
+        {"progress": 0.5},
+        {"job": "j", "done": True, "outputs": "mesh.glb"},
+        {"job": "j", "done": True, "outputs": [1]},
+        {"job": "j", "done": 1},
+        {"job": 5, "error": "x"},
+        {"job": "j", "error": "x", "oom": "yes"},
+        {"job": "j", "hello": True},
+        {},
+    ],
+)
+def test_malformed_replies_are_rejected(message: dict[str, object]) -> None:
+    with pytest.raises(modelkit.ProtocolError):
+        modelkit.parse_reply(_line(message))
+
+
+def test_reply_details() -> None:
+    assert modelkit.parse_reply(b'{"job": "j", "progress": 7}') == modelkit.Progress("j", 1.0)
+    assert modelkit.parse_reply(b'{"ready": true}') == modelkit.Ready("", None)
+    with pytest.raises(modelkit.ProtocolError, match="not a number"):
+        modelkit.parse_reply(b'{"job": "j", "progress": NaN}')
+    long = modelkit.encode(modelkit.Failed("j", "e" * 100_000))
+    assert len(long) < modelkit.MAX_ERROR_CHARS + 100
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch's."""
+
+
+def test_oom_is_recognised_by_name_text_or_cause() -> None:
+    assert modelkit.is_oom(OutOfMemoryError("boom"))
+    assert modelkit.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    try:
+        try:
+            raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")
+        except RuntimeError as inner:
+            raise ValueError("decoding failed") from inner
+    except ValueError as outer:
+        assert modelkit.is_oom(outer)
+    assert not modelkit.is_oom(MemoryError("host memory"))
+    assert not modelkit.is_oom(ValueError("bad image"))
+
+
+def test_job_progress_is_clamped_and_nan_ignored(tmp_path: Path) -> None:
+    sent: list[modelkit.Reply] = []
+    job = modelkit.Job("j:1", tmp_path / "in", tmp_path / "out", {}, sent.append)
+    job.progress(0.5, "half")
+    job.progress(3)
+    job.progress(-1, "back")
+    job.progress(math.nan, "ignored")
+    assert sent == [
+        modelkit.Progress("j:1", 0.5, "half"),
+        modelkit.Progress("j:1", 1.0, ""),
+        modelkit.Progress("j:1", 0.0, "back"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_read_reply_frames_lines() -> None:
+    reader = asyncio.StreamReader(limit=modelkit.MAX_LINE_BYTES)
+    reader.feed_data(b'{"job": "j", "done": true}\nhello\n{"job": "j"')
+    reader.feed_eof()
+    assert await modelkit.read_reply(reader) == modelkit.Done("j")
+    assert "not a JSON line" in str(await modelkit.read_reply(reader))
+    assert "unterminated" in str(await modelkit.read_reply(reader))
+    assert await modelkit.read_reply(reader) is None
+
+
+# -- the kit, serving a real process ------------------------------------------------------
+
+
+class Kit:
+    """warm_toy as a subprocess, spoken to line by line like the worker does."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, tmp_path: Path, *args: str) -> Kit:
+        env = runner.minimal_env(None, {"PYTHONPATH": str(ROOT)})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(WARM_TOY), "--loads", str(tmp_path / "loads"), *args,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=env, cwd=tmp_path, limit=modelkit.MAX_LINE_BYTES,
+        )  # fmt: skip
+        return cls(proc)
+
+    async def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+    async def reply(self) -> modelkit.Reply:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 10)
+        return modelkit.parse_reply(line)  # anything else on stdout fails the test here
+
+    async def final(self, message: object) -> modelkit.Reply:
+        """Send a job; return its final reply (progress skipped)."""
+        await self.send(message if isinstance(message, bytes) else _line(message))
+        while isinstance(reply := await self.reply(), modelkit.Progress):
+            pass
+        return reply
+
+    async def finish(self) -> tuple[int, str]:
+        """Close stdin; the exit code and all of stderr."""
+        assert self.proc.stdin is not None and self.proc.stderr is not None
+        self.proc.stdin.close()
+        err = await asyncio.wait_for(self.proc.stderr.read(), 10)
+        return await asyncio.wait_for(self.proc.wait(), 10), err.decode()
+
+
+@pytest.mark.asyncio
+async def test_malformed_job_lines_get_protocol_errors_and_the_kit_keeps_serving(tmp_path: Path) -> None:
+    kit = await Kit.start(tmp_path)
+    ready = await kit.reply()
+    assert isinstance(ready, modelkit.Ready) and ready.model == "warm_toy" and ready.pid == kit.proc.pid
+    bad: list[bytes] = [
+        b"not json\n",
+        b"[1]\n",
+        _line({"job": "a:1", "input": "/in.png"}),
+        _line({**_job("b:1", tmp_path), "params": "sleep=1"}),
+        _line({**_job("c:1", tmp_path), "input": "relative.png"}),
+        b"x" * (modelkit.MAX_LINE_BYTES + 5000) + b"\n",
+    ]
+    replies = [await kit.final(line) for line in bad]
+    assert all(isinstance(r, modelkit.Failed) and r.protocol for r in replies)
+    jobs = [r.job for r in replies if isinstance(r, modelkit.Failed)]
+    assert jobs == [None, None, "a:1", "b:1", "c:1", None]
+    done = await kit.final(_job("d:1", tmp_path))
+    assert done == modelkit.Done("d:1", ("out.txt",))
+    assert (tmp_path / "d:1" / "out.txt").read_text().startswith("d:1 pid")
+    code, err = await kit.finish()
+    assert code == 0
+    assert "rejected a malformed job line" in err
+    assert (tmp_path / "loads").read_text().count("\n") == 1
+
+
+@pytest.mark.asyncio
+async def test_prints_to_stdout_go_to_stderr(tmp_path: Path) -> None:
+    kit = await Kit.start(tmp_path)
+    await kit.reply()
+    await kit.send(_line(_job("j:1", tmp_path, junk=True)))
+    replies = [await kit.reply() for _ in range(3)]  # parse_reply would fail on any junk line
+    assert replies[-1] == modelkit.Done("j:1", ("out.txt",))
+    code, err = await kit.finish()
+    assert code == 0
+    assert "warm_toy: loading (a print to stdout)" in err
+    assert "junk from print()" in err and "junk from fd 1" in err
+
+
+@pytest.mark.asyncio
+async def test_model_errors_are_reported_and_the_kit_keeps_serving(tmp_path: Path) -> None:
+    kit = await Kit.start(tmp_path)
+    await kit.reply()
+    bad_input = await kit.final(_job("a:1", tmp_path, bad_input=True))
+    oom = await kit.final(_job("b:1", tmp_path, oom=True))
+    failed = await kit.final(_job("c:1", tmp_path, fail=True))
+    assert bad_input == modelkit.Failed("a:1", "the input is not what warm_toy wants", bad_input=True)
+    assert isinstance(oom, modelkit.Failed) and oom.oom and not oom.bad_input
+    assert failed == modelkit.Failed("c:1", "ValueError: warm_toy failed on purpose")
+    assert await kit.final(_job("d:1", tmp_path)) == modelkit.Done("d:1", ("out.txt",))
+    code, err = await kit.finish()
+    assert code == 0
+    assert "Traceback" in err and "ValueError: warm_toy failed on purpose" in err
+
+
+@pytest.mark.asyncio
+async def test_a_failed_load_exits_without_ready(tmp_path: Path) -> None:
+    kit = await Kit.start(tmp_path, "--fail-load")
+    assert kit.proc.stdout is not None
+    assert await asyncio.wait_for(kit.proc.stdout.read(), 10) == b""
+    code, err = await kit.finish()
+    assert code == modelkit.EXIT_LOAD_FAILED
+    assert "load failed on purpose" in err
+
+
+@pytest.mark.asyncio
+async def test_stdin_closing_mid_job_ends_the_process(tmp_path: Path) -> None:
+    kit = await Kit.start(tmp_path)
+    await kit.reply()
+    await kit.send(_line(_job("j:1", tmp_path, hang=True)))
+    assert isinstance(await kit.reply(), modelkit.Progress)
+    code, err = await kit.finish()
+    assert code == modelkit.EXIT_ORPHANED
+    assert "the worker is gone" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(kit.proc.pid, 0)

@@ -1,0 +1,374 @@
+"""Tests for app.warm and app.warmpool with real runner processes (tests/models/warm_toy.py, relief)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trimesh
+from PIL import Image
+
+from app import modelkit, runner, warm, warmpool
+
+ROOT = Path(__file__).resolve().parents[2]
+WARM_TOY = ROOT / "tests" / "models" / "warm_toy.py"
+GRACE_S = 0.3
+GPU0 = 0
+
+
+def _launch(tmp_path: Path, name: str, argv: list[str], load_timeout_s: float = 10.0) -> warm.Launch:
+    (tmp_path / "runners" / name).mkdir(parents=True, exist_ok=True)
+    return warm.Launch(
+        name=name,
+        argv=tuple(argv),
+        env=runner.minimal_env(None, {"PYTHONPATH": str(ROOT)}),
+        cwd=tmp_path / "runners" / name,
+        log_path=tmp_path / "runners" / f"{name}.log",
+        load_timeout_s=load_timeout_s,
+    )
+
+
+def _toy(tmp_path: Path, name: str = "toy", *args: str) -> warm.Launch:
+    """warm_toy, counting its loads in tmp_path/<name>.loads."""
+    argv = [sys.executable, str(WARM_TOY), "--loads", str(tmp_path / f"{name}.loads"), *args]
+    return _launch(tmp_path, name, argv)
+
+
+def _loads(tmp_path: Path, name: str = "toy") -> int:
+    path = tmp_path / f"{name}.loads"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+class Jobs:
+    """Numbered jobs with their own output folder and log; records the progress they report."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.count = 0
+        self.progress: list[tuple[float, str]] = []
+        (tmp_path / "in.png").write_bytes(b"not really a png")
+
+    async def on_progress(self, fraction: float, message: str) -> None:
+        self.progress.append((fraction, message))
+
+    def log(self, n: int) -> str:
+        return (self.tmp_path / "logs" / f"job{n}.log").read_text()
+
+    async def run(
+        self, warm_runner: warm.WarmRunner, timeout_s: float = 10.0, source: Path | None = None, **params: Any
+    ) -> warm.WarmResult:
+        self.count += 1
+        out = self.tmp_path / f"out{self.count}"
+        request = modelkit.Request(f"job{self.count}:1", source or self.tmp_path / "in.png", out, params)
+        log = self.tmp_path / "logs" / f"job{self.count}.log"
+        return await warm_runner.run_job(
+            request, timeout_s=timeout_s, log_path=log, on_progress=self.on_progress
+        )
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[warmpool.WarmPool]:
+    """A pool whose runners are all closed after the test."""
+    pool = warmpool.WarmPool(kill_grace_s=GRACE_S)
+    yield pool
+    await pool.close_all("test over")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _gone(pid: int, within_s: float = 3.0) -> bool:
+    for _ in range(int(within_s / 0.02)):
+        if not _alive(pid):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _eventually(check: Callable[[], bool], within_s: float = 5.0) -> bool:
+    """Wait until `check()` holds; False if it still does not after `within_s`."""
+    for _ in range(int(within_s / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+async def _dead(warm_runner: warm.WarmRunner) -> bool:
+    """Wait until the runner has noticed its end and cleaned up."""
+    return await _eventually(lambda: warm_runner.state is warm.RunnerState.DEAD)
+
+
+KEY = warmpool.RunnerKey("toy", GPU0)
+
+
+@pytest.mark.asyncio
+async def test_one_process_answers_many_jobs_and_loads_once(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs, pids = Jobs(tmp_path), set()
+    for _ in range(5):
+        async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as warm_runner:
+            result = await jobs.run(warm_runner, steps=2)
+            pids.add(warm_runner.pid)
+        assert result.ok and result.outputs == ("out.txt",), result
+    assert len(pids) == 1 and _loads(tmp_path) == 1
+    (runner_,) = pool.runners()
+    assert runner_.jobs_done == 5 and runner_.state is warm.RunnerState.IDLE
+    assert (tmp_path / "out5" / "out.txt").read_text() == f"job5:1 pid {pids.pop()} input in.png\n"
+    assert jobs.progress == [(0.5, "step 1"), (1.0, "step 2")] * 5
+    log = jobs.log(3)
+    assert "[modelkit] job job3:1 started" in log and "PROGRESS 0.500 step 1" in log and "done after" in log
+    assert "job job1:1" not in log  # each job's log holds only its own lines
+    assert pool.reserved_mb(GPU0) == 1000 and pool.reserved_mb(1) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_runner_that_dies_mid_job_is_replaced(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as first:
+        assert (await jobs.run(first)).ok
+        crashed = await jobs.run(first, crash=True)
+    assert crashed.outcome is warm.Outcome.CRASHED and crashed.exit_code == 13
+    assert crashed.error == "the runner exited during the job"
+    assert first.state is warm.RunnerState.DEAD and pool.runners() == {}
+    assert pool.reserved_mb(GPU0) == 0
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as second:
+        assert (await jobs.run(second)).ok
+    assert second.pid != first.pid and _loads(tmp_path) == 2
+
+
+@pytest.mark.asyncio
+async def test_timeout_kills_the_group_and_the_next_job_gets_a_fresh_runner(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as first:
+        result = await jobs.run(first, timeout_s=0.5, spawn=True, hang=True)
+    assert result.outcome is warm.Outcome.TIMED_OUT and result.error == "timed out after 0.5 s"
+    assert result.signal is None and result.exit_code is None  # the kill was ours, not a crash
+    child = int((tmp_path / "out1" / "child.pid").read_text())
+    assert first.pid is not None and await _gone(first.pid) and await _gone(child)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as second:
+        assert (await jobs.run(second)).ok
+    assert second.pid != first.pid
+
+
+@pytest.mark.asyncio
+async def test_stop_ends_the_job_and_the_runner(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as first:
+        task = asyncio.create_task(jobs.run(first, hang=True))
+        assert await _eventually(lambda: len(jobs.progress) == 2)
+        first.stop("canceled")
+        result = await task
+    assert result.outcome is warm.Outcome.STOPPED and result.stopped == "canceled"
+    assert first.state is warm.RunnerState.DEAD and first.pid is not None and await _gone(first.pid)
+    assert result.error == "canceled" and "[warm] stopped: canceled after" in result.log_tail
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as second:
+        second.stop("canceled before the job was sent")
+        early = await jobs.run(second)
+    assert early.outcome is warm.Outcome.STOPPED and not (tmp_path / "out2").exists()
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as third:
+        assert (await jobs.run(third)).ok
+        third.stop("too late: the job has ended")  # forgotten when the runner is handed out again
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as again:
+        assert again is third and (await jobs.run(again)).ok
+    assert _loads(tmp_path) == 3
+
+
+@pytest.mark.asyncio
+async def test_model_errors_keep_or_end_the_runner(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as warm_runner:
+        with pytest.raises(ValueError):  # a request that cannot be encoded changes nothing
+            await jobs.run(warm_runner, sleep=float("nan"))
+        bad = await jobs.run(warm_runner, bad_input=True)
+        oom = await jobs.run(warm_runner, oom=True)
+        assert warm_runner.state is warm.RunnerState.IDLE  # bad input and OOM leave the model usable
+        failed = await jobs.run(warm_runner, fail=True)
+    assert bad.outcome is warm.Outcome.BAD_INPUT and bad.error == "the input is not what warm_toy wants"
+    assert oom.outcome is warm.Outcome.OOM and "CUDA out of memory" in (oom.error or "")
+    assert failed.outcome is warm.Outcome.FAILED and failed.error == "ValueError: warm_toy failed on purpose"
+    assert "Traceback" in failed.log_tail
+    assert warm_runner.state is warm.RunnerState.DEAD and _loads(tmp_path) == 1
+
+
+@pytest.mark.asyncio
+async def test_junk_on_the_models_stdout_does_not_break_the_protocol(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as warm_runner:
+        result = await jobs.run(warm_runner, junk=True)
+        assert result.ok and warm_runner.state is warm.RunnerState.IDLE
+    assert "junk from print()" in jobs.log(1) and "junk from fd 1" in jobs.log(1)
+
+
+@pytest.mark.asyncio
+async def test_idle_runners_are_closed(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs, other = Jobs(tmp_path), warmpool.RunnerKey("other", GPU0)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=700) as old:
+        assert (await jobs.run(old)).ok
+    await asyncio.sleep(0.3)
+    async with pool.use(other, _toy(tmp_path, "other"), hold_mb=300) as recent:
+        assert (await jobs.run(recent)).ok
+    assert pool.reserved_mb(GPU0) == 1000
+    closed = await pool.idle_close(older_than_s=0.2)
+    assert [(c.key, c.pid, c.hold_mb) for c in closed] == [(KEY, old.pid, 700)]
+    assert old.state is warm.RunnerState.DEAD and old.pid is not None and not _alive(old.pid)
+    assert list(pool.runners()) == [recent] and pool.reserved_mb(GPU0) == 300
+    assert await pool.idle_close(older_than_s=60) == []
+
+
+@pytest.mark.asyncio
+async def test_eviction_frees_the_least_recently_used_runner(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    a, b, c = (warmpool.RunnerKey(m, g) for m, g in (("a", GPU0), ("b", GPU0), ("c", 1)))
+    started = {}
+    for key in (a, b, c):
+        async with pool.use(key, _toy(tmp_path, key.model), hold_mb=1000) as warm_runner:
+            assert (await jobs.run(warm_runner)).ok
+            started[key] = warm_runner
+    assert pool.warm_keys() == {a, b, c} and pool.idle_hold_mb(b) == 1000
+    assert await pool.evict_lru(GPU0, 5000, keep=b) != []  # only a could go: b is kept
+    assert pool.warm_keys() == {b, c}
+    async with pool.use(a, _toy(tmp_path, "a"), hold_mb=1000):  # a is back, and in use
+        assert pool.reserved_mb(GPU0) == 1000
+        assert await pool.evict_lru(GPU0, 1, keep=a) == [
+            warmpool.Closed(b, started[b].pid, 1000, "evicted: 1 MB needed on GPU 0")
+        ]
+        assert pool.reserved_mb(GPU0) == 0 and await pool.evict_lru(GPU0, 1) == []  # a is in use
+    assert pool.reserved_mb(GPU0) == 1000 and pool.reserved_mb(1) == 1000
+    assert started[b].pid is not None and not _alive(started[b].pid)
+    assert started[c].state is warm.RunnerState.IDLE
+    again = await pool.acquire(c, _toy(tmp_path, "c"), hold_mb=1000)
+    assert again is started[c] and pool.reserved_mb(1) == 0  # in use: its job's reservation covers it
+    pool.release(again, hold_mb=2500)  # e.g. what NVML shows the runner holding after the job
+    assert pool.reserved_mb(1) == 2500 and pool.idle_hold_mb(c) == 2500
+
+
+@pytest.mark.asyncio
+async def test_start_failures(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    with pytest.raises(warm.StartFailed, match=r"exited while loading \(exit code 3\)") as failed:
+        await pool.acquire(KEY, _toy(tmp_path, "toy", "--fail-load"), hold_mb=0)
+    assert "load failed on purpose" in str(failed.value)
+    slow = _launch(
+        tmp_path, "slow", [sys.executable, str(WARM_TOY), "--load-sleep", "30"], load_timeout_s=0.5
+    )
+    with pytest.raises(warm.StartFailed, match=r"not ready after 0\.5 s"):
+        await pool.acquire(KEY, slow, hold_mb=0)
+    missing = _launch(tmp_path, "missing", [str(tmp_path / "no-such-program")])
+    with pytest.raises(warm.StartFailed, match="could not be started"):
+        await pool.acquire(KEY, missing, hold_mb=0)
+    stopping = asyncio.create_task(pool.acquire(KEY, slow, hold_mb=0))
+    await asyncio.sleep(0.2)
+    for warm_runner in pool.runners():
+        warm_runner.stop("canceled")
+    with pytest.raises(warm.StartFailed, match="stopped while loading: canceled"):
+        await stopping
+    assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0
+
+
+def _script(tmp_path: Path, name: str, body: str) -> warm.Launch:
+    """A runner that speaks the protocol by hand (badly)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return _launch(tmp_path, name, [sys.executable, str(path)])
+
+
+READY = "import json, os, sys, time\nprint(json.dumps({'ready': True, 'pid': os.getpid()}), flush=True)\n"
+
+
+@pytest.mark.asyncio
+async def test_protocol_violations_end_the_runner(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    cases = {
+        "chatty": READY + "sys.stdin.readline()\nprint('hello from the model', flush=True)\ntime.sleep(30)\n",
+        "other_job": READY + "sys.stdin.readline()\nprint(json.dumps({'job': 'x:1', 'done': True}))\n",
+        "no_newline": READY + "sys.stdin.readline()\nsys.stdout.write('{\"job\"')\n",
+    }
+    for name, body in cases.items():
+        async with pool.use(KEY, _script(tmp_path, name, body), hold_mb=0) as warm_runner:
+            result = await jobs.run(warm_runner)
+        assert result.outcome is warm.Outcome.CRASHED, name
+        assert (result.error or "").startswith("protocol error"), result.error
+        assert warm_runner.state is warm.RunnerState.DEAD
+    assert "hello from the model" in jobs.log(1)
+
+
+@pytest.mark.asyncio
+async def test_a_runner_that_dies_or_talks_while_idle_is_replaced(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    chatty = _script(tmp_path, "idle_chatty", READY + "time.sleep(0.3)\nprint('out of turn', flush=True)\n")
+    warm_runner = await pool.acquire(KEY, chatty, hold_mb=500)
+    pool.release(warm_runner)
+    assert await _dead(warm_runner) and pool.reserved_mb(GPU0) == 0
+    victim = await pool.acquire(KEY, _toy(tmp_path), hold_mb=0)
+    pool.release(victim)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    assert await _dead(victim) and victim.describe_exit() == "killed by signal 9"
+    replacement = await pool.acquire(KEY, _toy(tmp_path), hold_mb=0)
+    assert replacement is not victim and (await Jobs(tmp_path).run(replacement)).ok
+    pool.release(replacement)
+
+
+@pytest.mark.asyncio
+async def test_close_lets_the_runner_exit_by_itself_and_close_all_stops_jobs(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    jobs = Jobs(tmp_path)
+    warm_runner = await pool.acquire(KEY, _toy(tmp_path), hold_mb=0)
+    pool.release(warm_runner)
+    await warm_runner.close()
+    assert warm_runner.describe_exit() == "exit code 0"
+    busy = await pool.acquire(KEY, _toy(tmp_path), hold_mb=0)
+    task = asyncio.create_task(jobs.run(busy, hang=True))
+    assert await _eventually(lambda: bool(jobs.progress))
+    closed = await pool.close_all("worker stopping")
+    result = await task
+    assert [c.pid for c in closed] == [busy.pid]
+    assert result.outcome is warm.Outcome.STOPPED and result.stopped == "worker stopping"
+    pool.release(busy)
+    assert pool.runners() == {}
+
+
+def _picture(path: Path) -> Path:
+    ramp = np.linspace(0, 255, 64, dtype=np.float64)[None, :].repeat(32, axis=0)
+    Image.fromarray(ramp.astype(np.uint8), "L").save(path)
+    return path
+
+
+@pytest.mark.asyncio
+async def test_relief_serves_two_jobs_in_one_process(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    argv = [sys.executable, "-m", "app.relief", "--serve", "--device", "cpu"]
+    source = _picture(tmp_path / "ramp.png")
+    key = warmpool.RunnerKey("relief", None)
+    async with pool.use(key, _launch(tmp_path, "relief", argv, load_timeout_s=60), hold_mb=0) as relief:
+        first = await jobs.run(relief, source=source, format="glb", resolution=32)
+        second = await jobs.run(relief, source=source, format="glb", width_mm=50, invert=True)
+        bad = await jobs.run(relief, source=source, resolution=True)
+        unreadable = await jobs.run(relief)  # in.png is not an image
+        assert relief.state is warm.RunnerState.IDLE and relief.jobs_done == 4
+    assert first.ok and second.ok and first.outputs == ("mesh.glb",), (first, second)
+    for n in (1, 2):
+        mesh = trimesh.load(tmp_path / f"out{n}" / "mesh.glb", force="mesh")
+        assert isinstance(mesh, trimesh.Trimesh) and mesh.is_watertight and mesh.volume > 0
+    assert bad.outcome is warm.Outcome.BAD_INPUT and "params.resolution" in (bad.error or "")
+    assert unreadable.outcome is warm.Outcome.BAD_INPUT and "cannot read image" in (unreadable.error or "")
+    assert (0.4, "heightmap") in jobs.progress and jobs.progress.count((1.0, "written")) == 2
+    assert "relief: device cpu" in (tmp_path / "runners" / "relief.log").read_text()
