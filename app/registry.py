@@ -19,7 +19,7 @@ from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, Literal, TypeAlias, TypeVar
+from typing import Any, Final, Literal, TypeAlias, TypeVar
 
 from app import errors
 
@@ -45,7 +45,9 @@ _MEDIA_TYPES: Final = {"glb": "model/gltf-binary", "gltf": "model/gltf+json", "s
 _MODEL_REQUIRED: Final = frozenset({"argv", "vram", "timeout_s", "max_attempts", "outputs"})
 _MODEL_KEYS: Final = _MODEL_REQUIRED | {
     "description", "bad_input_exit_codes", "params", "oom_exit_codes", "oom_patterns",
+    "mode", "serve_argv", "load_timeout_s", "idle_vram_mb", "extends",
 }  # fmt: skip
+MODES: Final = ("oneshot", "persistent")
 # What CUDA out-of-memory looks like in a log (PyTorch, the CUDA runtime, cuBLAS, cuDNN).
 DEFAULT_OOM_PATTERNS: Final = (
     r"CUDA out of memory", r"OutOfMemoryError", r"cudaErrorMemoryAllocation", r"CUBLAS_STATUS_ALLOC_FAILED",
@@ -152,6 +154,19 @@ class ModelSpec:
     outputs: tuple[OutputSpec, ...]
     oom_exit_codes: frozenset[int] = frozenset()
     oom_patterns: tuple[str, ...] = DEFAULT_OOM_PATTERNS
+    mode: str = "oneshot"  # "persistent": a warm runner loads the model once (docs/persistent.md)
+    serve_argv: tuple[str, ...] = ()  # the warm runner's command; only {python} is filled in
+    load_timeout_s: float = 300.0
+    idle_vram_mb: int | None = None  # what a warm runner holds between jobs (default: base_mb)
+
+    @property
+    def persistent(self) -> bool:
+        """Jobs run in a warm runner rather than a process each."""
+        return self.mode == "persistent"
+
+    def build_serve_argv(self, *, python: str = sys.executable) -> list[str]:
+        """The warm runner's command line."""
+        return [element.replace("{python}", python) for element in self.serve_argv]
 
     def out_of_memory(self, exit_code: int | None, log_tail: str) -> bool:
         """Did a failed run die of GPU out-of-memory (by exit code or a line in its log)?"""
@@ -259,10 +274,11 @@ def _load_file(path: Path) -> dict[str, ModelSpec]:
     document, loader = _read_toml(path), _Loader(path)
     loader.keys(document, {"models"}, {"models"}, "")
     models: dict[str, ModelSpec] = {}
-    for name, value in loader.of(document["models"], dict, "models", "a table").items():
+    tables = loader.of(document["models"], dict, "models", "a table")
+    for name, value in tables.items():
         model = _Loader(path, name)
         model.check(bool(_MODEL_NAME.fullmatch(name)), None, f"a name must match {_MODEL_NAME.pattern}")
-        models[name] = model.model(name, model.of(value, dict, None, "a table"))
+        models[name] = model.model(name, model.inherit(model.of(value, dict, None, "a table"), tables))
     loader.check(bool(models), "models", "defines no model")
     return models
 
@@ -306,7 +322,45 @@ class _Loader:
             outputs=self.outputs(table["outputs"], params),
             oom_exit_codes=self.exit_codes(table.get("oom_exit_codes", []), "oom_exit_codes"),
             oom_patterns=self.patterns(table.get("oom_patterns", list(DEFAULT_OOM_PATTERNS))),
+            **self.warm(table),
         )
+
+    def inherit(self, table: dict[str, object], tables: Mapping[str, object]) -> dict[str, object]:
+        """`extends = "other"`: the other model's fields (same file), overridden by this table's."""
+        base = table.pop("extends", None)
+        if base is None:
+            return table
+        parent = tables.get(base) if isinstance(base, str) else None
+        self.check(
+            isinstance(parent, dict) and "extends" not in parent,
+            "extends",
+            "must name another model of this file that extends nothing",
+        )
+        assert isinstance(parent, dict)
+        return {**parent, **table}
+
+    def warm(self, table: Mapping[str, object]) -> dict[str, Any]:
+        """mode, serve_argv, load_timeout_s and idle_vram_mb, checked together."""
+        mode = table.get("mode", "oneshot")
+        self.check(mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
+        serve = table.get("serve_argv", [])
+        ok = isinstance(serve, list) and all(isinstance(item, str) for item in serve)
+        self.check(
+            ok and (mode != "persistent" or bool(serve)),
+            "serve_argv",
+            "must be a non-empty array of strings for a persistent model",
+        )
+        for index, element in enumerate(serve if isinstance(serve, list) else []):
+            self.template(element, f"serve_argv[{index}]", {"python"})
+        idle = table.get("idle_vram_mb")
+        return {
+            "mode": mode,
+            "serve_argv": tuple(serve) if isinstance(serve, list) else (),
+            "load_timeout_s": float(
+                self.number(table.get("load_timeout_s", 300), "load_timeout_s", above=True)
+            ),
+            "idle_vram_mb": None if idle is None else int(self.number(idle, "idle_vram_mb", integer=True)),
+        }
 
     def param(self, name: str, value: object) -> ParamSpec:
         at = f"params.{name}"

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     gpu_settle_timeout_s: float = Field(
         30, ge=0, description="After a job ends, how long its GPU memory may take to come back"
     )
+    warm_idle_s: float = Field(300, gt=0, description="A warm runner with no job for this long is stopped")
+    warm_streak_max: int = Field(
+        4, ge=0, description="Claims in a row that may prefer models with a warm runner (0 = never)"
+    )
     quarantine_after: int = Field(
         3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"
     )

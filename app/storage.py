@@ -67,6 +67,12 @@ class ResultStore:
         (path / "out").mkdir(parents=True)
         return path
 
+    def runner_dir(self, model: str, gpu: int | None) -> Path:
+        """The working folder of a warm runner (its HOME and its own log)."""
+        path = self.root / "runners" / f"{model}-gpu{'none' if gpu is None else gpu}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes."""
         path = self.root / "logs" / str(job_id) / f"attempt-{attempt}.log"

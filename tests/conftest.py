@@ -172,11 +172,49 @@ bad_input_exit_codes = [65]
     return head + TOY_PARAMS.replace("{name}", name)
 
 
+WARM_TOY = HERE / "models" / "warm_toy.py"
+
+
+def warm_model(name: str, loads: Path, *, idle_vram_mb: int = 1000, timeout_s: float = 30) -> str:
+    """Registry TOML for a persistent test model (tests/models/warm_toy.py) counting loads in `loads`."""
+    serve = ["{python}", str(WARM_TOY), "--loads", str(loads)]
+    params = "".join(
+        f'[models.{name}.params.{param}]\ntype = "{kind}"\ndefault = {default}\n'
+        for param, kind, default in (
+            ("sleep", "float", "0.0"),
+            ("steps", "int", "2"),
+            ("crash_attempts", "int", "0"),
+            ("hang", "bool", "false"),
+            ("junk", "bool", "false"),
+        )
+    )
+    return f"""
+[models.{name}]
+description = "Persistent test model"
+mode = "persistent"
+argv = ["{{python}}", "-c", "raise SystemExit('{name} runs only as a warm runner')"]
+serve_argv = {json.dumps(serve)}
+vram = {{ base_mb = 1000 }}
+idle_vram_mb = {idle_vram_mb}
+timeout_s = {timeout_s}
+max_attempts = 3
+{params}[[models.{name}.outputs]]
+name = "out.txt"
+media_type = "text/plain"
+"""
+
+
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
-    """A registry file with the test-only models `toy` and `toy_timeout` (1 s, one attempt)."""
+    """Test-only models: `toy`, `toy_timeout` (1 s, one attempt), and persistent `warm_a`, `warm_b`
+    (6000 MB held while idle, loads counted in tmp_path/loads-<name>.txt)."""
     path = tmp_path / "test-models.toml"
-    path.write_text(toy_model("toy") + toy_model("toy_timeout", timeout_s=1, max_attempts=1))
+    path.write_text(
+        toy_model("toy")
+        + toy_model("toy_timeout", timeout_s=1, max_attempts=1)
+        + warm_model("warm_a", tmp_path / "loads-warm_a.txt", idle_vram_mb=6000, timeout_s=3)
+        + warm_model("warm_b", tmp_path / "loads-warm_b.txt", idle_vram_mb=6000)
+    )
     return path
 
 

@@ -16,13 +16,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from app import db, errors, gpu, logs, registry, runner, scheduler, storage
+from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
 from app.queue import manager as manager_
 from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
+T = TypeVar("T")
 
 EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
@@ -80,6 +81,7 @@ class Attempt:
         inventory: gpu.GpuInventory | None = None,
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
+        pool: warmpool.WarmPool | None = None,
     ) -> None:
         self.job = job
         self.spec = spec
@@ -88,6 +90,8 @@ class Attempt:
         self._config = config
         self._inventory = inventory
         self._image = image  # (media type, bytes) when the claim brought it
+        self._pool = pool  # warm runners, for persistent models
+        self._runner: warm.WarmRunner | None = None
         self._capacity_mb = capacity_mb  # the GPU's size less the buffer: the most an estimate may grow to
         self.started_s = time.monotonic()
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
@@ -109,6 +113,8 @@ class Attempt:
             self._stop_reason = reason
         if self._process is not None:
             self._process.stop(reason)
+        if self._runner is not None:
+            self._runner.stop(reason)
 
     async def run(self) -> None:
         """Prepare, run the model, and write the outcome (the final write survives cancellation)."""
@@ -142,6 +148,8 @@ class Attempt:
         self._image = None  # not kept in memory while the model runs
         input_path = scratch / f"input{EXTENSIONS.get(media_type, '')}"
         input_path.write_bytes(data)
+        if spec.persistent and self._pool is not None:
+            return await self._run_warm(input_path, scratch / "out")
         argv = spec.build_argv(
             job.params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
         )
@@ -171,20 +179,107 @@ class Attempt:
         self._process = process
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
-        side = [
-            asyncio.create_task(self._record_pid_later(pid), name=f"pid:{job.id}"),
-            asyncio.create_task(self._sample_memory(pid), name=f"vram:{job.id}"),
-        ]
-        try:
-            result = await process.wait()
-        finally:
-            for task in side:
-                task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+        result = await self._watched(pid, process.wait())
         if self.peak_mb:
             with contextlib.suppress(errors.LeaseLost):
                 await self._manager.record_peak(job, self.peak_mb)
         return self._outcome(result, scratch / "out")
+
+    async def _run_warm(self, input_path: Path, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+        """Run the job in a warm runner of its model on its GPU (started if none is idle)."""
+        assert self._pool is not None
+        job, spec = self.job, self.spec
+        key = warmpool.RunnerKey(spec.name, job.gpu)
+        try:
+            runner = await self._pool.acquire(
+                key, self._launch(key), hold_mb=spec.idle_vram_mb or spec.base_mb
+            )
+        except warm.StartFailed as exc:
+            if spec.out_of_memory(None, str(exc)):
+                return self._out_of_memory(f"the warm runner did not load: {exc}")
+            return self._failure(f"the warm runner did not start: {exc}", retryable=True)
+        self._runner = runner
+        try:
+            if self._stop_reason is not None:
+                runner.stop(self._stop_reason)
+            request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, job.params)
+            result = await self._watched(
+                runner.pid or 0,
+                runner.run_job(
+                    request,
+                    timeout_s=spec.timeout_s,
+                    log_path=self._store.log_path(job.id, job.attempt),
+                    on_progress=self._on_progress,
+                ),
+            )
+        finally:
+            self._runner = None
+            self._pool.release(runner)
+        if runner.state is not warm.RunnerState.DEAD:
+            self.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
+        return self._warm_outcome(result, out_dir)
+
+    def _launch(self, key: warmpool.RunnerKey) -> warm.Launch:
+        """How to start a warm runner: its own folder, log and minimal environment."""
+        folder = self._store.runner_dir(key.model, key.gpu)
+        env = runner.minimal_env(
+            key.gpu,
+            {
+                "HOME": str(folder),
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "GPUJOBS_RUNNER": f"{self._config.worker_id}:{key.model}:{key.gpu}",
+            },
+        )
+        argv = tuple(self.spec.build_serve_argv(python=self._config.python))
+        return warm.Launch(
+            f"{key.model} on GPU {key.gpu}",
+            argv,
+            env,
+            folder,
+            folder / "runner.log",
+            load_timeout_s=self.spec.load_timeout_s,
+        )
+
+    def _warm_outcome(self, result: warm.WarmResult, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+        """The final write for a job run in a warm runner."""
+        stopped = result.stopped or self._stop_reason
+        if stopped is not None or result.outcome is warm.Outcome.STOPPED:
+            return self._stopped_outcome(stopped or CANCELED)
+        error = result.error or str(result.outcome)
+        match result.outcome:
+            case warm.Outcome.DONE:
+                return self._success(out_dir, result.duration_s)
+            case warm.Outcome.BAD_INPUT:
+                return self._failure(f"bad input: {error}", retryable=False)
+            case warm.Outcome.OOM:
+                return self._out_of_memory(error)
+            case warm.Outcome.TIMED_OUT:
+                return self._failure(
+                    f"timed out after {self.spec.timeout_s:g} s", retryable=True, timed_out=True
+                )
+            case warm.Outcome.CRASHED:
+                return self._failure(
+                    f"the warm runner died: {error}\n{result.log_tail}".strip(),
+                    retryable=True,
+                    exit_code=result.exit_code,
+                    signal=result.signal,
+                    abnormal=True,
+                )
+            case _:
+                return self._failure(f"the model failed: {error}", retryable=True)
+
+    async def _watched(self, pgid: int, work: Awaitable[T]) -> T:
+        """Await `work` while recording the pid once it lasts and sampling its GPU memory."""
+        side = [
+            asyncio.create_task(self._record_pid_later(pgid), name=f"pid:{self.job.id}"),
+            asyncio.create_task(self._sample_memory(pgid), name=f"vram:{self.job.id}"),
+        ]
+        try:
+            return await work
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
 
     async def _record_pid_later(self, pid: int) -> None:
         """Record the pid once the run has lasted PID_AFTER_S: only a lasting run leaves an orphan
@@ -206,20 +301,14 @@ class Attempt:
                 raise
 
     def _outcome(self, result: runner.RunResult, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+        """The final write for a one-shot run."""
         stopped = result.stopped or self._stop_reason
-        if stopped == LEASE_LOST:
-            log.warning(
-                "lease lost; output discarded", extra={"action": "lease_lost", "job_id": str(self.job.id)}
-            )
-            return None
-        if stopped == SHUTDOWN:
-            return lambda: self._manager.release(self.job, reason=SHUTDOWN)
-        if stopped == CANCELED:
-            return self._failure("canceled while running", retryable=False)
+        if stopped is not None:
+            return self._stopped_outcome(stopped)
         if result.ok:
-            return self._success(out_dir, result)
+            return self._success(out_dir, result.duration_s)
         if not result.timed_out and self.spec.out_of_memory(result.exit_code, result.log_tail):
-            return self._out_of_memory(result)
+            return self._out_of_memory(describe(result, self.spec.timeout_s))
         bad_input = result.exit_code in self.spec.bad_input_exit_codes
         error = describe(result, self.spec.timeout_s)
         return self._failure(
@@ -231,18 +320,35 @@ class Attempt:
             abnormal=result.signal is not None and not result.timed_out,  # a signal we did not send
         )
 
-    def _out_of_memory(self, result: runner.RunResult) -> Callable[[], Awaitable[Any]]:
+    def _stopped_outcome(self, reason: str) -> Callable[[], Awaitable[Any]] | None:
+        """A run stopped from outside: lost (discard), shutdown (hand back), canceled, or broken."""
+        if reason == LEASE_LOST:
+            log.warning(
+                "lease lost; output discarded", extra={"action": "lease_lost", "job_id": str(self.job.id)}
+            )
+            return None
+        if reason == SHUTDOWN:
+            return lambda: self._manager.release(self.job, reason=SHUTDOWN)
+        if reason == CANCELED:
+            return self._failure("canceled while running", retryable=False)
+        return self._failure(f"stopped: {reason}", retryable=True)
+
+    def _out_of_memory(self, what: str) -> Callable[[], Awaitable[Any]]:
         """Queue again with a larger estimate (no attempt spent), or fail once that cannot help."""
         job = self.job
         grown = scheduler.after_oom_mb(
             job.vram_mb, self.peak_mb, growth=self._config.oom_growth, capacity_mb=self._capacity_mb
         )
-        error = "out of GPU memory: " + describe(result, self.spec.timeout_s)
+        error = "out of GPU memory: " + what
         if job.oom_retries >= self._config.oom_max_retries or grown <= job.vram_mb:
             why = f"{job.oom_retries} larger retries" if grown > job.vram_mb else "the whole GPU"
             return self._failure(f"{error}\n(still out of memory with {why})", retryable=False)
-        detail = {"vram_mb": job.vram_mb, "new_vram_mb": grown, "peak_mb": self.peak_mb,
-                  "oom_retry": job.oom_retries + 1}
+        detail = {
+            "vram_mb": job.vram_mb,
+            "new_vram_mb": grown,
+            "peak_mb": self.peak_mb,
+            "oom_retry": job.oom_retries + 1,
+        }
         return lambda: self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
 
     async def _sample_memory(self, pgid: int) -> None:
@@ -270,7 +376,7 @@ class Attempt:
 
         return write
 
-    def _success(self, out_dir: Path, result: runner.RunResult) -> Callable[[], Awaitable[Any]]:
+    def _success(self, out_dir: Path, duration_s: float) -> Callable[[], Awaitable[Any]]:
         expected = [
             storage.ExpectedOutput(name, media_type, spec.required, spec.max_mb * 1024 * 1024)
             for name, media_type, spec in self.spec.expected_outputs(self.job.params)
@@ -289,7 +395,7 @@ class Attempt:
                 self._store.publish(job.id, job.attempt, out_dir, files)
             published = True
             try:
-                await self._manager.succeed(job, files, {"duration_s": round(result.duration_s, 3)})
+                await self._manager.succeed(job, files, {"duration_s": round(duration_s, 3)})
             except Exception as exc:
                 if not db.is_unavailable(exc):  # lost to fencing, or broken: the files must not stay
                     self._store.unpublish(job.id, job.attempt)
@@ -339,28 +445,3 @@ class Attempt:
             if not db.is_unavailable(exc):
                 raise
             # Progress is best effort while the database is away; the run goes on.
-
-
-def is_model_of(pid: int, job_id: object) -> bool:
-    """True if `pid` is a model process started for `job_id` (guards against pid reuse)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"GPUJOBS_JOB={job_id}:".encode() in environ
-
-
-async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
-    """Kill the model process group of a job taken back from a dead worker on this host."""
-    if taken.pid is None or taken.host != host or not is_model_of(taken.pid, taken.id):
-        return False
-    try:
-        killed = await runner.kill_process_group(taken.pid, grace_s=grace_s)
-    except ValueError:  # the pid is now our own group or init's: not a leftover model
-        return False
-    if killed:
-        log.warning(
-            "killed leftover model process",
-            extra={"action": "orphan_killed", "pid": taken.pid, "job_id": str(taken.id)},
-        )
-    return killed

@@ -44,6 +44,8 @@ def build_worker(
         gpu_settle_timeout_s=settings.gpu_settle_timeout_s,
         oom_max_retries=settings.oom_max_retries,
         oom_growth=settings.oom_growth,
+        warm_idle_s=settings.warm_idle_s,
+        warm_streak_max=settings.warm_streak_max,
         python=sys.executable,
         burst=burst,
     )

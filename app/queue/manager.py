@@ -6,7 +6,7 @@ import base64
 import json
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -235,11 +235,14 @@ class JobManager:
         budgets: Mapping[int, int],
         lease_s: float,
         min_priority: int = -(2**31),
+        warm: Set[tuple[str, int | None]] = frozenset(),
     ) -> Claimed | None:
         """Lease the best queued job that fits one of `budgets` (GPU index -> free MB).
 
         `models` may map each model to the largest input (megapixels) to take (backfill), and
-        `min_priority` keeps out jobs whose effective priority is lower (reservations).
+        `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
+        jobs of equal effective priority, models with a warm runner (`warm` pairs) come first and
+        go to the GPU their runner is on.
         """
         if not budgets or not models:
             return None
@@ -248,6 +251,8 @@ class JobManager:
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
+            "warm_models": sorted({model for model, _ in warm}),
+            "warm_pairs": sorted(f"{model}:{gpu}" for model, gpu in warm),
             "min_priority": min_priority,
             "classes": classes_up_to(budget),
             "budget": budget,

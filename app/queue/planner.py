@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app import gpu, registry, scheduler
+from app import gpu, registry, scheduler, warmpool
 from app.queue import manager as manager_
 from app.queue.jobs import Claimed, Job
 
@@ -37,6 +37,7 @@ class PlannerConfig:
     backfill_min_samples: int = 5
     settle_timeout_s: float = 30.0
     refresh_s: float = 1.0  # how often the reservation is reconsidered
+    warm_streak_max: int = 4  # claims in a row that may prefer models with a warm runner
     estimates_ttl_s: float = 30.0
 
 
@@ -67,14 +68,17 @@ class Planner:
         inventory: gpu.GpuInventory,
         models: registry.Registry,
         config: PlannerConfig,
+        pool: warmpool.WarmPool | None = None,
     ) -> None:
         self._manager = manager
         self._inventory = inventory
         self._models = models
         self._config = config
+        self._pool = pool
         self._settling: list[_Settling] = []
         self.reservation: scheduler.Reservation | None = None
         self._reservation_at = -math.inf
+        self._warm_streak = 0
         self.estimates: dict[str, scheduler.RunTime] = {}
         self._estimates_at = -math.inf
 
@@ -110,7 +114,10 @@ class Planner:
         return held
 
     def rooms(self, running: Sequence[InHand]) -> list[scheduler.GpuRoom]:
-        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap)."""
+        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap).
+
+        Idle warm runners count as free: a job that needs their memory evicts them (make_room).
+        """
         reserved = self._settling_mb()
         count: Counter[int] = Counter()
         for r in running:
@@ -119,11 +126,33 @@ class Planner:
         cap, buffer = self._config.max_jobs_per_gpu, self._config.vram_buffer_mb
         rooms = []
         for g in self._inventory.snapshot():
-            available = gpu.available_mb(g, reserved_mb=reserved[g.index], buffer_mb=buffer)
+            held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
+            free = gpu.available_mb(g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer)
+            available = min(max(0, g.total_mb - buffer - reserved[g.index]), free + held)
             if cap and count[g.index] >= cap:
                 available = 0
             rooms.append(scheduler.GpuRoom(g.index, max(0, g.total_mb - buffer), available))
         return rooms
+
+    def shortfall_mb(self, job: Job, running: Sequence[InHand]) -> int:
+        """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real."""
+        if self._pool is None or job.gpu is None:
+            return 0
+        reserved = self._settling_mb()
+        for r in running:
+            if r.job.id != job.id:
+                reserved[r.gpu] += r.job.vram_mb
+        need = job.vram_mb
+        if self._models.get(job.model).persistent:  # its own idle runner's memory is its to use
+            need -= self._pool.idle_hold_mb(warmpool.RunnerKey(job.model, job.gpu))
+        for g in self._inventory.snapshot():
+            if g.index == job.gpu:
+                held = self._pool.reserved_mb(g.index)
+                free = gpu.available_mb(
+                    g, reserved_mb=reserved[g.index] + held, buffer_mb=self._config.vram_buffer_mb
+                )
+                return max(0, need - free)
+        return 0
 
     # -- claiming -------------------------------------------------------------------------
 
@@ -147,6 +176,7 @@ class Planner:
                 budgets=budgets,
                 lease_s=lease_s,
                 min_priority=min_priority,
+                warm=self._warm(),
             )
 
         job = await take(open_, models)
@@ -160,6 +190,16 @@ class Planner:
             self.estimates, models, window, min_samples=self._config.backfill_min_samples
         )
         return await take(held, limits) if limits else None
+
+    def _warm(self) -> set[tuple[str, int | None]]:
+        """(model, GPU) pairs with an idle warm runner, preferred among equals by the next claim;
+        none after warm_streak_max such claims in a row, so other models get their turn."""
+        keys = {(k.model, k.gpu) for k in self._pool.warm_keys()} if self._pool is not None else set()
+        if not keys or self._warm_streak >= self._config.warm_streak_max:
+            self._warm_streak = 0
+            return set()
+        self._warm_streak += 1
+        return keys
 
     async def _refresh(self, rooms: list[scheduler.GpuRoom], running: Sequence[InHand]) -> None:
         """Reconsider the reservation (at most every `refresh_s`) and the run-time estimates."""

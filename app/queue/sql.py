@@ -102,14 +102,18 @@ CLAIM = text(
             LIMIT 1
             FOR UPDATE SKIP LOCKED
         ) AS head
-        ORDER BY head.effective DESC, head.created_at
+        ORDER BY head.effective DESC, (m.model = ANY(CAST(:warm_models AS text[]))) DESC,
+                 head.created_at
         LIMIT 1
     ), claimed AS (
         UPDATE jobs AS j
         SET state = 'running', attempt = j.attempt + 1, worker_id = :worker_id, host = :host,
             gpu = (SELECT g.id FROM unnest(CAST(:gpu_ids AS int[]), CAST(:gpu_budgets AS int[]))
                        AS g(id, budget)
-                   WHERE g.budget >= j.vram_mb ORDER BY g.budget, g.id LIMIT 1),
+                   WHERE g.budget >= j.vram_mb
+                   ORDER BY (j.model || ':' || g.id) = ANY(CAST(:warm_pairs AS text[])) DESC,
+                            g.budget, g.id
+                   LIMIT 1),
             pid = NULL, progress = 0, progress_message = NULL,
             lease_expires_at = now() + make_interval(secs => :lease_s), started_at = now()
         FROM candidate

@@ -23,11 +23,11 @@ from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, logs, registry, runner, storage
+from app import db, errors, gpu, logs, registry, runner, storage, warmpool
 from app.queue import attempt as attempt_
+from app.queue import leftovers, sql
 from app.queue import manager as manager_
 from app.queue import planner as planner_
-from app.queue import sql
 from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
@@ -57,6 +57,8 @@ class WorkerConfig:
     gpu_settle_timeout_s: float = 30.0
     oom_max_retries: int = 2
     oom_growth: float = 1.5
+    warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
+    warm_streak_max: int = 4  # claims in a row that may prefer warm models before others get a turn
 
 
 class Worker:
@@ -82,16 +84,28 @@ class Worker:
         self._listen_dsn = listen_dsn
         self.host = socket.gethostname()
         self._attempt_config = attempt_.AttemptConfig(
-            config.worker_id, config.kill_grace_s, config.retry_base_s, config.retry_max_s, config.python,
-            oom_max_retries=config.oom_max_retries, oom_growth=config.oom_growth,
+            config.worker_id,
+            config.kill_grace_s,
+            config.retry_base_s,
+            config.retry_max_s,
+            config.python,
+            oom_max_retries=config.oom_max_retries,
+            oom_growth=config.oom_growth,
         )
+        self.pool = warmpool.WarmPool(kill_grace_s=config.kill_grace_s)
         self.planner = planner_.Planner(
-            manager, inventory, models,
+            manager,
+            inventory,
+            models,
             planner_.PlannerConfig(
-                vram_buffer_mb=config.vram_buffer_mb, max_jobs_per_gpu=config.max_jobs_per_gpu,
-                reserve_after_s=config.reserve_after_s, backfill_min_samples=config.backfill_min_samples,
+                vram_buffer_mb=config.vram_buffer_mb,
+                max_jobs_per_gpu=config.max_jobs_per_gpu,
+                reserve_after_s=config.reserve_after_s,
+                backfill_min_samples=config.backfill_min_samples,
                 settle_timeout_s=config.gpu_settle_timeout_s,
+                warm_streak_max=config.warm_streak_max,
             ),
+            self.pool,
         )
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._wake = asyncio.Event()
@@ -120,7 +134,11 @@ class Worker:
             reserved[a.gpu] += a.job.vram_mb
             count[a.gpu] += 1
         return [
-            {**asdict(g), "reserved_mb": reserved[g.index], "running_jobs": count[g.index]}
+            {
+                **asdict(g),
+                "reserved_mb": reserved[g.index] + self.pool.reserved_mb(g.index),
+                "running_jobs": count[g.index],
+            }
             for g in (self._inventory.snapshot() if gpus is None else gpus)
         ]
 
@@ -135,6 +153,7 @@ class Worker:
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}"),
             asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
             asyncio.create_task(self._listen_loop(), name=f"listener:{self.id}"),
+            asyncio.create_task(self._warm_loop(), name=f"warm:{self.id}"),
             *(asyncio.create_task(go(), name=f"{name}:{self.id}") for name, go in self._side_tasks.items()),
         ]
         main = asyncio.create_task(self._claim_loop(), name=f"claim:{self.id}")
@@ -197,6 +216,7 @@ class Worker:
             for a, _ in self._running.values():
                 a.stop(attempt_.SHUTDOWN)
             await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
+        await self.pool.close_all(attempt_.SHUTDOWN)
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -238,6 +258,7 @@ class Worker:
             )
             if claimed is None:
                 return started
+            await self._make_room(claimed.job)
             self._start_attempt(claimed.job, claimed.input)
             started += 1
         return started
@@ -253,10 +274,31 @@ class Worker:
             inventory=self._inventory,
             capacity_mb=self._capacity_mb(job.gpu),
             image=image,
+            pool=self.pool,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, job.id))
+
+    async def _make_room(self, job: Job) -> None:
+        """Evict idle warm runners of other models (least recently used first) if `job` needs their memory."""
+        need = self.planner.shortfall_mb(job, self.in_hand())
+        if need > 0:
+            keep = warmpool.RunnerKey(job.model, job.gpu) if self._models.get(job.model).persistent else None
+            self._settle(await self.pool.evict_lru(job.gpu, need, keep=keep))
+
+    def _settle(self, closed: list[warmpool.Closed]) -> None:
+        """Keep closed runners' memory counted until NVML shows it back."""
+        for entry in closed:
+            if entry.key.gpu is not None and entry.pid is not None:
+                self.planner.settle(entry.key.gpu, entry.hold_mb, {entry.pid}, None)
+
+    async def _warm_loop(self) -> None:
+        """Stop warm runners that had no job for warm_idle_s."""
+        idle_s = self._config.warm_idle_s
+        while True:
+            await asyncio.sleep(max(0.1, min(30.0, idle_s / 2)))
+            self._settle(await self.pool.idle_close(idle_s))
 
     def _capacity_mb(self, gpu_index: int | None) -> int:
         """The most a job may use on this GPU: its size less the buffer."""
@@ -338,7 +380,7 @@ class Worker:
         """Kill model processes on this host of jobs about to be taken back, before they are."""
         for leftover in await self._manager.leftovers_on_host(host=self.host, worker_id=worker_id):
             if leftover.id not in self._running:
-                await attempt_.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
+                await leftovers.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
 
     async def _listen_loop(self) -> None:
         """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""

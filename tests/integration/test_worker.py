@@ -36,7 +36,14 @@ async def enqueue(
         "trace": "none",
     }
     job, _ = await manager.enqueue(
-        NewJob("tester", model, {**spec_defaults, **params}, priority, vram_mb, max_attempts),
+        NewJob(
+            "tester",
+            model,
+            {**(spec_defaults if model.startswith("toy") else {}), **params},
+            priority,
+            vram_mb,
+            max_attempts,
+        ),
         checked,
         queue_limit=100_000,
     )

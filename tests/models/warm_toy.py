@@ -40,7 +40,8 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
     for step in range(1, steps + 1):
         time.sleep(float(params.get("sleep", 0.0)) / steps)
         job.progress(step / steps, f"step {step}")
-        if params.get("crash") and step == 1:
+        attempt = int(job.id.rsplit(":", 1)[1])
+        if (params.get("crash") or attempt <= int(params.get("crash_attempts", 0))) and step == 1:
             os._exit(13)
     if params.get("junk"):
         print("junk from print()", flush=True)

@@ -102,7 +102,7 @@ def test_relief_argv_with_defaults() -> None:
 
 def test_user_file_adds_a_model(write_file: WriteFile) -> None:
     models = registry.load_registry(write_file(TINY))
-    assert set(models.models) == {"relief", "tiny"}
+    assert set(models.models) == {"relief", "relief-warm", "tiny"}
     assert models.smallest_vram_mb() == 100
 
 
@@ -345,3 +345,39 @@ def test_specs_are_frozen(tiny: registry.ModelSpec) -> None:
         tiny.params["x"] = tiny.params["kind"]  # type: ignore[index]
     with pytest.raises(AttributeError):
         tiny.timeout_s = 1  # type: ignore[misc]
+
+
+def test_persistent_model_fields_and_extends(write_file: WriteFile) -> None:
+    text = TINY + """
+[models.tiny-warm]
+extends = "tiny"
+mode = "persistent"
+serve_argv = ["{python}", "-m", "tiny", "--serve"]
+load_timeout_s = 30
+idle_vram_mb = 64
+"""
+    warm = registry.load_registry(write_file(text)).get("tiny-warm")
+    assert warm.persistent and warm.load_timeout_s == 30 and warm.idle_vram_mb == 64
+    assert warm.build_serve_argv(python="py") == ["py", "-m", "tiny", "--serve"]
+    assert warm.argv == registry.load_registry(write_file(text)).get("tiny").argv  # inherited
+    assert not registry.load_registry(write_file(text)).get("tiny").persistent
+    builtin = registry.load_registry()
+    assert builtin.get("relief-warm").persistent
+    assert builtin.get("relief-warm").params.keys() == builtin.get("relief").params.keys()
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ('mode = "sometimes"', "mode"),
+        ('mode = "persistent"', "serve_argv"),
+        ('mode = "persistent"\nserve_argv = ["{python}", "{input}"]', "serve_argv[1]"),
+        ('extends = "nobody"', "extends"),
+        ("load_timeout_s = 0", "load_timeout_s"),
+    ],
+)
+def test_bad_persistent_fields_are_named(write_file: WriteFile, extra: str, field: str) -> None:
+    text = TINY.replace('[models.tiny]\n', f'[models.tiny]\n{extra}\n', 1)
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(write_file(text))
+    assert f"field '{field}'" in caught.value.message or field in caught.value.message

@@ -1,0 +1,104 @@
+"""Persistent models through the real worker: warm runners loaded once, restarted after a crash,
+killed on cancel and timeout, stopped when idle, evicted for another model's VRAM."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from app.queue.jobs import JobState
+from tests.integration.test_durability import alive, running, until
+from tests.integration.test_worker import enqueue
+
+
+def loads(tmp_path: Path, model: str) -> list[int]:
+    """The pids that loaded `model`, in order."""
+    path = tmp_path / f"loads-{model}.txt"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def test_one_warm_process_answers_many_jobs(manager, make_worker, store, tmp_path):
+    ids = [await enqueue(manager, model="warm_a", vram_mb=2000, sleep=0.6, steps=2) for _ in range(4)]
+    await make_worker(max_jobs_per_gpu=1).run()
+    jobs = [await manager.get(i) for i in ids]
+    assert [j.state for j in jobs] == [JobState.succeeded] * 4
+    [pid] = loads(tmp_path, "warm_a")  # the model loaded once
+    assert {j.pid for j in jobs} == {pid}  # and every job ran in that process
+    texts = [store.resolve(j, "out.txt")[0].read_text() for j in jobs]
+    assert all(f"pid {pid}" in t for t in texts)
+    assert not alive(pid)  # the burst worker closed its runners on the way out
+
+
+async def test_a_runner_that_dies_mid_job_is_restarted_and_the_job_retried(manager, make_worker, tmp_path):
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, crash_attempts=1, steps=2)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.succeeded and job.attempt == 2
+    assert len(loads(tmp_path, "warm_a")) == 2  # a fresh runner for the retry
+    failed = [e for e in await manager.events(job_id) if e.kind == "retry_scheduled"]
+    assert failed and "warm runner died" in failed[0].detail["error"]
+    assert job.abnormal_runs == 1
+
+
+async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_one(
+    manager, make_worker, tmp_path
+):
+    async with running(make_worker(burst=False, max_jobs_per_gpu=1)) as worker:
+        hung = await enqueue(manager, model="warm_a", vram_mb=2000, hang=True)
+        await until(manager, hung, lambda j: j.state is JobState.running)
+        await asyncio.sleep(0.3)
+        first_pid = loads(tmp_path, "warm_a")[0]
+        await manager.cancel(hung, owner=None, by="tester")
+        job = await until(manager, hung, lambda j: j.state.final)
+        assert job.state is JobState.canceled
+        await asyncio.sleep(0.5)
+        assert not alive(first_pid)
+
+        timed = await enqueue(manager, model="warm_a", vram_mb=2000, hang=True, max_attempts=1)
+        job = await until(manager, timed, lambda j: j.state.final, timeout_s=20)  # timeout_s = 3
+        assert job.state is JobState.failed and job.error is not None and job.error.startswith("timed out")
+
+        after = await enqueue(manager, model="warm_a", vram_mb=2000)
+        assert (await until(manager, after, lambda j: j.state.final)).state is JobState.succeeded
+        assert worker.pool.runners()
+    assert len(loads(tmp_path, "warm_a")) == 3  # a runner for each: killed by cancel, by timeout, fresh
+
+
+async def test_idle_runners_stop(manager, make_worker, tmp_path):
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000)
+    async with running(make_worker(burst=False, warm_idle_s=0.5)) as worker:
+        await until(manager, job_id, lambda j: j.state is JobState.succeeded)
+        [pid] = loads(tmp_path, "warm_a")
+        assert alive(pid)
+        for _ in range(60):
+            if not alive(pid):
+                break
+            await asyncio.sleep(0.1)
+        assert not alive(pid) and not worker.pool.runners()
+
+
+async def test_eviction_frees_vram_for_another_model(manager, make_worker, tmp_path):
+    a = await enqueue(manager, model="warm_a", vram_mb=6000)
+    async with running(make_worker([10_240], burst=False)) as worker:
+        await until(manager, a, lambda j: j.state is JobState.succeeded)
+        [pid_a] = loads(tmp_path, "warm_a")
+        assert alive(pid_a) and worker.pool.reserved_mb(0) == 6000  # idle, holding its memory
+        b = await enqueue(manager, model="warm_b", vram_mb=6000)
+        job = await until(manager, b, lambda j: j.state.final)
+        assert job.state is JobState.succeeded
+        assert not alive(pid_a)  # evicted: 6000 + 6000 do not fit in 10 GB
+        assert len(loads(tmp_path, "warm_b")) == 1 and worker.pool.reserved_mb(0) == 6000
+
+
+async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_path):
+    first = await enqueue(manager, model="warm_a", vram_mb=2000)
+    async with running(make_worker([24_576], burst=False, max_jobs_per_gpu=1)):
+        await until(manager, first, lambda j: j.state is JobState.succeeded)
+        busy = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=1.0)  # holds the one slot...
+        await until(manager, busy, lambda j: j.state is JobState.running)
+        cold = await enqueue(manager, model="warm_b", vram_mb=2000, sleep=0.2)  # ...while both wait
+        warm = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=0.2)
+        done_warm = await until(manager, warm, lambda j: j.state is JobState.succeeded)
+        done_cold = await until(manager, cold, lambda j: j.state is JobState.succeeded)
+    assert done_warm.started_at < done_cold.started_at  # the loaded model went first
+    assert len(loads(tmp_path, "warm_a")) == 1  # and it did not load again
