@@ -40,7 +40,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _drain(receive)
+            await drain(receive)
             await self._refuse(send)
             return
         state: dict[str, Any] = {"seen": 0, "over": False, "started": False}
@@ -65,7 +65,7 @@ class BodyLimit:
         except BodyTooLarge:
             pass
         if state["over"] and not state["started"]:
-            await _drain(receive)
+            await drain(receive)
             await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
@@ -80,10 +80,10 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _drain(receive: Receive) -> None:
-    """Discard what is left of the body, up to DRAIN_BYTES; nothing is kept."""
+async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:
+    """Read and drop the request body (up to `limit`), so the client sees our answer, not a reset."""
     seen = 0
-    while seen < DRAIN_BYTES:
+    while seen < limit:
         message = await receive()
         if message["type"] != "http.request":
             return
