@@ -279,3 +279,19 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
             assert all(j["attempt"] == 1 for j in jobs)  # recorded after the outage, not run again
     finally:
         server.stop()
+
+
+async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_worker):
+    quick = await enqueue(manager, sleep=0.8, steps=1)
+    slow = await enqueue(manager, sleep=30, steps=30)
+    worker = spawn_worker("graceful", shutdown_grace_s=1.5)
+    model_pid = (await until(manager, slow, lambda j: j.pid is not None)).pid
+    await until(manager, quick, lambda j: j.state is JobState.running)
+    worker.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(worker.wait, 30) == 0
+    assert (await manager.get(quick)).state is JobState.succeeded  # finished within the grace period
+    job = await manager.get(slow)
+    assert job.state is JobState.queued and job.attempt == 1  # handed back...
+    assert job.max_attempts == 4  # ...without spending an attempt
+    assert (await kinds(manager, slow))[-1] == "released"
+    assert model_pid is not None and not alive(model_pid)  # its model was stopped
