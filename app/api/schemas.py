@@ -47,12 +47,15 @@ class JobPublic(BaseModel):
     progress: float
     progress_message: str | None
     error: str | None
-    next_run_at: datetime | None = Field(None, description="When a queued job may start (retry backoff)")
+    declared_vram_mb: int = Field(description="The model's own estimate; vram_mb may be learned or raised")
+    vram_peak_mb: int | None = Field(None, description="Most GPU memory a run was seen using (NVML)")
+    next_run_at: datetime | None = Field(None, description="When a queued or scheduled job may start")
     worker_id: str | None
     gpu: int | None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    expired_at: datetime | None = Field(None, description="When retention deleted its files (no links)")
     files: list[FilePublic]
     links: JobLinks
 
@@ -69,8 +72,9 @@ class JobPublic(BaseModel):
                 url=signer.url(job.id, r.name),
             )
             for r in job.results
+            if job.expired_at is None
         ]
-        log = signer.url(job.id, f"attempt-{job.attempt}.log") if job.attempt else None
+        log = signer.url(job.id, f"attempt-{job.attempt}.log") if job.attempt and not job.expired_at else None
         return cls(
             id=job.id,
             state=job.state,
@@ -78,17 +82,20 @@ class JobPublic(BaseModel):
             params=job.params,
             priority=job.priority,
             vram_mb=job.vram_mb,
+            declared_vram_mb=job.declared_vram_mb,
+            vram_peak_mb=job.vram_peak_mb,
             attempt=job.attempt,
             max_attempts=job.max_attempts,
             progress=job.progress,
             progress_message=job.progress_message,
             error=job.error,
-            next_run_at=job.run_after if job.state is JobState.queued else None,
+            next_run_at=job.run_after if job.state in (JobState.queued, JobState.scheduled) else None,
             worker_id=job.worker_id,
             gpu=job.gpu,
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
+            expired_at=job.expired_at,
             files=files,
             links=JobLinks(
                 self=base, input=f"{base}/input", events=f"{base}/events", cancel=f"{base}/cancel", log=log

@@ -83,8 +83,10 @@ async def test_prune_deletes_exactly_the_old_finished_jobs_files(
         for name in old:
             assert folders(store.root, name) == []
         assert folders(store.root, jobs["recent_ok"]) == ["results", "logs"]
-        gone = await http.get(link)
+        gone = await http.get(link)  # a link handed out before retention ran
         assert gone.status_code == 410 and "retention" in gone.json()["detail"]
+        shown = (await http.get(f"/jobs/{jobs['old_ok']}")).json()
+        assert shown["expired_at"] is not None and shown["files"] == [] and shown["links"]["log"] is None
         recent = (await http.get(f"/jobs/{jobs['recent_ok']}")).json()["files"][0]["url"]
         assert (await http.get(recent)).status_code == 200
         assert (await http.get(f"/jobs/{jobs['old_ok']}/input")).status_code == 410
