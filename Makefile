@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # When this server answers, the suite also runs against it (CI machines have one).
 LOCAL_PG := postgresql://postgres@127.0.0.1:5432/test
 
-.PHONY: setup run test lint bench chaos clean
+.PHONY: setup browser run test lint bench chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,18 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The browser tests (tests/browser) drive Debian's chromium with Playwright; no browser is ever
+# downloaded. Installing it needs apt and root: without them those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "installing chromium for the browser tests (apt-get install chromium)..."; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+			>/dev/null 2>&1 || echo "no chromium (apt-get failed or not root): the browser tests will skip"; }
+
 run: setup
 	$(BIN)/gpujobs serve
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
 	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
 		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) =="; \

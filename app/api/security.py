@@ -3,9 +3,15 @@
 `Authenticate` checks the API key of every request before the route runs and before its body is
 read, so an anonymous client cannot make the service parse an upload. Only these need no key:
 `/healthz`, `/readyz`, signed `/files/...` links, and (settings `public_metrics`, `public_docs`)
-`/metrics` and the API docs. `/admin/...` needs an admin key. New routes are therefore protected
-by default. The routes' `CallerDep` / `AdminDep` check the same thing again and document the
-bearer scheme in OpenAPI.
+`/metrics` and the API docs; for the web page (`app/web`), `/`, its sign-in page and route and its
+static files. `/admin/...` needs an admin key. New routes are therefore protected by default. The
+routes' `CallerDep` / `AdminDep` check the same thing again and document the bearer scheme in OpenAPI.
+
+The key comes from `Authorization: Bearer <key>` or, for the web page, from its HttpOnly session
+cookie. A request authenticated by the cookie that may change something (not GET, HEAD, OPTIONS)
+must carry `X-Requested-With`: the page's scripts send it, and another site cannot (the header needs
+a CORS preflight, which never allows credentials), so a forged form or link from elsewhere is
+refused (CSRF). A browser opening a page without a valid key is sent to the sign-in page.
 
 `SecurityHeaders` adds the usual headers for a JSON API; `CORSMiddleware` lets the configured
 browser origins (none by default) call the API with a bearer key (no cookies, no credentials).
@@ -17,27 +23,37 @@ import json
 import logging
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import auth, db, errors
-from app.api.limits import DRAIN_BYTES
+from app.api.limits import drain
 from app.settings import Settings
 
 log = logging.getLogger("gpujobs.security")
 
 ALWAYS_PUBLIC = frozenset({"/healthz", "/readyz"})
-PUBLIC_PREFIXES = ("/files/",)  # signed links carry their own proof
+# The web page's entry point, sign-in page and sign-in route need no key: they are how a browser gets one.
+PAGE_PUBLIC = frozenset({"/", "/ui/sign-in", "/ui/session"})
+PUBLIC_PREFIXES = ("/files/", "/ui/static/")  # signed links carry their own proof; static assets
+PAGE_PREFIX = "/ui"
+SIGN_IN_PATH = "/ui/sign-in"
+SESSION_COOKIE = "gpujobs_key"  # HttpOnly, SameSite=Strict: set by app/web/session.py
+CSRF_HEADER = "x-requested-with"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/admin"
 CHALLENGE = 'Bearer realm="gpujobs"'
 MISSING_KEY = "missing API key: send `Authorization: Bearer <key>` (make one with `gpujobs keys create`)"
 BAD_KEY = "invalid or revoked API key"
 ADMIN_ONLY = "this needs an admin key"
+CROSS_SITE = "refused: a request signed in by the web page's cookie must carry X-Requested-With"
 
 HEADERS = {
     "x-content-type-options": "nosniff",
@@ -84,6 +100,33 @@ def bearer_token(scope: Scope) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def session_token(scope: Scope) -> str | None:
+    """The API key in the web page's session cookie, if there is one."""
+    value = Headers(scope=scope).get("cookie")
+    if not value:
+        return None
+    return cookie_parser(value).get(SESSION_COOKIE) or None
+
+
+def page_navigation(scope: Scope) -> bool:
+    """Whether a browser is opening a page of the web UI (not a script's request)."""
+    path: str = scope["path"]
+    return (
+        (path == PAGE_PREFIX or path.startswith(PAGE_PREFIX + "/"))
+        and scope["method"] in ("GET", "HEAD")
+        and CSRF_HEADER not in Headers(scope=scope)
+    )
+
+
+async def send_sign_in(scope: Scope, send: Send) -> None:
+    """Send a browser to the sign-in page, to come back to the page it asked for."""
+    target = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+    location = f"{SIGN_IN_PATH}?{urlencode({'next': target})}"
+    headers = [(b"location", location.encode()), (b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 303, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
 async def send_json(send: Send, status: int, detail: str, headers: Iterable[tuple[str, str]] = ()) -> None:
     """Answer with `{"detail": ...}` (for middleware, which runs outside the exception handlers)."""
     body = json.dumps({"detail": detail}).encode()
@@ -96,18 +139,6 @@ async def send_json(send: Send, status: int, detail: str, headers: Iterable[tupl
     await send({"type": "http.response.body", "body": body})
 
 
-async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:
-    """Read and drop the request body (up to `limit`), so the client sees our answer, not a reset."""
-    seen = 0
-    while seen < limit:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        seen += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
-
-
 class Authenticate:
     """ASGI middleware: every request outside the public paths needs a valid key (see module doc)."""
 
@@ -117,17 +148,25 @@ class Authenticate:
 
     def is_public(self, path: str) -> bool:
         """Whether `path` is served without a key."""
-        return path in self.public or path.startswith(PUBLIC_PREFIXES)
+        return path in self.public or path in PAGE_PUBLIC or path.startswith(PUBLIC_PREFIXES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.is_public(scope["path"]):
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
+        if token is None and (token := session_token(scope)) is not None:
+            if scope["method"] not in SAFE_METHODS and CSRF_HEADER not in Headers(scope=scope):
+                await drain(receive)
+                await send_json(send, 403, CROSS_SITE)
+                return
         keys: auth.KeyStore = scope["app"].state.services.keys
         try:
             identity = await keys.verify(token)
         except auth.Unauthorized:
+            if page_navigation(scope):
+                await send_sign_in(scope, send)
+                return
             challenge = CHALLENGE if token is None else f'{CHALLENGE}, error="invalid_token"'
             await drain(receive)
             await send_json(

@@ -1,0 +1,101 @@
+"""Signing a browser in and out of the web page.
+
+The page's sign-in form posts the API key to `POST /ui/session`, which checks it and puts it in an
+HttpOnly, SameSite=Strict cookie (Secure on HTTPS): the page's scripts never hold the key, it never
+appears in a URL, and `security.Authenticate` accepts the cookie like a Bearer header (a revoked key
+stops working on the next request). Both routes want `X-Requested-With`, so another site can
+neither sign a browser in with its own key nor sign it out. `DELETE /ui/session` forgets the cookie.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse, RedirectResponse
+from pydantic import BaseModel, Field
+
+from app import auth, errors
+from app.api import security
+from app.api.deps import ServicesDep
+from app.web import views
+
+router = APIRouter(include_in_schema=False)
+
+SESSION_MAX_AGE_S = 12 * 3600
+HOME = "/ui/"
+# Only pages of this site may be returned to after signing in: no scheme, no host, no `//`.
+_NEXT = re.compile(r"/ui(/[A-Za-z0-9._~%/-]*)?(\?[A-Za-z0-9._~%&=+-]*)?")
+
+
+class SignIn(BaseModel):
+    """The sign-in form."""
+
+    key: str = Field(max_length=auth.MAX_KEY_CHARS)
+
+
+class SignedIn(BaseModel):
+    """Who the browser is now signed in as."""
+
+    principal: str
+    admin: bool
+
+
+def same_origin(request: Request) -> None:
+    """Refuse (403) a request without `X-Requested-With`: a form or link from another site."""
+    if security.CSRF_HEADER not in request.headers:
+        raise errors.Forbidden(security.CROSS_SITE)
+
+
+def safe_next(target: str | None) -> str:
+    """Where to go after signing in: `target` if it is a page of this site, else the jobs page."""
+    if target and _NEXT.fullmatch(target) and "//" not in target:
+        return target
+    return HOME
+
+
+@router.get("/")
+async def root() -> RedirectResponse:
+    """The service's root opens the web page."""
+    return RedirectResponse(HOME, status_code=303)
+
+
+@router.get("/ui/sign-in")
+async def sign_in_page(next_: Annotated[str | None, Query(alias="next", max_length=500)] = None) -> Response:
+    """The sign-in page."""
+    return views.render("signin.html", caller=None, nav="", next=safe_next(next_))
+
+
+@router.post("/ui/session", dependencies=[Depends(same_origin)])
+async def sign_in(body: SignIn, request: Request, services: ServicesDep) -> Response:
+    """Check the key and keep it in the session cookie; 401 if it is not a valid key."""
+    try:
+        identity = await services.keys.verify(body.key.strip())
+    except auth.Unauthorized:
+        return JSONResponse({"detail": "that is not a valid API key (or it was revoked)"}, status_code=401)
+    response = JSONResponse(SignedIn(principal=identity.principal, admin=identity.admin).model_dump())
+    response.set_cookie(
+        security.SESSION_COOKIE,
+        body.key.strip(),
+        max_age=SESSION_MAX_AGE_S,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.delete("/ui/session", status_code=204, dependencies=[Depends(same_origin)])
+async def sign_out(request: Request) -> Response:
+    """Forget the session cookie."""
+    response = Response(status_code=204)
+    response.delete_cookie(
+        security.SESSION_COOKIE,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response

@@ -1,0 +1,249 @@
+"""The web page over plain HTTP (no browser needed): sign-in cookie, CSRF, redirects, CSP, tenants."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.api import security
+from app.queue.jobs import JobState
+from app.web import session, views
+from tests.conftest import api_client, client_for, png_bytes
+
+XRW = {"X-Requested-With": "gpujobs"}
+WEB = Path(__file__).resolve().parents[2] / "app" / "web"
+
+
+async def signed_in(http: httpx.AsyncClient, key: str) -> httpx.Response:
+    """POST the key to the sign-in route as the page's script does; the client keeps the cookie."""
+    return await http.post("/ui/session", json={"key": key}, headers=XRW)
+
+
+async def submit(http: httpx.AsyncClient, **params: object) -> str:
+    """A toy job through the API (Bearer key); its id."""
+    answer = await http.post(
+        "/jobs",
+        files={"image": ("a.png", png_bytes(), "image/png")},
+        data={"model": "toy", "params": json.dumps(params)},
+    )
+    assert answer.status_code == 201, answer.text
+    return str(answer.json()["id"])
+
+
+async def test_a_browser_without_a_key_is_sent_to_sign_in_and_a_script_gets_401(settings):
+    async with api_client(settings, key=None) as anonymous:
+        root = await anonymous.get("/")
+        assert root.status_code == 303 and root.headers["location"] == "/ui/"
+        page = await anonymous.get("/ui/jobs/00000000-0000-0000-0000-000000000000?x=1")
+        assert page.status_code == 303
+        assert (
+            page.headers["location"]
+            == "/ui/sign-in?next=%2Fui%2Fjobs%2F00000000-0000-0000-0000-000000000000%3Fx%3D1"
+        )
+        script = await anonymous.get("/ui/", headers=XRW)  # the page's own fetch: no redirect to follow
+        assert script.status_code == 401 and "Bearer" in script.headers["www-authenticate"]
+        sign_in = await anonymous.get("/ui/sign-in")
+        assert sign_in.status_code == 200 and 'id="signin-form"' in sign_in.text
+        assert (await anonymous.get("/jobs")).status_code == 401  # the API is as closed as before
+
+
+async def test_sign_in_keeps_the_key_in_an_httponly_strict_cookie_and_sign_out_forgets_it(settings, make_key):
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        bad = await signed_in(browser, "gpj_" + "A" * 43)
+        assert bad.status_code == 401 and "set-cookie" not in bad.headers
+        good = await signed_in(browser, alice)
+        assert good.status_code == 200 and good.json() == {"principal": "alice", "admin": False}
+        cookie = good.headers["set-cookie"]
+        assert cookie.startswith(f"{security.SESSION_COOKIE}={alice};")
+        for attribute in ("HttpOnly", "SameSite=strict", "Path=/", f"Max-Age={session.SESSION_MAX_AGE_S}"):
+            assert attribute.lower() in cookie.lower(), cookie
+        assert "secure" not in cookie.lower()  # plain HTTP here; see the next test
+
+        assert (await browser.get("/jobs")).status_code == 200  # the API takes the cookie
+        page = await browser.get("/ui/")
+        assert page.status_code == 200 and "Your jobs" in page.text and alice not in page.text
+        assert page.headers["content-security-policy"] == views.PAGE_CSP
+
+        gone = await browser.delete("/ui/session", headers=XRW)
+        assert gone.status_code == 204 and "Max-Age=0" in gone.headers["set-cookie"]
+        assert (await browser.get("/ui/")).status_code == 303
+
+
+async def test_the_cookie_is_secure_behind_https(settings, make_key):
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        answer = await browser.post(
+            "/ui/session", json={"key": alice}, headers={**XRW, "X-Forwarded-Proto": "https"}
+        )
+        assert answer.status_code == 200 and "secure" in answer.headers["set-cookie"].lower()
+
+
+async def test_changes_signed_in_by_the_cookie_need_x_requested_with(settings, make_key):
+    alice = await make_key("alice")
+    async with api_client(settings, key=alice) as api:
+        job_id = await submit(api, sleep=30)
+        async with client_for(api, None) as browser:
+            assert (await browser.post("/ui/session", json={"key": alice})).status_code == 403  # login CSRF
+            await signed_in(browser, alice)
+            forged = await browser.post(f"/jobs/{job_id}/cancel")  # what a form on another site sends
+            assert forged.status_code == 403 and forged.json()["detail"] == security.CROSS_SITE
+            assert (await api.get(f"/jobs/{job_id}")).json()["state"] == "queued"
+            upload = await browser.post(
+                "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
+            )
+            assert upload.status_code == 403
+            assert (await browser.delete("/ui/session")).status_code == 403  # no forced sign-out either
+            ours = await browser.post(f"/jobs/{job_id}/cancel", headers=XRW)
+            assert ours.status_code == 200 and ours.json()["state"] == "canceled"
+        # A Bearer key is no cookie: API clients need no extra header.
+        assert (await api.post(f"/jobs/{await submit(api)}/cancel")).status_code in (200, 409)
+
+
+async def test_pages_have_a_strict_csp_and_static_assets_need_no_key(settings):
+    async with api_client(settings, key=None) as anonymous:
+        page = await anonymous.get("/ui/sign-in")
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
+        assert "frame-ancestors 'none'" in csp and page.headers["x-frame-options"] == "DENY"
+        assert "<script>" not in page.text and " style=" not in page.text  # nothing inline
+        for asset in ("js/jobs.js", "js/viewer.js", "css/app.css", "vendor/three/three.module.min.js"):
+            answer = await anonymous.get(f"/ui/static/{asset}")
+            assert answer.status_code == 200, asset
+            assert answer.headers["cache-control"] == "no-cache" and answer.headers["etag"]
+        js = await anonymous.get("/ui/static/js/viewer.js")
+        assert js.headers["content-type"].startswith(("text/javascript", "application/javascript"))
+        assert (await anonymous.get("/ui/static/..%2Fpages.py")).status_code == 404
+        assert (await anonymous.get("/ui/static/nothing.js")).status_code == 404
+
+
+def test_nothing_is_loaded_from_another_site():
+    """No CDN: every script, style and module the page loads is a file of the package."""
+    remote = re.compile(
+        r"""(src|href)=["']https?://|^\s*(import|export)\b[^;]*?from\s*["']https?://"""
+        r"""|import\(\s*["']https?://|url\(["']?https?://""",
+        re.MULTILINE,
+    )
+    files = [p for p in WEB.rglob("*") if p.suffix in {".html", ".js", ".css"}]
+    assert len(files) > 10
+    offenders = [str(p) for p in files if remote.search(p.read_text(encoding="utf-8", errors="replace"))]
+    assert offenders == []
+    vendored = WEB / "static" / "vendor" / "three"
+    assert (vendored / "LICENSE").is_file() and (vendored / "three.core.min.js").is_file()
+    bare = re.compile(r"""from\s+["']three["']""")  # every import resolves to a vendored file
+    assert not [p for p in vendored.rglob("*.js") if bare.search(p.read_text(encoding="utf-8"))]
+
+
+async def test_pages_show_only_the_callers_jobs(settings, make_key, make_worker):
+    alice, bob = await make_key("alice"), await make_key("bob")
+    async with api_client(settings, key=alice) as api:
+        job_id = await submit(api)
+        await make_worker().run()
+        async with client_for(api, None) as browser:
+            await signed_in(browser, bob)
+            for path in ("", "/row", "/live", "/files/out.txt"):
+                answer = await browser.get(f"/ui/jobs/{job_id}{path}")
+                assert answer.status_code == 404, path
+                assert "text/html" in answer.headers["content-type"] and "Not found" in answer.text
+            assert job_id not in (await browser.get("/ui/")).text
+            await signed_in(browser, alice)
+            assert job_id in (await browser.get("/ui/")).text
+            page = await browser.get(f"/ui/jobs/{job_id}")
+            assert page.status_code == 200 and "Download out.txt" in page.text
+            download = await browser.get(f"/ui/jobs/{job_id}/files/out.txt")
+            assert download.status_code == 303 and download.headers["location"].startswith(
+                f"/files/{job_id}/"
+            )
+            link = await browser.get(download.headers["location"])
+            assert link.status_code == 200 and link.text.startswith("done")
+            for name in ("link_secret", "attempt-9.log"):
+                assert (await browser.get(f"/ui/jobs/{job_id}/files/{name}")).status_code == 404
+            assert (await browser.get(f"/ui/jobs/{uuid.uuid4()}")).status_code == 404
+            assert (await browser.get("/ui/jobs/not-a-job-id")).status_code == 404  # a page, not a 422
+
+
+async def test_the_admin_page_is_for_admins(settings, make_key):
+    alice, root = await make_key("alice"), await make_key("root", admin=True)
+    async with api_client(settings, key=None) as browser:
+        await signed_in(browser, alice)
+        refused = await browser.get("/ui/admin")
+        assert refused.status_code == 403 and "admin key" in refused.text
+        assert (await browser.get("/ui/admin/live")).status_code == 403
+        assert 'href="/ui/admin"' not in (await browser.get("/ui/")).text
+        await signed_in(browser, root)
+        page = await browser.get("/ui/admin")
+        assert page.status_code == 200 and "No failed jobs" in page.text and "The queue is empty" in page.text
+
+
+async def test_bad_filters_and_cursors_show_a_page_not_a_crash(settings, make_key):
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        await signed_in(browser, alice)
+        ignored = await browser.get("/ui/?state=nonsense&model=nope")
+        assert ignored.status_code == 200 and "No jobs yet" in ignored.text
+        stale = await browser.get("/ui/?cursor=not-a-cursor")
+        assert stale.status_code == 422 and "cursor" in stale.text
+
+
+def test_the_page_routes_are_not_in_the_api_document(settings):
+    from app.api.main import create_app
+
+    assert not [p for p in create_app(settings).openapi()["paths"] if p == "/" or p.startswith("/ui")]
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("/ui/jobs/abc?state=failed", "/ui/jobs/abc?state=failed"),
+        ("/ui/admin", "/ui/admin"),
+        ("https://evil.example/ui/", "/ui/"),
+        ("//evil.example/ui/", "/ui/"),
+        ("/ui//evil.example", "/ui/"),
+        ("/docs", "/ui/"),
+        ("/ui/\\evil", "/ui/"),
+        (None, "/ui/"),
+    ],
+)
+def test_after_sign_in_only_pages_of_this_site(target, expected):
+    assert session.safe_next(target) == expected
+
+
+def test_times_are_shown_as_people_read_them():
+    assert [views.duration(s) for s in (None, 0.04, 9.94, 12.7, 185, 7440, 93_600)] == [
+        "—",
+        "0.0 s",
+        "9.9 s",
+        "12 s",
+        "3 min 05 s",
+        "2 h 04 min",
+        "1 d 2 h",
+    ]
+    assert views.size(20 * 1024 * 1024) == "20 MB" and views.size(52_428) == "51.2 kB"
+
+
+def test_wait_and_run_times():
+    created = datetime(2026, 1, 1, tzinfo=UTC)
+    now = created + timedelta(seconds=100)
+
+    class Row:
+        def __init__(self, state: JobState, started: float | None, finished: float | None) -> None:
+            self.state = state
+            self.created_at = created
+            self.started_at = None if started is None else created + timedelta(seconds=started)
+            self.finished_at = None if finished is None else created + timedelta(seconds=finished)
+
+    cases = {
+        (JobState.queued, None, None): (100, None),
+        (JobState.running, 10, None): (10, 90),
+        (JobState.succeeded, 10, 40): (10, 30),
+        (JobState.canceled, None, 5): (5, None),
+        (JobState.scheduled, 10, 20): (100, None),  # waiting for its retry
+    }
+    for (state, started, finished), expected in cases.items():
+        assert views.timings(Row(state, started, finished), now) == expected  # type: ignore[arg-type]
