@@ -353,8 +353,8 @@ class Attempt:
 
     async def _sample_memory(self, pgid: int) -> None:
         """Track the peak GPU memory of the model's process group while it runs (NVML)."""
-        if self._inventory is None:
-            return
+        if self._inventory is None or isinstance(self._inventory, gpu.VirtualInventory):
+            return  # nothing to measure: no thread hop per job
         while True:
             usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
             self.gpu_pids.update(usage)

@@ -394,7 +394,7 @@ def manager_claim(engine: AsyncEngine, models: list[str]) -> ClaimOnce:
             budgets={0: BUDGET_MB},
             lease_s=60,
         )
-        return None if job is None else job.vram_mb
+        return None if job is None else job.job.vram_mb
 
     return once
 

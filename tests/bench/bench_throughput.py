@@ -1,0 +1,794 @@
+"""Throughput benchmarks: jobs/s against procrastinate, NOTIFY latency, uploads against PostgreSQL alone.
+
+Run on demand, never by pytest: `.venv/bin/python -m tests.bench.bench_throughput [--jobs N] [--quick]`.
+It prints numbers and asserts nothing. PostgreSQL is a fresh embedded server in a temporary folder,
+or the server in DATABASE_URL (then the databases `gpujobs_bench_<pid>` and
+`gpujobs_bench_<pid>_procrastinate` are created there and dropped at the end). The procrastinate
+line needs the `bench` extra; without it that line is skipped with a message. See
+tests/bench/README.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import importlib
+import io
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+import numpy as np
+from PIL import Image
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from app import auth, db, images, registry
+from app.queue import manager as manager_
+from tests.bench import bench_queue as bq
+
+WORKER_SLOTS = 8  # jobs at a time per worker (ours: GPUJOBS_MAX_JOBS_PER_GPU; procrastinate: concurrency)
+UPLOAD_CLIENTS = 32
+UPLOAD_BYTES = 1_000_000
+
+MODELS = """
+[models.noop]
+description = "Benchmark model: a process that does nothing"
+argv = ["/bin/true"]
+vram = {{ base_mb = 1 }}
+timeout_s = 60
+max_attempts = 1
+[[models.noop.outputs]]
+name = "out.txt"
+required = false
+
+[models.noop-warm]
+extends = "noop"
+description = "Benchmark model: a warm runner that does nothing"
+mode = "persistent"
+serve_argv = ["{{python}}", "{runner}"]
+load_timeout_s = 60
+"""
+
+# The persistent no-op model: modelkit does the protocol, the job does nothing.
+RUNNER = f"""
+import sys
+sys.path.insert(0, {str(bq.ROOT)!r})
+from app import modelkit
+sys.exit(modelkit.serve(lambda: None, lambda model, job: [], name="noop-warm"))
+"""
+
+# N queued jobs, each with its `submitted` event, in one statement (created_at a microsecond apart).
+BULK_ENQUEUE = text(
+    """
+    WITH job AS (
+        INSERT INTO jobs (owner, model, input_id, megapixels, priority, vram_mb, declared_vram_mb,
+                          max_attempts, created_at)
+        SELECT 'bench', :model, :input_id, :megapixels, 0, :vram_mb, :vram_mb, 1,
+               now() + g * interval '1 microsecond'
+        FROM generate_series(1, :count) AS g
+        RETURNING id, model, vram_mb
+    )
+    INSERT INTO job_events (job_id, kind, attempt, detail)
+    SELECT id, 'submitted', 0, jsonb_build_object('model', model, 'vram_mb', vram_mb) FROM job
+    """
+)
+SMALL_INPUT = text(
+    """
+    INSERT INTO inputs (sha256, media_type, width, height, bytes, data)
+    VALUES (:sha256, :media_type, :width, :height, :bytes, :data)
+    ON CONFLICT (sha256) DO UPDATE SET bytes = EXCLUDED.bytes
+    RETURNING id
+    """
+)
+OURS_ENDED = "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'failed', 'canceled', 'quarantined')"
+OURS_SPAN = "SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs"
+UPLOAD_INSERT = (
+    "INSERT INTO inputs (sha256, media_type, width, height, bytes, data) VALUES ($1, $2, $3, $4, $5, $6)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How much work each benchmark does, and where the workers and the API keep their files."""
+
+    jobs: int
+    latency_jobs: int
+    uploads: int
+    upload_timeout_s: float
+    storage_parent: Path | None = None  # None: the temporary folder
+
+
+@dataclass(slots=True)
+class Run:
+    """The shared bench state plus what this benchmark needs: the server, the figures to judge."""
+
+    bench: bq.Bench
+    server_url: str
+    storage: Path  # the workers' and the API's storage folders go below it
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def add(self, section: str, measure: str, value: str) -> None:
+        """One line of the table."""
+        self.bench.add(section, measure, value)
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    """CPU seconds used so far (or between two marks) by this process, its reaped children (workers
+    with their models, the API), and the embedded PostgreSQL server (None with DATABASE_URL)."""
+
+    own_s: float
+    children_s: float
+    postgres_s: float | None
+
+    @classmethod
+    def now(cls, run: Run) -> Cpu:
+        """The counters now."""
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return cls(
+            own.ru_utime + own.ru_stime,
+            children.ru_utime + children.ru_stime,
+            postgres_cpu_s(run.bench.tmp / "pgdata"),
+        )
+
+    def since(self, run: Run) -> Cpu:
+        """What was used from this mark until now."""
+        now = Cpu.now(run)
+        pg = None if now.postgres_s is None or self.postgres_s is None else now.postgres_s - self.postgres_s
+        return Cpu(now.own_s - self.own_s, now.children_s - self.children_s, pg)
+
+
+def postgres_cpu_s(data_dir: Path) -> float | None:
+    """CPU seconds of the embedded server: the postmaster with its reaped backends, and live children."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+        ticks = 0
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if entry.name.isdigit():
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    if int(entry.name) == postmaster:  # utime, stime, cutime, cstime
+                        ticks += sum(int(f) for f in fields[11:15])
+                    elif int(fields[1]) == postmaster:
+                        ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+def per_item_ms(seconds: float | None, count: int) -> str:
+    """Milliseconds per item, or "n/a"."""
+    return "n/a" if seconds is None or not count else f"{1000 * seconds / count:.2f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """How a queue of jobs was drained."""
+
+    ok: int
+    bad: int
+    wall_s: float
+    span_s: float
+    codes: list[int]
+    finished: bool
+    cpu: Cpu
+
+    def per_s(self, seconds: float) -> float:
+        """Jobs succeeded per second over `seconds`."""
+        return self.ok / seconds if seconds > 0 else 0.0
+
+
+# -- 1. the queue, end to end -----------------------------------------------------------------
+
+
+def worker_env(run: Run, name: str) -> dict[str, str]:
+    """A worker's settings: its own identity and storage, one big virtual GPU, WORKER_SLOTS jobs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUJOBS_")}
+    env.update(
+        GPUJOBS_WORKER_NAME=name,
+        GPUJOBS_DATABASE_URL=run.bench.url,
+        GPUJOBS_MODELS_FILE=str(run.bench.models_file),
+        GPUJOBS_STORAGE_DIR=str(run.storage / name),
+        GPUJOBS_GPUS="1024GiB",
+        GPUJOBS_VRAM_BUFFER_MB="0",
+        GPUJOBS_MAX_JOBS_PER_GPU=str(WORKER_SLOTS),
+        GPUJOBS_RETENTION_DAYS="0",
+        GPUJOBS_LOG_LEVEL="WARNING",
+    )
+    return env
+
+
+def start_worker(run: Run, name: str, *, burst: bool) -> bq.Child:
+    """`python -m app worker [--burst]`, reaped by the bench whatever happens."""
+    argv = [sys.executable, "-m", "app", "worker", *(["--burst"] if burst else [])]
+    return bq.start_child(run.bench, argv, run.bench.tmp / f"{name}.log", worker_env(run, name))
+
+
+async def small_input(run: Run) -> tuple[int, float]:
+    """The one stored 64x48 PNG every queued job points at: (input id, megapixels)."""
+    image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
+    values = {
+        "sha256": image.sha256,
+        "media_type": image.media_type,
+        "width": image.width,
+        "height": image.height,
+        "bytes": len(image.data),
+        "data": image.data,
+    }
+    async with run.bench.engine.begin() as conn:
+        return int(await conn.scalar(SMALL_INPUT, values)), image.megapixels
+
+
+async def bulk_enqueue(run: Run, model: str, count: int) -> float:
+    """Queue `count` jobs of `model` in one statement; returns jobs per second."""
+    input_id, megapixels = await small_input(run)
+    vram_mb = registry.load_registry(run.bench.models_file).get(model).estimate_vram_mb(megapixels)
+    values = {"model": model, "input_id": input_id, "megapixels": megapixels, "vram_mb": vram_mb}
+    started = time.perf_counter()
+    async with run.bench.engine.begin() as conn:
+        await conn.execute(BULK_ENQUEUE, {**values, "count": count})
+    return count / (time.perf_counter() - started)
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Where a queue lives and how to read it: SQL for jobs ended, (ok, bad) counts, seconds of work."""
+
+    url: str
+    ended: str
+    counts: str
+    span: str
+
+
+async def drain(run: Run, queue: Queue, workers: int, start: Callable[[int], bq.Child], jobs: int) -> Drained:
+    """Start `workers` processes with `start(i)`, wait until `jobs` jobs have ended, reap them."""
+    engine = run.bench.engine if queue.url == run.bench.url else db.create_engine(queue.url, pool_size=2)
+    try:
+        started, cpu = time.perf_counter(), Cpu.now(run)
+        children = [start(i) for i in range(workers)]
+        done = f"SELECT ({queue.ended}) >= {jobs}"
+        finished = await bq.wait_for(engine, done, timeout_s=max(120.0, jobs / 5))
+        wall_s = time.perf_counter() - started
+        codes = await bq.reap_workers(run.bench, children, timeout_s=30)
+        used = cpu.since(run)
+        async with engine.connect() as conn:
+            counts = (await conn.execute(text(queue.counts))).one()
+            span = await conn.scalar(text(queue.span))
+    finally:
+        if engine is not run.bench.engine:
+            await engine.dispose()
+    return Drained(int(counts.ok), int(counts.bad), wall_s, float(span or 0), codes, finished, used)
+
+
+def report(run: Run, section: str, drained: Drained, enqueue_per_s: float) -> None:
+    """The lines of one drained queue."""
+    run.add(section, "enqueue (bulk, before the workers start)", f"{enqueue_per_s:,.0f} jobs/s")
+    if not drained.finished:
+        run.add(section, "TIMED OUT", f"{drained.ok} succeeded")
+    run.add(section, "jobs/s, first start to last finish", f"{drained.per_s(drained.span_s):.0f}")
+    run.add(section, "jobs/s, wall (incl. worker start)", f"{drained.per_s(drained.wall_s):.0f}")
+    workers_ms = per_item_ms(drained.cpu.children_s, drained.ok)
+    run.add(section, "CPU ms/job, start-up incl.: workers and their models / PostgreSQL",
+            f"{workers_ms} / {per_item_ms(drained.cpu.postgres_s, drained.ok)}")  # fmt: skip
+    run.add(section, "succeeded / failed; worker exit codes",
+            f"{drained.ok} / {drained.bad}; {' '.join(map(str, drained.codes))}")  # fmt: skip
+
+
+def plural(n_workers: int) -> str:
+    """The words for a worker count: 1 worker, 4 workers."""
+    return f"{n_workers} worker{'s' if n_workers > 1 else ''}"
+
+
+async def ours(run: Run, model: str, label: str, jobs: int, n_workers: int) -> None:
+    """`jobs` jobs of `model` queued in bulk, then drained by `n_workers` burst workers."""
+    await bq.reset(run.bench.engine)
+    enqueue_per_s = await bulk_enqueue(run, model, jobs)
+    queue = Queue(run.bench.url, OURS_ENDED, bq.JOB_COUNTS.text, OURS_SPAN)
+
+    def start(i: int) -> bq.Child:
+        return start_worker(run, f"tp-{model}-{n_workers}-{i}", burst=True)
+
+    drained = await drain(run, queue, n_workers, start, jobs)
+    report(run, f"1. {plural(n_workers)}: gpujobs, {label}", drained, enqueue_per_s)
+    run.figures[f"{model}/{n_workers}"] = drained.per_s(drained.span_s)
+
+
+async def queues(run: Run, jobs: int) -> None:
+    """Both modes and the reference, side by side for 1 worker, then 4: close in time, since other
+    work on the machine drifts."""
+    async with reference_database(run) as reference_url:
+        for n_workers in (1, 4):
+            await ours(run, "noop", "oneshot /bin/true", jobs, n_workers)
+            await ours(run, "noop-warm", "persistent no-op", jobs, n_workers)
+            if reference_url is not None:
+                await reference(run, reference_url, jobs, n_workers)
+
+
+# -- 1. the reference: procrastinate ----------------------------------------------------------
+
+
+async def _admin(server_url: str, statement: str) -> None:
+    conn = await asyncpg.connect(db.asyncpg_dsn(server_url))
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def empty_database(server_url: str, name: str) -> AsyncIterator[str]:
+    """A new, empty database on the bench's server (URL), dropped on the way out."""
+    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await _admin(server_url, f"CREATE DATABASE {name}")
+    try:
+        yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def procrastinate_missing() -> str | None:
+    """Why the reference line cannot run, or None."""
+    for module in ("procrastinate", "psycopg"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"{module} cannot be imported ({exc}): pip install -e '.[bench]'"
+    return None
+
+
+@contextlib.asynccontextmanager
+async def reference_database(run: Run) -> AsyncIterator[str | None]:
+    """procrastinate's own database on the same server, with its schema; None if it cannot run."""
+    missing = procrastinate_missing()
+    if missing:
+        print(f"procrastinate reference line skipped: {missing}", file=sys.stderr)
+        run.add("1. procrastinate (reference)", "not run", missing)
+        yield None
+        return
+    from tests.bench import reference_procrastinate as rp
+
+    async with empty_database(run.server_url, f"gpujobs_bench_{os.getpid()}_procrastinate") as url:
+        await rp.prepare(db.asyncpg_dsn(url))
+        yield url
+
+
+async def reference(run: Run, url: str, jobs: int, n_workers: int) -> None:
+    """The same no-op jobs through procrastinate: queued in bulk, drained by `n_workers` workers."""
+    from tests.bench import reference_procrastinate as rp
+
+    dsn = db.asyncpg_dsn(url)
+    await _admin(url, rp.RESET)
+    enqueue_per_s = await rp.defer(dsn, jobs)
+
+    def start(i: int) -> bq.Child:
+        argv = [sys.executable, "-m", "tests.bench.reference_procrastinate", "worker",
+                "--dsn", dsn, "--concurrency", str(WORKER_SLOTS)]  # fmt: skip
+        return bq.start_child(run.bench, argv, run.bench.tmp / f"procrastinate-{n_workers}-{i}.log")
+
+    drained = await drain(run, Queue(url, rp.ENDED, rp.COUNTS, rp.SPAN), n_workers, start, jobs)
+    section = f"1. {plural(n_workers)}: procrastinate {rp.version()}, concurrency {WORKER_SLOTS} (reference)"
+    report(run, section, drained, enqueue_per_s)
+    run.figures[f"procrastinate/{n_workers}"] = drained.per_s(drained.span_s)
+
+
+# -- 2. wake-up latency -----------------------------------------------------------------------
+
+
+async def enqueue_paced(run: Run, count: int, pause_s: float) -> None:
+    """Queue `count` noop jobs through JobManager.enqueue (which NOTIFYs), `pause_s` apart."""
+    manager = manager_.JobManager(run.bench.engine)
+    image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
+    vram_mb = registry.load_registry(run.bench.models_file).get("noop").estimate_vram_mb(image.megapixels)
+    job = manager_.NewJob("bench", "noop", {}, 0, vram_mb, 1)
+    for _ in range(count):
+        await manager.enqueue(job, image, queue_limit=10**9)
+        await asyncio.sleep(pause_s)
+
+
+async def latency(run: Run, jobs: int) -> None:
+    """An idle, listening worker; jobs queued one at a time; created_at -> started_at (DB clock)."""
+    section = "2. enqueue -> start, idle worker"
+    await bq.reset(run.bench.engine)
+    worker = start_worker(run, "tp-latency", burst=False)
+    try:
+        registered = f"SELECT EXISTS (SELECT 1 FROM workers WHERE id = '{bq.HOST}:tp-latency')"
+        if not await bq.wait_for(run.bench.engine, registered, timeout_s=60):
+            run.add(section, "worker did not start", worker.tail())
+            return
+        await asyncio.sleep(0.5)  # let its LISTEN connection settle
+        await enqueue_paced(run, jobs, pause_s=0.03)
+        started = f"SELECT count(*) = {jobs} FROM jobs WHERE started_at IS NOT NULL"
+        await bq.wait_for(run.bench.engine, started, 60)
+    finally:
+        worker.proc.send_signal(signal.SIGTERM)
+        code = (await bq.reap_workers(run.bench, [worker], timeout_s=30))[0]
+    query = "SELECT 1000 * extract(epoch FROM started_at - created_at) FROM jobs WHERE started_at IS NOT NULL"
+    async with run.bench.engine.connect() as conn:
+        values = [float(v) for v in (await conn.scalars(text(query))).all()]
+    if len(values) < 2:
+        run.add(section, "too few jobs started", f"{len(values)}; log: {worker.tail()}")
+        return
+    run.add(section, f"latency ms p50/p90/p99/max ({len(values)} jobs, 30 ms apart)", bq.percentiles(values))
+    run.add(section, "worker exit code after SIGTERM", str(code))
+
+
+# -- 3. uploads -------------------------------------------------------------------------------
+
+BOUNDARY = "gpujobs-bench-7f3a9c"
+UPLOAD_HEAD = (
+    f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="model"\r\n\r\nnoop\r\n'
+    f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="bench.png"\r\n'
+    "Content-Type: image/png\r\n\r\n"
+).encode()
+UPLOAD_TAIL = f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Picture:
+    """A PNG of random pixels (noise does not compress, in PNG or in PostgreSQL's TOAST)."""
+
+    data: bytes
+    width: int
+    height: int
+
+    @classmethod
+    def noise(cls, size_bytes: int) -> Picture:
+        """About `size_bytes` of RGB noise as a PNG."""
+        side = int((size_bytes / 3) ** 0.5)
+        pixels = np.random.default_rng(8).integers(0, 256, (side, side, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+        return cls(buffer.getvalue(), side, side)
+
+    def variant(self, i: int) -> bytes:
+        """The same pixels with a tEXt chunk naming `i` after the header: a distinct sha256 each."""
+        data = b"bench\x00" + str(i).encode()
+        crc = zlib.crc32(b"tEXt" + data)
+        chunk = struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", crc)
+        return self.data[:33] + chunk + self.data[33:]  # 8 signature bytes, then the 25-byte IHDR
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """Requests made concurrently: the latency of each success, the time they took, the failures."""
+
+    latencies_s: list[float]
+    elapsed_s: float
+    problems: list[str]
+
+    @property
+    def rate(self) -> float:
+        """Successes per second."""
+        return len(self.latencies_s) / self.elapsed_s if self.elapsed_s else 0.0
+
+    def ms(self, q: int) -> float:
+        """The q-th percentile of the latencies, in ms."""
+        if len(self.latencies_s) < 2:
+            return float("nan")
+        return 1000 * statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1]
+
+
+async def concurrently(
+    one: Callable[[int], Awaitable[str | None]], indices: range, timeout_s: float
+) -> Timed:
+    """`one(i)` for every i, UPLOAD_CLIENTS at a time, until done or `timeout_s`; one returns a problem."""
+    latencies: list[float] = []
+    problems: list[str] = []
+    todo = iter(indices)  # shared by the clients: each takes the next index
+    deadline = time.perf_counter() + timeout_s
+
+    async def client() -> None:
+        for i in todo:
+            if time.perf_counter() > deadline:
+                return
+            started = time.perf_counter()
+            problem = await one(i)
+            if problem is None:
+                latencies.append(time.perf_counter() - started)
+            else:
+                problems.append(problem)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(UPLOAD_CLIENTS)))
+    return Timed(latencies, time.perf_counter() - started, problems)
+
+
+async def clear_inputs(run: Run) -> None:
+    """Empty the job and input tables, and checkpoint (so no run pays for the last one's writes)."""
+    async with run.bench.engine.begin() as conn:
+        await conn.execute(text("TRUNCATE job_events, jobs, inputs, workers"))
+    with contextlib.suppress(Exception):  # CHECKPOINT needs a superuser (the embedded server's is)
+        await _admin(run.bench.url, "CHECKPOINT")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """Uploads made after a warm-up, and the CPU they cost: this process (the clients), PostgreSQL,
+    and the API process (None for the PostgreSQL-alone reference)."""
+
+    timed: Timed
+    cpu: Cpu
+    api_s: float | None = None
+
+    def cpu_line(self) -> str:
+        """CPU ms per upload, by process."""
+        count = len(self.timed.latencies_s) + len(self.timed.problems)
+        api = "" if self.api_s is None else f" / API {per_item_ms(self.api_s, count)}"
+        postgres = per_item_ms(self.cpu.postgres_s, count)
+        return f"bench {per_item_ms(self.cpu.own_s, count)}{api} / PostgreSQL {postgres}"
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of one live process, all its threads (0 when unreadable)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+async def measure(
+    run: Run, one: Callable[[int], Awaitable[str | None]], sizes: Sizes, api_pid: int = 0
+) -> Measured:
+    """A warm-up round (a connection each, caches), then `sizes.uploads` calls of `one`, measured."""
+    await concurrently(one, range(-UPLOAD_CLIENTS, 0), sizes.upload_timeout_s)
+    mark, api_s = Cpu.now(run), process_cpu_s(api_pid)
+    timed = await concurrently(one, range(sizes.uploads), sizes.upload_timeout_s)
+    return Measured(timed, mark.since(run), process_cpu_s(api_pid) - api_s if api_pid else None)
+
+
+async def insert_uploads(run: Run, picture: Picture, sizes: Sizes) -> Measured:
+    """The reference: each image inserted into `inputs` by asyncpg, a pool of UPLOAD_CLIENTS connections."""
+    pool = await asyncpg.create_pool(
+        db.asyncpg_dsn(run.bench.url), min_size=UPLOAD_CLIENTS, max_size=UPLOAD_CLIENTS
+    )
+    assert pool is not None
+    try:
+
+        async def one(i: int) -> str | None:
+            data = picture.variant(i)
+            digest = hashlib.sha256(data).hexdigest()
+            await pool.execute(
+                UPLOAD_INSERT, digest, "image/png", picture.width, picture.height, len(data), data
+            )
+            return None
+
+        return await measure(run, one, sizes)
+    finally:
+        await pool.close()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def status_kb(pid: int, key: str) -> int:
+    """A `Vm...` line of /proc/<pid>/status, in kB (0 when unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def start_api(run: Run) -> tuple[bq.Child, str]:
+    """`gpujobs serve --no-worker` on a free loopback port; (process, base URL) once /healthz answers."""
+    port = free_port()
+    env = worker_env(run, "tp-api")
+    env.update(GPUJOBS_QUEUE_LIMIT=str(10**8), GPUJOBS_QUEUE_LIMIT_PER_KEY="0")
+    argv = [sys.executable, "-m", "app", "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)]
+    api = bq.start_child(run.bench, argv, run.bench.tmp / "tp-api.log", env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(base_url=base, timeout=2) as client:
+        while time.monotonic() < deadline and not api.poll():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/healthz")).status_code == 200:
+                    return api, base
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the API did not start: {api.tail()}")
+
+
+async def post_uploads(run: Run, api: bq.Child, base: str, picture: Picture, sizes: Sizes) -> Measured:
+    """POST /jobs with a distinct 1 MB PNG each, UPLOAD_CLIENTS at a time (one pooled connection each)."""
+    engine = db.create_engine(run.bench.url, pool_size=1)
+    try:
+        key = (await auth.KeyStore(engine).create("bench", role=auth.Role.user)).secret
+    finally:
+        await engine.dispose()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    limits = httpx.Limits(max_connections=UPLOAD_CLIENTS, max_keepalive_connections=UPLOAD_CLIENTS)
+    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=120) as client:
+
+        async def one(i: int) -> str | None:
+            response = await client.post("/jobs", content=UPLOAD_HEAD + picture.variant(i) + UPLOAD_TAIL)
+            return None if response.status_code == 201 else f"{response.status_code} {response.text[:200]}"
+
+        return await measure(run, one, sizes, api.proc.pid)
+
+
+async def api_uploads(run: Run, picture: Picture, sizes: Sizes) -> tuple[Measured, int, int]:
+    """The uploads through the API process; (measures, its RSS before, its peak RSS) in kB."""
+    api, base = await start_api(run)
+    try:
+        idle_kb = status_kb(api.proc.pid, "VmRSS")
+        measured = await post_uploads(run, api, base, picture, sizes)
+        return measured, idle_kb, status_kb(api.proc.pid, "VmHWM")
+    finally:
+        api.proc.send_signal(signal.SIGTERM)
+        await api.reap(timeout_s=30)
+
+
+def timed_line(timed: Timed, unit: str) -> str:
+    """Rate, MB/s, p50 / p99, failures."""
+    mb_s = timed.rate * UPLOAD_BYTES / 1e6
+    bad = f"; {len(timed.problems)} failed, first: {timed.problems[0]}" if timed.problems else ""
+    rate = f"{timed.rate:.0f} {unit}/s ({mb_s:.0f} MB/s)"
+    return f"{rate}   p50 {timed.ms(50):.0f} ms, p99 {timed.ms(99):.0f} ms{bad}"
+
+
+async def uploads(run: Run, sizes: Sizes) -> None:
+    """The same 1 MB PNGs into PostgreSQL alone, then through POST /jobs."""
+    section = f"3. uploads, 1 MB PNGs, {UPLOAD_CLIENTS} clients"
+    picture = Picture.noise(UPLOAD_BYTES)
+    await clear_inputs(run)
+    pg = await insert_uploads(run, picture, sizes)
+    run.add(
+        section, f"PostgreSQL alone: INSERT into inputs ({sizes.uploads} rows)", timed_line(pg.timed, "rows")
+    )
+    run.add(section, "  CPU ms per row", pg.cpu_line())
+    await clear_inputs(run)
+    api, idle_kb, peak_kb = await api_uploads(run, picture, sizes)
+    run.add(section, f"POST /jobs over HTTP ({sizes.uploads} requests)", timed_line(api.timed, "req"))
+    run.add(section, "  CPU ms per request", api.cpu_line())
+    run.add(
+        section, "API process RSS: idle / peak (VmHWM)", f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
+    )
+    await clear_inputs(run)
+    run.figures["upload ratio"] = api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0
+    run.figures["upload p99/p50"] = api.timed.ms(99) / api.timed.ms(50)
+    run.figures["pg p99/p50"] = pg.timed.ms(99) / pg.timed.ms(50)
+
+
+# -- 4. against the targets -------------------------------------------------------------------
+
+
+def targets(run: Run) -> None:
+    """Each figure the issue sets a target for, next to its target."""
+    section, f = "4. against the targets", run.figures
+    for n in (1, 4):
+        if f.get(f"procrastinate/{n}"):
+            ratio = f.get(f"noop-warm/{n}", 0.0) / f[f"procrastinate/{n}"]
+            run.add(
+                section, f"persistent / procrastinate jobs/s, {n} worker(s)", f"{ratio:.2f}x (target >= 2x)"
+            )
+    best = max(f.get("noop/1", 0.0), f.get("noop/4", 0.0))
+    run.add(section, "oneshot /bin/true, best jobs/s", f"{best:.0f} (target about 1000)")
+    if "upload ratio" in f:
+        run.add(
+            section, "POST /jobs rate / PostgreSQL's", f"{100 * f['upload ratio']:.0f} % (target >= 90 %)"
+        )
+        run.add(section, "POST /jobs p99 / p50", f"{f['upload p99/p50']:.2f}x (target <= 1.5x; "
+                f"PostgreSQL alone {f['pg p99/p50']:.2f}x)")  # fmt: skip
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def the_end(run: Run) -> None:
+    """Peak RSS of the workers and of this process; the load at the end."""
+    if run.bench.worker_rss_kb:
+        run.add("5. the end", "peak RSS of one worker process", f"{run.bench.worker_rss_kb / 1024:.0f} MB")
+    own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run.add("5. the end", "peak RSS of this bench process", f"{own_kb / 1024:.0f} MB")
+    run.add("5. the end", "load average (1 min) at the end", bq.load_average())
+
+
+async def run_all(run: Run, sizes: Sizes, source: str) -> None:
+    """Every benchmark, in order."""
+    await bq.machine(run.bench, source)
+    run.add(
+        "0. machine",
+        "workers' storage; database files",
+        f"{filesystem(run.storage)}; {filesystem(run.bench.tmp)}",
+    )
+    await queues(run, sizes.jobs)
+    await latency(run, sizes.latency_jobs)
+    await uploads(run, sizes)
+    targets(run)
+    the_end(run)
+
+
+def write_models(tmp: Path) -> Path:
+    """The registry file (noop, noop-warm) and the warm runner's script, in the temp folder."""
+    runner = tmp / "noop_runner.py"
+    runner.write_text(RUNNER)
+    models_file = tmp / "bench-models.toml"
+    models_file.write_text(MODELS.format(runner=runner))
+    return models_file
+
+
+def filesystem(path: Path) -> str:
+    """The type and mount point of the file system holding `path` (from /proc/mounts)."""
+    best = ("?", "")
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mount, kind, *_ = line.split()
+            if path.resolve().is_relative_to(mount) and len(mount) >= len(best[1]):
+                best = (kind, mount)
+    return f"{best[0]} on {best[1] or '?'}"
+
+
+async def bench_main(sizes: Sizes, tmp: Path, storage: Path) -> list[tuple[str, str, str]]:
+    """Start PostgreSQL and the bench database, run everything, clean up (also after SIGTERM)."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    models_file = write_models(tmp)
+    with bq.postgres_server(tmp) as (server_url, source):
+        async with bq.bench_database(server_url) as url:
+            engine = db.create_engine(url, pool_size=8)
+            run = Run(bq.Bench(url, engine, tmp, models_file), server_url, storage)
+            try:
+                await run_all(run, sizes, source)
+            finally:
+                await asyncio.shield(bq.reap_leftovers(run.bench))
+                await engine.dispose()
+    return run.bench.rows
+
+
+def parse_args(argv: list[str] | None = None) -> Sizes:
+    """--jobs N and --quick."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.bench.bench_throughput", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="jobs per queue run (default 2000)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run of every part")
+    parser.add_argument(
+        "--storage-dir", type=Path, default=None, help="parent folder of the workers' storage (e.g. /dev/shm)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        return Sizes(args.jobs or 200, 30, uploads=96, upload_timeout_s=30, storage_parent=args.storage_dir)
+    return Sizes(args.jobs or 2000, 200, uploads=640, upload_timeout_s=120, storage_parent=args.storage_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmarks and print the table."""
+    sizes = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="gpujobs-bench-"))
+    storage = tmp / "storage"
+    if sizes.storage_parent is not None:
+        storage = Path(tempfile.mkdtemp(prefix="gpujobs-bench-storage-", dir=sizes.storage_parent))
+    started = time.perf_counter()
+    try:
+        rows = asyncio.run(bench_main(sizes, tmp, storage))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sys.exit("interrupted; subprocesses reaped, databases and temporary folders removed")
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    bq.print_table(rows)
+    print(f"(total {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
