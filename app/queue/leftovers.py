@@ -3,7 +3,10 @@ is queued again (so an old run never overlaps a new attempt, and no orphan keeps
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 from app import runner
@@ -21,17 +24,35 @@ def is_model_of(pid: int, job_id: object) -> bool:
     return f"GPUJOBS_JOB={job_id}:".encode() in environ
 
 
+def find_models(job_id: object) -> set[int]:
+    """Process groups on this host of model processes started for `job_id`, found in /proc by the
+    GPUJOBS_JOB marker in their environment (for runs that ended before their pid was recorded)."""
+    marker = f"GPUJOBS_JOB={job_id}:".encode()
+    groups = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker in Path(entry.path, "environ").read_bytes():
+                    groups.add(os.getpgid(int(entry.name)))
+    return groups
+
+
 async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
-    """Kill the model process group of a job taken back from a dead worker on this host."""
-    if taken.pid is None or taken.host != host or not is_model_of(taken.pid, taken.id):
+    """Kill the model process groups of a job taken back from a dead worker on this host."""
+    if taken.host != host:
         return False
-    try:
-        killed = await runner.kill_process_group(taken.pid, grace_s=grace_s)
-    except ValueError:  # the pid is now our own group or init's: not a leftover model
-        return False
-    if killed:
+    if taken.pid is not None and is_model_of(taken.pid, taken.id):
+        groups = {taken.pid}
+    else:
+        groups = await asyncio.to_thread(find_models, taken.id)
+    killed = False
+    for pgid in groups:
+        try:
+            killed = await runner.kill_process_group(pgid, grace_s=grace_s) or killed
+        except ValueError:  # our own group or init's: not a leftover model
+            continue
         log.warning(
             "killed leftover model process",
-            extra={"action": "orphan_killed", "pid": taken.pid, "job_id": str(taken.id)},
+            extra={"action": "orphan_killed", "pid": pgid, "job_id": str(taken.id)},
         )
     return killed

@@ -362,12 +362,13 @@ RECOVER_EXPIRED = text(
 # On start: this worker's own running jobs belong to its previous life; no need to wait.
 REQUEUE_OWN = text(_TAKE_BACK.format(where="worker_id = :worker_id", channel=QUEUED_CHANNEL))
 
-# Running jobs with a model process on this host that is about to be taken back: killed first,
-# so the old run is gone before a new attempt can start.
+# Running jobs of this host about to be taken back: their model processes are killed first, so
+# the old run is gone before a new attempt can start (found by pid, or by /proc when the run
+# ended its worker before the pid was recorded).
 LEFTOVERS_ON_HOST = text(
     """
     SELECT id, attempt, worker_id, state, pid, host FROM jobs
-    WHERE state = 'running' AND host = :host AND pid IS NOT NULL
+    WHERE state = 'running' AND host = :host
       AND (lease_expires_at < now() OR worker_id = CAST(:worker_id AS text))
     """
 )

@@ -72,15 +72,17 @@ NAIVE_CLAIM = text(
     """
 )
 
-# Many queued jobs in one statement: `created_at` spaced a microsecond apart from `:age_s` ago,
-# runnable after `:delay_s` (a retry's backoff).
+# Many jobs in one statement: `created_at` spaced a microsecond apart from `:age_s` ago, runnable
+# after `:delay_s` (a retry's backoff: the service keeps such jobs `scheduled`, out of the queue;
+# the naive reference line, like DESIGN.md's first sketch, would keep them queued with run_after).
 BULK_JOBS = text(
     """
     INSERT INTO jobs (owner, model, input_id, megapixels, priority, vram_mb, max_attempts, created_at,
-                      run_after)
+                      run_after, state)
     SELECT 'bench', :model, :input_id, 1.0, :priority, :vram_mb, 1,
            now() - make_interval(secs => :age_s) + g * interval '1 microsecond',
-           now() + make_interval(secs => :delay_s)
+           now() + make_interval(secs => :delay_s),
+           CAST(CASE WHEN :delay_s > 0 AND :scheduled THEN 'scheduled' ELSE 'queued' END AS job_state)
     FROM generate_series(1, :count) AS g
     """
 )
@@ -367,17 +369,19 @@ class ClaimCase:
     delay_s: float = 0
 
 
-async def fill_queue(engine: AsyncEngine, case: ClaimCase, fitting: int) -> None:
+async def fill_queue(engine: AsyncEngine, case: ClaimCase, fitting: int, *, naive: bool = False) -> None:
     """A fresh queue of the case's shape (bulk insert, then ANALYZE)."""
     await reset(engine)
     async with engine.begin() as conn:
         input_id = await conn.scalar(BENCH_INPUT)
         common = {"model": "noop", "input_id": input_id}
-        fit = {"priority": 0, "vram_mb": 1000, "age_s": 0, "count": fitting, "delay_s": 0}
+        fit = {"priority": 0, "vram_mb": 1000, "age_s": 0, "count": fitting, "delay_s": 0, "scheduled": False}
         await conn.execute(BULK_JOBS, {**common, **fit})
         if case.blocked:
             blocked = {"priority": 10, "vram_mb": case.blocked_mb, "age_s": 3600, "count": case.blocked}
-            await conn.execute(BULK_JOBS, {**common, **blocked, "delay_s": case.delay_s})
+            await conn.execute(
+                BULK_JOBS, {**common, **blocked, "delay_s": case.delay_s, "scheduled": not naive}
+            )
     async with engine.connect() as conn:
         await (await conn.execution_options(isolation_level="AUTOCOMMIT")).execute(text("ANALYZE jobs"))
 
@@ -475,7 +479,7 @@ async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce],
     claim = make(bench.engine, list(registry.load_registry(bench.models_file).models))
     rates, misfits = [], 0
     for claimers in (1, 4):
-        await fill_queue(bench.engine, case, sizes.fitting_jobs)
+        await fill_queue(bench.engine, case, sizes.fitting_jobs, naive=make is naive_claim)
         rate, wrong = await best_rate(claim, claimers, sizes)
         rates.append(rate)
         misfits += wrong

@@ -295,3 +295,29 @@ async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_
     assert job.max_attempts == 4  # ...without spending an attempt
     assert (await kinds(manager, slow))[-1] == "released"
     assert model_pid is not None and not alive(model_pid)  # its model was stopped
+
+
+def model_processes(job_id: uuid.UUID) -> list[int]:
+    """Live model processes of `job_id` on this host (by the GPUJOBS_JOB marker)."""
+    from app.queue import leftovers
+
+    return [pgid for pgid in leftovers.find_models(job_id) if alive(pgid)]
+
+
+async def test_an_orphan_whose_pid_was_never_recorded_is_found_and_killed(manager, spawn_worker, tmp_path):
+    log = tmp_path / "trace.jsonl"
+    job_id = await enqueue(manager, sleep=4, steps=1, trace=str(log))
+    first = spawn_worker("early", lease_s=60)
+    deadline = time.monotonic() + 30
+    while not (orphans := model_processes(job_id)):  # kill the worker as soon as its model starts
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    assert (await manager.get(job_id)).pid is None  # it died before recording the pid
+    assert all(alive(p) for p in orphans)
+    spawn_worker("early", lease_s=60)  # the same identity restarts: takes the job back at once
+    done = await until(manager, job_id, lambda j: j.state.final, timeout_s=30)
+    assert done.state is JobState.succeeded and done.attempt == 2
+    assert not any(alive(p) for p in orphans)
+    assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the orphan never finished
