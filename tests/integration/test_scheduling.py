@@ -157,7 +157,7 @@ class ModelMemory(FakeInventory):
 async def test_learned_vram_replaces_the_declared_estimate(manager, make_worker, settings, tmp_path):
     marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
     for _ in range(3):
-        await enqueue(manager, vram_mb=1000, sleep=0.4, steps=1, trace=marker)
+        await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)  # seen by a 0.5 s sampler
     await make_worker(inventory=ModelMemory([24_576], 700, marker)).run()
     overrides = {"learned_vram_min_samples": 3, "learned_vram_margin_mb": 50}
     async with api_client(settings, **overrides) as http:
