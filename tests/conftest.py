@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 import uvicorn
@@ -30,6 +29,7 @@ from app.api.main import create_app
 from app.queue.manager import JobManager
 from app.queue.worker import Worker, WorkerConfig
 from app.settings import Settings
+from tests import dbadmin
 from tests.fakes import FakeInventory
 
 HERE = Path(__file__).resolve().parent
@@ -64,32 +64,23 @@ def _with_database(url: str, name: str) -> str:
     return make_url(url).set(database=name).render_as_string(hide_password=False)
 
 
-async def _admin(server: str, *statements: str) -> None:
-    conn = await asyncpg.connect(db.asyncpg_dsn(server))
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="session")
 async def template_db(server_url: str) -> AsyncIterator[str]:
     """A database migrated to head once per session, used as the template of every test's."""
     name = f"gpujobs_tmpl_{os.getpid()}"
-    await _admin(server_url, f"DROP DATABASE IF EXISTS {name}", f"CREATE DATABASE {name}")
+    await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name}", f"CREATE DATABASE {name}")
     await asyncio.to_thread(migrate.upgrade, _with_database(server_url, name))
     yield name
-    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture
 async def database_url(server_url: str, template_db: str) -> AsyncIterator[str]:
     """A fresh, migrated database for one test."""
     name = f"gpujobs_t_{uuid.uuid4().hex[:12]}"
-    await _admin(server_url, f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    await dbadmin.admin(server_url, f"CREATE DATABASE {name} TEMPLATE {template_db}")
     yield _with_database(server_url, name)
-    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 TOY_PARAMS = """

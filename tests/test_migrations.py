@@ -11,7 +11,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app import db, migrate, tables
-from tests.conftest import _admin, _with_database
+from tests import dbadmin
+from tests.conftest import _with_database
 
 
 async def _table_names(url: str) -> set[str]:
@@ -37,7 +38,7 @@ async def _diff(url: str) -> list[object]:
 
 async def test_upgrade_downgrade_and_no_difference(server_url):
     name = f"gpujobs_mig_{uuid.uuid4().hex[:8]}"
-    await _admin(server_url, f"CREATE DATABASE {name}")
+    await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
     url = _with_database(server_url, name)
     try:
         await asyncio.to_thread(migrate.upgrade, url)
@@ -53,4 +54,4 @@ async def test_upgrade_downgrade_and_no_difference(server_url):
         await asyncio.to_thread(migrate.upgrade, url)  # and back up again from base
         assert await _diff(url) == []
     finally:
-        await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

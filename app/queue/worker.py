@@ -122,10 +122,6 @@ class Worker:
         self._stopping.set()
         self._wake.set()
 
-    def running_jobs(self) -> list[Job]:
-        """The jobs this worker is running now."""
-        return [a.job for a, _ in self._running.values()]
-
     def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
         """The GPU snapshot stored on each heartbeat: NVML's reading plus what this worker reserved."""
         reserved: Counter[int] = Counter()

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import numpy as np
 from PIL import Image
 from sqlalchemy import event, text
@@ -38,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import db, images, migrate, pgserver, registry, settings
 from app.queue import manager as manager_
+from tests import dbadmin
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = socket.gethostname()
@@ -228,26 +228,18 @@ def postgres_server(tmp: Path) -> Iterator[tuple[str, str]]:
         server.stop()
 
 
-async def _admin(server_url: str, statement: str) -> None:
-    conn = await asyncpg.connect(db.asyncpg_dsn(server_url))
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @contextlib.asynccontextmanager
 async def bench_database(server_url: str) -> AsyncIterator[str]:
     """A new database migrated to head, dropped on the way out."""
     name = f"gpujobs_bench_{os.getpid()}"
-    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    await _admin(server_url, f"CREATE DATABASE {name}")
+    await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
     try:
         url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
         await asyncio.to_thread(migrate.upgrade, url)
         yield url
     finally:
-        await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 async def reset(engine: AsyncEngine) -> None:

@@ -40,6 +40,7 @@ from sqlalchemy.engine import make_url
 
 from app import auth, db, images, registry
 from app.queue import manager as manager_
+from tests import dbadmin
 from tests.bench import bench_queue as bq
 
 WORKER_SLOTS = 8  # jobs at a time per worker (ours: GPUJOBS_MAX_JOBS_PER_GPU; procrastinate: concurrency)
@@ -323,23 +324,15 @@ async def queues(run: Run, jobs: int) -> None:
 # -- 1. the reference: procrastinate ----------------------------------------------------------
 
 
-async def _admin(server_url: str, statement: str) -> None:
-    conn = await asyncpg.connect(db.asyncpg_dsn(server_url))
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @contextlib.asynccontextmanager
 async def empty_database(server_url: str, name: str) -> AsyncIterator[str]:
     """A new, empty database on the bench's server (URL), dropped on the way out."""
-    await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    await _admin(server_url, f"CREATE DATABASE {name}")
+    await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
     try:
         yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
     finally:
-        await _admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def procrastinate_missing() -> str | None:
@@ -373,7 +366,7 @@ async def reference(run: Run, url: str, jobs: int, n_workers: int) -> None:
     from tests.bench import reference_procrastinate as rp
 
     dsn = db.asyncpg_dsn(url)
-    await _admin(url, rp.RESET)
+    await dbadmin.admin(url, rp.RESET)
     enqueue_per_s = await rp.defer(dsn, jobs)
 
     def start(i: int) -> bq.Child:
@@ -514,7 +507,7 @@ async def clear_inputs(run: Run) -> None:
     async with run.bench.engine.begin() as conn:
         await conn.execute(text("TRUNCATE job_events, jobs, inputs, workers"))
     with contextlib.suppress(Exception):  # CHECKPOINT needs a superuser (the embedded server's is)
-        await _admin(run.bench.url, "CHECKPOINT")
+        await dbadmin.admin(run.bench.url, "CHECKPOINT")
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from PIL import Image
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -56,6 +55,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import db, images, migrate, pgserver, registry
 from app.queue.manager import JobManager, NewJob
 from app.settings import load_settings
+from tests import dbadmin
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "tests" / "models" / "toy.py"
@@ -117,25 +117,17 @@ def parse_args(argv: list[str] | None) -> Options:
 # -- database -------------------------------------------------------------------------------------
 
 
-async def _admin(server_url: str, statement: str) -> None:
-    conn = await asyncpg.connect(db.asyncpg_dsn(server_url))
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @contextlib.contextmanager
 def _external_database(external: str) -> Iterator[str]:
     """A database of our own on the server named by DATABASE_URL, dropped at the end."""
     server = load_settings(database_url=external).database_url  # normalises the scheme to asyncpg
     assert server is not None
     name = f"gpujobs_chaos_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(server, f"CREATE DATABASE {name}"))
+    asyncio.run(dbadmin.admin(server, f"CREATE DATABASE {name}"))
     try:
         yield make_url(server).set(database=name).render_as_string(hide_password=False)
     finally:
-        asyncio.run(_admin(server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        asyncio.run(dbadmin.admin(server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
 
 
 @contextlib.contextmanager
