@@ -2,7 +2,7 @@
 
 Layout (all below one root):
 
-    scratch/<job id>/<attempt>/          input image and the model's output folder, while it runs
+    scratch/<job id>.<attempt>/          input image and the model's output folder, while it runs
     results/<job id>/<attempt>/<name>    published outputs of the attempt that succeeded
     logs/<job id>/attempt-<n>.log        stdout and stderr of each attempt
 
@@ -56,25 +56,49 @@ class ResultStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
+        self._runner_dirs: set[Path] = set()
         for part in ("scratch", "results", "logs"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
 
+    def scratch_path(self, job_id: uuid.UUID, attempt: int) -> Path:
+        """Where one attempt's scratch folder is (flat: one folder per attempt, nothing above it)."""
+        return self.root / "scratch" / f"{job_id}.{attempt}"
+
     def scratch_dir(self, job_id: uuid.UUID, attempt: int) -> Path:
         """A fresh, empty scratch folder for one attempt, with an `out/` folder inside."""
-        path = self.root / "scratch" / str(job_id) / str(attempt)
-        if path.exists():  # left by an earlier life of this attempt
+        path = self.scratch_path(job_id, attempt)
+        try:
+            path.mkdir()
+        except FileExistsError:  # left by an earlier life of this attempt
             shutil.rmtree(path, ignore_errors=True)
-        (path / "out").mkdir(parents=True)
+            path.mkdir()
+        (path / "out").mkdir()
         return path
+
+    def prepare(self, job_id: uuid.UUID, attempt: int, input_name: str, data: bytes) -> tuple[Path, Path]:
+        """Everything an attempt needs on disk before its model starts, in one call (the worker runs
+        it in a thread): the scratch folder with the input image in it, and the log's folder.
+        Returns (scratch folder, log path)."""
+        scratch = self.scratch_dir(job_id, attempt)
+        fd = os.open(scratch / input_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        return scratch, self.log_path(job_id, attempt)
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
         """The working folder of a warm runner (its HOME and its own log)."""
         path = self.root / "runners" / f"{model}-gpu{'none' if gpu is None else gpu}"
-        path.mkdir(parents=True, exist_ok=True)
+        if path not in self._runner_dirs:  # asked for on every warm job: made once
+            path.mkdir(parents=True, exist_ok=True)
+            self._runner_dirs.add(path)
         return path
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
-        """Where an attempt's log goes."""
+        """Where an attempt's log goes (its folder is made)."""
         path = self.root / "logs" / str(job_id) / f"attempt-{attempt}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
@@ -116,19 +140,17 @@ class ResultStore:
         """Remove an attempt's published results (its completion lost to fencing)."""
         shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
 
-    def drop_scratch(self, job_id: uuid.UUID, attempt: int | None = None) -> None:
-        """Remove an attempt's scratch folder (or all of the job's)."""
-        path = self.root / "scratch" / str(job_id)
-        shutil.rmtree(path if attempt is None else path / str(attempt), ignore_errors=True)
-        _remove_if_empty(path)
+    def drop_scratch(self, job_id: uuid.UUID, attempt: int) -> None:
+        """Remove an attempt's scratch folder."""
+        shutil.rmtree(self.scratch_path(job_id, attempt), ignore_errors=True)
 
     def scratch_attempts(self) -> list[tuple[uuid.UUID, int]]:
         """Every (job id, attempt) that has a scratch folder now."""
         found = []
-        for job_dir in _listing(self.root / "scratch"):
-            for attempt_dir in _listing(job_dir):
-                with contextlib.suppress(ValueError):
-                    found.append((uuid.UUID(job_dir.name), int(attempt_dir.name)))
+        for entry in _listing(self.root / "scratch"):
+            job_id, _, attempt = entry.name.partition(".")
+            with contextlib.suppress(ValueError):
+                found.append((uuid.UUID(job_id), int(attempt)))
         return found
 
     def sweep(
@@ -144,8 +166,7 @@ class ResultStore:
         removed = 0
         for job_id, attempt in candidates:
             if (job_id, attempt) not in running:
-                shutil.rmtree(self.root / "scratch" / str(job_id) / str(attempt), ignore_errors=True)
-                _remove_if_empty(self.root / "scratch" / str(job_id))
+                self.drop_scratch(job_id, attempt)
                 removed += 1
         return removed
 
@@ -171,9 +192,3 @@ def _listing(folder: Path) -> list[Path]:
         return list(folder.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _remove_if_empty(folder: Path) -> None:
-    """Remove a folder if it is empty now; another process may remove it or add to it meanwhile."""
-    with contextlib.suppress(OSError):
-        folder.rmdir()

@@ -137,19 +137,23 @@ class Attempt:
                 outcome = self._failure(f"internal error in the worker: {exc!r}", retryable=True)
         if outcome is not None:
             await asyncio.shield(self._persist(outcome))
-        self._store.drop_scratch(job.id, job.attempt)
+        # Off the event loop (file system calls can block); a folder left by a crash is swept later.
+        await asyncio.to_thread(self._store.drop_scratch, job.id, job.attempt)
         log.info("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""
         job, spec = self.job, self.spec
-        scratch = self._store.scratch_dir(job.id, job.attempt)
         media_type, data = self._image or await self._manager.input_by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
-        input_path = scratch / f"input{EXTENSIONS.get(media_type, '')}"
-        input_path.write_bytes(data)
+        input_name = f"input{EXTENSIONS.get(media_type, '')}"
+        scratch, log_path = await asyncio.to_thread(
+            self._store.prepare, job.id, job.attempt, input_name, data
+        )
+        del data
+        input_path = scratch / input_name
         if spec.persistent and self._pool is not None:
-            return await self._run_warm(input_path, scratch / "out")
+            return await self._run_warm(input_path, scratch / "out", log_path)
         argv = spec.build_argv(
             job.params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
         )
@@ -166,7 +170,7 @@ class Attempt:
             argv,
             cwd=scratch,
             env=env,
-            log_path=self._store.log_path(job.id, job.attempt),
+            log_path=log_path,
             timeout_s=spec.timeout_s,
             kill_grace_s=self._config.kill_grace_s,
             on_progress=self._on_progress,
@@ -185,7 +189,9 @@ class Attempt:
                 await self._manager.record_peak(job, self.peak_mb)
         return self._outcome(result, scratch / "out")
 
-    async def _run_warm(self, input_path: Path, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+    async def _run_warm(
+        self, input_path: Path, out_dir: Path, log_path: Path
+    ) -> Callable[[], Awaitable[Any]] | None:
         """Run the job in a warm runner of its model on its GPU (started if none is idle)."""
         assert self._pool is not None
         job, spec = self.job, self.spec
@@ -208,7 +214,7 @@ class Attempt:
                 runner.run_job(
                     request,
                     timeout_s=spec.timeout_s,
-                    log_path=self._store.log_path(job.id, job.attempt),
+                    log_path=log_path,
                     on_progress=self._on_progress,
                 ),
             )
@@ -269,24 +275,28 @@ class Attempt:
                 return self._failure(f"the model failed: {error}", retryable=True)
 
     async def _watched(self, pgid: int, work: Awaitable[T]) -> T:
-        """Await `work` while recording the pid once it lasts and sampling its GPU memory."""
-        side = [
-            asyncio.create_task(self._record_pid_later(pgid), name=f"pid:{self.job.id}"),
-            asyncio.create_task(self._sample_memory(pgid), name=f"vram:{self.job.id}"),
-        ]
+        """Await `work` while recording the pid once it lasts and sampling its GPU memory.
+
+        The pid is recorded once the run has lasted PID_AFTER_S: only a lasting run leaves an
+        orphan worth killing after a crash, and quick jobs are spared the round trip (and the
+        task: a timer costs less).
+        """
+        side: list[asyncio.Task[None]] = []
+
+        def record_pid() -> None:
+            if self._stop_reason is None:
+                side.append(asyncio.create_task(self._record_pid(pgid), name=f"pid:{self.job.id}"))
+
+        timer = asyncio.get_running_loop().call_later(PID_AFTER_S, record_pid)
+        if self._inventory is not None and not isinstance(self._inventory, gpu.VirtualInventory):
+            side.append(asyncio.create_task(self._sample_memory(pgid), name=f"vram:{self.job.id}"))
         try:
             return await work
         finally:
+            timer.cancel()
             for task in side:
                 task.cancel()
             await asyncio.gather(*side, return_exceptions=True)
-
-    async def _record_pid_later(self, pid: int) -> None:
-        """Record the pid once the run has lasted PID_AFTER_S: only a lasting run leaves an orphan
-        worth killing after a crash, and quick jobs are spared the round trip."""
-        if self._stop_reason is None:
-            await asyncio.sleep(PID_AFTER_S)
-            await self._record_pid(pid)
 
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""
@@ -353,8 +363,7 @@ class Attempt:
 
     async def _sample_memory(self, pgid: int) -> None:
         """Track the peak GPU memory of the model's process group while it runs (NVML)."""
-        if self._inventory is None or isinstance(self._inventory, gpu.VirtualInventory):
-            return  # nothing to measure: no thread hop per job
+        assert self._inventory is not None
         while True:
             usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
             self.gpu_pids.update(usage)

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import errors, tables
-from app.queue import records, sql
+from app.queue import batcher, records, sql
 from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vram_class
 
 
@@ -104,6 +104,7 @@ class JobManager:
         # saves the BEGIN and COMMIT round trips a transaction would add around it.
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
+        self._successes: batcher.Batcher[tuple[Job, str, str], bool] = batcher.Batcher(self._succeed_many)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -234,20 +235,26 @@ class JobManager:
         models: Sequence[str] | Mapping[str, float],
         budgets: Mapping[int, int],
         lease_s: float,
+        limit: int = 1,
+        slots: Mapping[int, int] | None = None,
         min_priority: int = -(2**31),
         warm: Set[tuple[str, int | None]] = frozenset(),
-    ) -> Claimed | None:
-        """Lease the best queued job that fits one of `budgets` (GPU index -> free MB).
+    ) -> list[Claimed]:
+        """Lease up to `limit` of the best queued jobs that fit `budgets` (GPU index -> free MB), in
+        one statement, best first.
 
+        Each job is placed on the GPU that fits it most tightly after those placed before it;
+        `slots` (GPU index -> jobs it may still start; default no cap) bounds the jobs per GPU.
         `models` may map each model to the largest input (megapixels) to take (backfill), and
         `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
         jobs of equal effective priority, models with a warm runner (`warm` pairs) come first and
         go to the GPU their runner is on.
         """
-        if not budgets or not models:
-            return None
-        budget = max(budgets.values())
+        gpu_ids = [g for g in budgets if (slots is None or slots.get(g, 0) > 0) and budgets[g] > 0]
+        if not gpu_ids or not models or limit < 1:
+            return []
         limits = dict(models) if isinstance(models, Mapping) else dict.fromkeys(models, math.inf)
+        budget = max(budgets[g] for g in gpu_ids)
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
@@ -256,18 +263,23 @@ class JobManager:
             "min_priority": min_priority,
             "classes": classes_up_to(budget),
             "budget": budget,
-            "gpu_ids": list(budgets),
-            "gpu_budgets": list(budgets.values()),
+            "limit": limit,
+            "gpu_ids": gpu_ids,
+            "gpu_budgets": [budgets[g] for g in gpu_ids],
+            "gpu_slots": [limit if slots is None else min(limit, slots[g]) for g in gpu_ids],
             "worker_id": worker_id,
             "host": host,
             "lease_s": lease_s,
         }
         async with self._auto.connect() as conn:
-            row = (await conn.execute(sql.CLAIM, values)).first()
-        if row is None:
-            return None
-        image = None if row.input_data is None else (str(row.input_media_type), bytes(row.input_data))
-        return Claimed(Job.from_row(row), image)
+            rows = (await conn.execute(sql.CLAIM, values)).all()
+        return [
+            Claimed(
+                Job.from_row(row),
+                None if row.input_data is None else (str(row.input_media_type), bytes(row.input_data)),
+            )
+            for row in rows
+        ]
 
     async def _fenced(self, statement: Any, job: Job, values: Mapping[str, Any]) -> Any:
         async with self._auto.connect() as conn:
@@ -290,12 +302,25 @@ class JobManager:
         await self._fenced(sql.RUN_EVENT, job, {"kind": kind, "detail": json.dumps(dict(detail))})
 
     async def succeed(self, job: Job, results: Sequence[ResultFile], detail: Mapping[str, Any]) -> None:
-        """Mark this attempt's job succeeded with its result files (fenced)."""
+        """Mark this attempt's job succeeded with its result files (fenced).
+
+        Successes reported while another is being written go out together in one statement.
+        """
+        item = (job, json.dumps([r.to_json() for r in results]), json.dumps(dict(detail)))
+        if not await self._successes.submit(item):
+            raise errors.LeaseLost(f"job {job.id} attempt {job.attempt} no longer owns the job")
+
+    async def _succeed_many(self, items: Sequence[tuple[Job, str, str]]) -> list[bool]:
+        """One SUCCEED statement for several attempts; whether each still owned its job."""
         values = {
-            "results": json.dumps([r.to_json() for r in results]),
-            "detail": json.dumps(dict(detail)),
+            "ids": [job.id for job, _, _ in items],
+            "attempts": [job.attempt for job, _, _ in items],
+            "results": [results for _, results, _ in items],
+            "details": [detail for _, _, detail in items],
         }
-        await self._fenced(sql.SUCCEED, job, values)
+        async with self._auto.connect() as conn:
+            done = {row.id for row in (await conn.execute(sql.SUCCEED, values)).all()}
+        return [job.id in done for job, _, _ in items]
 
     async def fail(
         self,

@@ -39,6 +39,7 @@ class PlannerConfig:
     refresh_s: float = 1.0  # how often the reservation is reconsidered
     warm_streak_max: int = 4  # claims in a row that may prefer models with a warm runner
     estimates_ttl_s: float = 30.0
+    claim_batch: int = 16  # the most jobs one claim statement may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,40 +157,57 @@ class Planner:
 
     # -- claiming -------------------------------------------------------------------------
 
+    def free_slots(self, running: Sequence[InHand]) -> dict[int, int] | None:
+        """Jobs each GPU may still start under `max_jobs_per_gpu` (None: no cap)."""
+        cap = self._config.max_jobs_per_gpu
+        if not cap:
+            return None
+        count = Counter(r.gpu for r in running)
+        return {g.index: max(0, cap - count[g.index]) for g in self._inventory.snapshot()}
+
     async def claim(
         self, running: Sequence[InHand], *, worker_id: str, host: str, lease_s: float
-    ) -> Claimed | None:
-        """Claim the next job this worker should start, or None."""
+    ) -> list[Claimed]:
+        """Claim the jobs this worker should start next (at most `claim_batch`), best first."""
         rooms = self.rooms(running)
         budgets = {r.index: r.available_mb for r in rooms if r.available_mb > 0}
         await self._refresh(rooms, running)
         open_, held = scheduler.split_budgets(budgets, self.reservation)
         models = list(self._models.models)
+        slots = self.free_slots(running)
+        warm = self._warm()
 
         async def take(
-            budgets: dict[int, int], models: Sequence[str] | dict[str, float], min_priority: int = -(2**31)
-        ) -> Claimed | None:
+            budgets: dict[int, int],
+            models: Sequence[str] | dict[str, float],
+            min_priority: int = -(2**31),
+            limit: int = 1,
+        ) -> list[Claimed]:
             return await self._manager.claim(
                 worker_id=worker_id,
                 host=host,
                 models=models,
                 budgets=budgets,
                 lease_s=lease_s,
+                limit=limit,
+                slots=slots,
                 min_priority=min_priority,
-                warm=self._warm(),
+                warm=warm,
             )
 
-        job = await take(open_, models)
-        if job is not None or not held or self.reservation is None:
-            return job
-        job = await take(held, models, min_priority=self.reservation.effective_priority + 1)
-        if job is not None:
-            return job
+        room = sum(slots[g] for g in open_) if slots is not None else len(open_) * self._config.claim_batch
+        jobs = await take(open_, models, limit=max(1, min(self._config.claim_batch, room)))
+        if jobs or not held or self.reservation is None:
+            return jobs
+        # The held GPU: one job at a time, so each sees the reservation as it stands.
+        jobs = await take(held, models, min_priority=self.reservation.effective_priority + 1)
+        if jobs:
+            return jobs
         window = self.reservation.start_s - time.monotonic()
         limits = scheduler.backfill_limits(
             self.estimates, models, window, min_samples=self._config.backfill_min_samples
         )
-        return await take(held, limits) if limits else None
+        return await take(held, limits) if limits else []
 
     def _warm(self) -> set[tuple[str, int | None]]:
         """(model, GPU) pairs with an idle warm runner, preferred among equals by the next claim;

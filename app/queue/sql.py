@@ -79,46 +79,67 @@ ENQUEUE = text(
 
 # -- the claim --------------------------------------------------------------------------------
 
-# Claim the best queued job that fits one of this worker's GPUs, and place it on the GPU that
-# fits it most tightly; the input image comes back with it (no second round trip). "Best" is the
-# highest effective priority (priority + age_boost), then the oldest. The candidate search probes
-# the claim index once per (model, size class) and keeps the best head, so queued jobs that fit
-# nowhere are never walked past one by one. `:gpu_ids` / `:gpu_budgets` are parallel arrays;
-# `:budget` is their maximum. `:max_megapixels` (parallel to `:models`) and `:min_priority`
-# narrow the claim for backfill and reservations.
+# Claim up to :limit of the best queued jobs that fit this worker's GPUs, each placed on the GPU
+# that fits it most tightly, in one statement; the input images come back with them (no second
+# round trip). "Best" is the highest effective priority (priority + age_boost), then the oldest.
+# The candidate search probes the claim index once per (model, size class) and takes at most
+# :limit heads from each, so queued jobs that fit nowhere are never walked past one by one. The
+# candidates are then placed in order (`placed`, a greedy walk): each takes the tightest GPU with
+# enough MB and a free slot left by those placed before it, or is skipped (left queued). `:gpu_ids`
+# / `:gpu_budgets` / `:gpu_slots` are parallel arrays; `:budget` is the largest budget.
+# `:max_megapixels` (parallel to `:models`) and `:min_priority` narrow the claim for backfill and
+# reservations.
 CLAIM = text(
     f"""
-    WITH candidate AS (
-        SELECT head.id
+    WITH RECURSIVE candidate AS MATERIALIZED (
+        SELECT head.id, head.model, head.vram_mb,
+               row_number() OVER (ORDER BY head.effective DESC,
+                                           (m.model = ANY(CAST(:warm_models AS text[]))) DESC,
+                                           head.created_at) AS rank
         FROM unnest(CAST(:models AS text[]), CAST(:max_megapixels AS real[])) AS m(model, max_mp)
         CROSS JOIN unnest(CAST(:classes AS smallint[])) AS k(cls)
         CROSS JOIN LATERAL (
-            SELECT j.id, j.priority + j.age_boost AS effective, j.created_at
+            SELECT j.id, j.model, j.vram_mb, j.priority + j.age_boost AS effective, j.created_at
             FROM jobs AS j
             WHERE j.state = 'queued' AND j.model = m.model AND j.vram_class = k.cls
               AND j.vram_mb <= :budget AND j.megapixels <= m.max_mp
               AND j.priority + j.age_boost >= :min_priority
             ORDER BY j.priority + j.age_boost DESC, j.created_at
-            LIMIT 1
+            LIMIT :limit
             FOR UPDATE SKIP LOCKED
         ) AS head
-        ORDER BY head.effective DESC, (m.model = ANY(CAST(:warm_models AS text[]))) DESC,
-                 head.created_at
-        LIMIT 1
+    ), placed (rank, id, slot, budgets, slots, taken) AS (
+        SELECT CAST(0 AS bigint), CAST(NULL AS uuid), CAST(NULL AS int),
+               CAST(:gpu_budgets AS int[]), CAST(:gpu_slots AS int[]), 0
+      UNION ALL
+        SELECT c.rank, c.id, pick.slot,
+               CASE WHEN pick.slot IS NULL THEN p.budgets ELSE array(
+                   SELECT p.budgets[i] - CASE WHEN i = pick.slot THEN c.vram_mb ELSE 0 END
+                   FROM generate_subscripts(p.budgets, 1) AS i ORDER BY i) END,
+               CASE WHEN pick.slot IS NULL THEN p.slots ELSE array(
+                   SELECT p.slots[i] - CASE WHEN i = pick.slot THEN 1 ELSE 0 END
+                   FROM generate_subscripts(p.slots, 1) AS i ORDER BY i) END,
+               p.taken + CASE WHEN pick.slot IS NULL THEN 0 ELSE 1 END
+        FROM placed AS p
+        JOIN candidate AS c ON c.rank = p.rank + 1
+        CROSS JOIN LATERAL (
+            SELECT (SELECT i FROM generate_subscripts(p.budgets, 1) AS i
+                    WHERE p.budgets[i] >= c.vram_mb AND p.slots[i] > 0
+                    ORDER BY (c.model || ':' || (CAST(:gpu_ids AS int[]))[i])
+                                 = ANY(CAST(:warm_pairs AS text[])) DESC,
+                             p.budgets[i], i
+                    LIMIT 1) AS slot
+        ) AS pick
+        WHERE p.taken < :limit
     ), claimed AS (
         UPDATE jobs AS j
         SET state = 'running', attempt = j.attempt + 1, worker_id = :worker_id, host = :host,
-            gpu = (SELECT g.id FROM unnest(CAST(:gpu_ids AS int[]), CAST(:gpu_budgets AS int[]))
-                       AS g(id, budget)
-                   WHERE g.budget >= j.vram_mb
-                   ORDER BY (j.model || ':' || g.id) = ANY(CAST(:warm_pairs AS text[])) DESC,
-                            g.budget, g.id
-                   LIMIT 1),
+            gpu = (CAST(:gpu_ids AS int[]))[placed.slot],
             pid = NULL, progress = 0, progress_message = NULL,
             lease_expires_at = now() + make_interval(secs => :lease_s), started_at = now()
-        FROM candidate
-        WHERE j.id = candidate.id
-        RETURNING j.*
+        FROM placed
+        WHERE j.id = placed.id AND placed.slot IS NOT NULL
+        RETURNING j.*, placed.rank
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'claimed', attempt, worker_id, jsonb_build_object('gpu', gpu, 'vram_mb', vram_mb)
@@ -144,6 +165,7 @@ SET_PID = text(
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'started', attempt, worker_id,
+    ORDER BY claimed.rank
                jsonb_build_object('pid', pid, 'gpu', gpu, 'host', host)
         FROM started
         RETURNING id, job_id, kind
@@ -181,19 +203,26 @@ RUN_EVENT = text(
 
 SUCCEED = text(
     f"""
-    WITH done AS (
-        UPDATE jobs
-        SET state = 'succeeded', progress = 1, results = CAST(:results AS jsonb), error = NULL,
+    WITH finished AS (
+        SELECT *
+        FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:results AS text[]),
+                    CAST(:details AS text[])) AS f(id, attempt, results, detail)
+    ), done AS (
+        UPDATE jobs AS j
+        SET state = 'succeeded', progress = 1, results = CAST(f.results AS jsonb), error = NULL,
             finished_at = now(), lease_expires_at = NULL
-        WHERE id = :id AND attempt = :attempt AND state = 'running'
-        RETURNING id, attempt, worker_id, state, progress
+        FROM finished AS f
+        WHERE j.id = f.id AND j.attempt = f.attempt AND j.state = 'running'
+        RETURNING j.id, j.attempt, j.worker_id, j.state, j.progress, CAST(f.detail AS jsonb) AS detail
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-        SELECT id, 'succeeded', attempt, worker_id, CAST(:detail AS jsonb) FROM done
+        SELECT id, 'succeeded', attempt, worker_id, detail FROM done
         RETURNING id, job_id, kind
     ), told AS ({_tell("done")}
     )
     SELECT id, (SELECT count(*) FROM told) AS told FROM done
+# Several attempts' successes at once (parallel arrays; `:results` and `:details` hold JSON text),
+# each fenced on its own; the ids that were still owned come back.
     """
 )
 

@@ -246,17 +246,18 @@ class Worker:
         return [planner_.InHand(a.job, a.gpu, a.started_s) for a, _ in self._running.values()]
 
     async def _fill(self) -> int:
-        """Claim jobs while one fits; returns how many were started."""
+        """Claim jobs while some fit; returns how many were started."""
         started = 0
         while not self._stopping.is_set():
-            claimed = await self.planner.claim(
+            batch = await self.planner.claim(
                 self.in_hand(), worker_id=self.id, host=self.host, lease_s=self._config.lease_s
             )
-            if claimed is None:
+            if not batch:
                 return started
-            await self._make_room(claimed.job)
-            self._start_attempt(claimed.job, claimed.input)
-            started += 1
+            for claimed in batch:
+                await self._make_room(claimed.job)
+                self._start_attempt(claimed.job, claimed.input)
+            started += len(batch)
         return started
 
     def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:

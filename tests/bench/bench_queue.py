@@ -383,14 +383,14 @@ def manager_claim(engine: AsyncEngine, models: list[str]) -> ClaimOnce:
     manager = manager_.JobManager(engine)
 
     async def once(claimer: int) -> int | None:
-        job = await manager.claim(
+        jobs = await manager.claim(
             worker_id=f"{HOST}:bench-claimer-{claimer}",
             host=HOST,
             models=models,
             budgets={0: BUDGET_MB},
             lease_s=60,
         )
-        return None if job is None else job.job.vram_mb
+        return jobs[0].job.vram_mb if jobs else None
 
     return once
 

@@ -115,6 +115,7 @@ class Sizes:
     upload_timeout_s: float
     storage_parent: Path | None = None  # None: the temporary folder
     parts: frozenset[str] = PARTS  # which of queue, latency, uploads to run
+    profile_dir: Path | None = None  # py-spy profiles of the workers go here (raw, one per worker)
 
 
 @dataclass(slots=True)
@@ -124,6 +125,7 @@ class Run:
     bench: bq.Bench
     server_url: str
     storage: Path  # the workers' and the API's storage folders go below it
+    profile_dir: Path | None = None
     figures: dict[str, float] = field(default_factory=dict)
 
     def add(self, section: str, measure: str, value: str) -> None:
@@ -220,6 +222,10 @@ def worker_env(run: Run, name: str) -> dict[str, str]:
 def start_worker(run: Run, name: str, *, burst: bool) -> bq.Child:
     """`python -m app worker [--burst]`, reaped by the bench whatever happens."""
     argv = [sys.executable, "-m", "app", "worker", *(["--burst"] if burst else [])]
+    if run.profile_dir is not None:  # sampled by py-spy, with the processes it starts
+        out = run.profile_dir / f"{name}.txt"
+        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "250", "-f", "raw",
+                "--subprocesses", "-o", str(out), "--", *argv]  # fmt: skip
     return bq.start_child(run.bench, argv, run.bench.tmp / f"{name}.log", worker_env(run, name))
 
 
@@ -745,7 +751,7 @@ async def bench_main(sizes: Sizes, tmp: Path, storage: Path) -> list[tuple[str, 
     with bq.postgres_server(tmp) as (server_url, source):
         async with bq.bench_database(server_url) as url:
             engine = db.create_engine(url, pool_size=8)
-            run = Run(bq.Bench(url, engine, tmp, models_file), server_url, storage)
+            run = Run(bq.Bench(url, engine, tmp, models_file), server_url, storage, sizes.profile_dir)
             try:
                 await run_all(run, sizes, source)
             finally:
@@ -767,11 +773,17 @@ def parse_args(argv: list[str] | None = None) -> Sizes:
     parser.add_argument(
         "--only", choices=sorted(PARTS), action="append", help="run only this part (repeatable; default all)"
     )
+    parser.add_argument(
+        "--profile", type=Path, default=None, metavar="DIR",
+        help="run each worker under py-spy (pip install py-spy); one raw flame file per worker in DIR",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     parts = frozenset(args.only or PARTS)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        return Sizes(args.jobs or 200, 30, 96, 30, args.storage_dir, parts)
-    return Sizes(args.jobs or 2000, 200, 640, 120, args.storage_dir, parts)
+        return Sizes(args.jobs or 200, 30, 96, 30, args.storage_dir, parts, args.profile)
+    return Sizes(args.jobs or 2000, 200, 640, 120, args.storage_dir, parts, args.profile)
 
 
 def main(argv: list[str] | None = None) -> None:

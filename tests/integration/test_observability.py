@@ -71,10 +71,10 @@ async def test_metrics_count_failures_retries_and_recoveries(settings, manager, 
         lost = await enqueue(manager)
         await enqueue(manager, fail_attempts=1)  # fails once, then succeeds
         await enqueue(manager, exit_code=65)  # bad input: fails for good
-        job = await manager.claim(
+        [job] = await manager.claim(
             worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
         )
-        assert job is not None and job.job.id == lost
+        assert job.job.id == lost
         await asyncio.sleep(0.1)
         assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
         for _ in range(50):  # burst runs until the retry's backoff has passed and it ran again

@@ -52,8 +52,8 @@ async def scene(manager: JobManager, make_worker: Any, engine: Any) -> dict[str,
     jobs["old_canceled"] = await enqueue(manager, image=image(3))
     await manager.cancel(jobs["old_canceled"], owner=None, by="test")
     jobs["old_running"] = await enqueue(manager, image=image(4))
-    claimed = await manager.claim(worker_id="t:x", host="h", models=["toy"], budgets={0: 9000}, lease_s=600)
-    assert claimed is not None and claimed.job.id == jobs["old_running"]
+    [claimed] = await manager.claim(worker_id="t:x", host="h", models=["toy"], budgets={0: 9000}, lease_s=600)
+    assert claimed.job.id == jobs["old_running"]
     jobs["old_queued"] = await enqueue(manager, image=image(5))
     await age(engine, *(v for k, v in jobs.items() if k.startswith("old")))
     return jobs

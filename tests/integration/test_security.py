@@ -722,7 +722,7 @@ async def test_models_run_with_a_minimal_environment_in_their_scratch_folder(
     assert set(probe["env"]) <= {"PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"} | {
         "PYTHONUNBUFFERED", "HOME", "GPUJOBS_JOB", "CUDA_DEVICE_ORDER", "LC_CTYPE"
     }  # fmt: skip
-    scratch = store.root / "scratch" / job_id / "1"
+    scratch = store.root / "scratch" / f"{job_id}.1"
     assert probe["cwd"] == str(scratch) and probe["env"]["HOME"] == str(scratch)
     assert probe["argv"][probe["argv"].index("--text") + 1] == hostile  # one element, no shell
     assert not await asyncio.to_thread(pwned.exists)

@@ -1,0 +1,93 @@
+"""Claims and finishes in batches: many jobs per round trip, each placed and fenced on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import text
+
+from app import errors
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.integration.test_worker import enqueue
+
+CLAIM = {"worker_id": "test:w", "host": "h", "models": ["toy"], "lease_s": 60}
+
+
+async def claimed_events(engine: Any) -> int:
+    async with engine.connect() as conn:
+        return int(await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'claimed'")))
+
+
+async def test_a_batch_is_taken_best_first_in_one_statement(manager: JobManager, engine):
+    ids = {p: await enqueue(manager, priority=p, image=None, steps=p) for p in (1, 5, 3, 9, 7)}
+    batch = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=3)
+    assert [c.job.id for c in batch] == [ids[9], ids[7], ids[5]]
+    assert all(c.job.state is JobState.running and c.job.attempt == 1 and c.job.gpu == 0 for c in batch)
+    assert all(c.input is not None and c.input[0] == "image/png" for c in batch)  # images ride along
+    assert await claimed_events(engine) == 3
+    rest = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=10)
+    assert [c.job.id for c in rest] == [ids[3], ids[1]]
+
+
+async def test_placement_respects_each_gpus_megabytes_and_slots(manager: JobManager):
+    # Best first: 6000, 6000, 5000, 1000, 1000 MB. GPU 0 has 10000 MB, GPU 1 has 7000 MB and one slot.
+    sizes = [(50, 6000), (40, 6000), (30, 5000), (20, 1000), (10, 1000)]
+    ids = {mb_p: await enqueue(manager, priority=mb_p[0], vram_mb=mb_p[1]) for mb_p in sizes}
+    batch = await manager.claim(**CLAIM, budgets={0: 10_000, 1: 7_000}, slots={0: 8, 1: 1}, limit=8)
+    placed = {c.job.id: c.job.gpu for c in batch}
+    # 6000 -> GPU 1 (tightest), 6000 -> GPU 0, 5000 fits nowhere now (skipped, stays queued),
+    # 1000 -> GPU 0, 1000 -> GPU 0 (GPU 1 has no slot left).
+    assert placed == {ids[(50, 6000)]: 1, ids[(40, 6000)]: 0, ids[(20, 1000)]: 0, ids[(10, 1000)]: 0}
+    assert (await manager.get(ids[(30, 5000)])).state is JobState.queued
+    used = Counter()
+    for c in batch:
+        used[c.job.gpu] += c.job.vram_mb
+    assert used[0] <= 10_000 and used[1] <= 7_000
+
+
+async def test_a_batch_stops_at_its_limit_and_at_free_slots(manager: JobManager):
+    for _ in range(6):
+        await enqueue(manager)
+    assert len(await manager.claim(**CLAIM, budgets={0: 50_000}, limit=2)) == 2
+    assert len(await manager.claim(**CLAIM, budgets={0: 50_000}, slots={0: 3}, limit=16)) == 3
+    assert await manager.claim(**CLAIM, budgets={0: 50_000}, slots={0: 0}, limit=16) == []
+
+
+async def test_concurrent_batch_claims_never_share_a_job(manager: JobManager):
+    for _ in range(120):
+        await enqueue(manager)
+
+    async def claimer(n: int) -> list[Any]:
+        got = []
+        while batch := await manager.claim(
+            **{**CLAIM, "worker_id": f"test:w{n}"}, budgets={0: 10**6}, limit=7
+        ):
+            got += [c.job.id for c in batch]
+        return got
+
+    taken = [job for got in await asyncio.gather(*(claimer(n) for n in range(4))) for job in got]
+    assert len(taken) == 120 and len(set(taken)) == 120
+
+
+async def test_successes_reported_together_share_a_statement_and_are_fenced_each(manager: JobManager, engine):
+    for _ in range(10):
+        await enqueue(manager)
+    batch = await manager.claim(**CLAIM, budgets={0: 50_000}, limit=10)
+    lost = batch[3].job
+    async with engine.begin() as conn:  # taken from us: its success must be refused, alone
+        await conn.execute(text("UPDATE jobs SET state = 'queued' WHERE id = :id"), {"id": lost.id})
+    before = manager._successes.statements
+    outcomes = await asyncio.gather(
+        *(manager.succeed(c.job, [], {"duration_s": 0.1}) for c in batch), return_exceptions=True
+    )
+    assert [type(o) for o in outcomes].count(errors.LeaseLost) == 1
+    assert isinstance(outcomes[3], errors.LeaseLost)
+    assert manager._successes.statements - before <= 2  # the first alone, the other nine together
+    states = Counter([(await manager.get(c.job.id)).state for c in batch])
+    assert states == {JobState.succeeded: 9, JobState.queued: 1}
+    async with engine.connect() as conn:
+        events = await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'succeeded'"))
+    assert events == 9
