@@ -280,6 +280,12 @@ class _Channel:
         self._lines.put(None)
 
 
+def stderr_end(job: str) -> bytes:
+    """The last stderr line of a job, written just before its final reply: once the worker has read
+    it, the job's stderr is all in the job's log and no settling wait is needed."""
+    return f"[modelkit] job {job} ended\n".encode()
+
+
 def _say(text: str) -> None:
     """A line of the kit's own on stderr (it lands in the runner's and the job's log)."""
     print(f"[modelkit] {text}", file=sys.stderr, flush=True)
@@ -349,6 +355,7 @@ def _run(
     _free_gpu_cache()
     sys.stdout.flush()
     sys.stderr.flush()
+    print(stderr_end(job.id).decode(), end="", file=sys.stderr, flush=True)
     return reply
 
 

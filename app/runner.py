@@ -135,12 +135,42 @@ async def _next_chunk(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
         return await reader.read(max(exc.consumed, 1)), False
 
 
-async def _exit_of(proc: asyncio.subprocess.Process) -> int:
-    """The return code once the process has exited; unlike `proc.wait()` (3.11), not also its pipes."""
-    while True:
-        if proc.returncode is not None:
-            return proc.returncode
-        await asyncio.sleep(_POLL_S)
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's stream protocol, plus a future done as soon as the process has exited."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+class Process(asyncio.subprocess.Process):
+    """asyncio's Process, whose `exited()` returns as soon as the process ends.
+
+    `wait()` in Python 3.11 also waits for the pipes to close (a forked helper may hold them), and
+    polling `returncode` adds its interval to every run: tens of milliseconds on a quick job.
+    """
+
+    def __init__(self, transport: Any, protocol: _ExitProtocol, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(transport, protocol, loop)
+        self._exited = protocol.exited
+
+    async def exited(self) -> int:
+        """The return code, once the process has exited (safe to cancel)."""
+        await asyncio.shield(self._exited)
+        assert self.returncode is not None
+        return self.returncode
+
+
+async def spawn(*argv: str, limit: int, **kwargs: Any) -> Process:
+    """`asyncio.create_subprocess_exec`, giving a `Process` whose exit is noticed at once."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(lambda: _ExitProtocol(limit, loop), *argv, **kwargs)
+    return Process(transport, protocol, loop)
 
 
 async def _finish_anyway(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -184,7 +214,7 @@ class ModelProcess:
         self._timeout_s = timeout_s
         self._kill_grace_s = kill_grace_s
         self._on_progress = on_progress
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Process | None = None
         self._log: BinaryIO | None = None
         self._tail = bytearray()
         self._readers: list[asyncio.Task[None]] = []
@@ -207,7 +237,7 @@ class ModelProcess:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("ab")
         try:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawn(
                 *self._argv,
                 cwd=self._cwd,
                 env=self._env,
@@ -247,7 +277,7 @@ class ModelProcess:
             raise
         return await _finish_anyway(self._cleanup(proc, timed_out=timed_out, stopped=stopped))
 
-    def _start_tasks(self, proc: asyncio.subprocess.Process) -> None:
+    def _start_tasks(self, proc: Process) -> None:
         """Start the two pipe readers and, if there is a callback, the progress dispatcher."""
         assert proc.stdout is not None and proc.stderr is not None
         pid, callback = proc.pid, self._on_progress
@@ -258,10 +288,10 @@ class ModelProcess:
         if callback is not None:
             self._dispatcher = asyncio.create_task(self._dispatch(callback), name=f"runner-progress-{pid}")
 
-    async def _supervise(self, proc: asyncio.subprocess.Process) -> tuple[bool, str | None]:
+    async def _supervise(self, proc: Process) -> tuple[bool, str | None]:
         """Wait for exit, the deadline or a stop request; returns (timed_out, stop reason)."""
         remaining = max(self._timeout_s - (time.monotonic() - self._started_at), 0.0)
-        exited = asyncio.create_task(_exit_of(proc), name=f"runner-exit-{proc.pid}")
+        exited = asyncio.create_task(proc.exited(), name=f"runner-exit-{proc.pid}")
         stopping = asyncio.create_task(self._stop_requested.wait(), name=f"runner-stop-{proc.pid}")
         try:
             await asyncio.wait({exited, stopping}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -276,25 +306,23 @@ class ModelProcess:
         await self._kill(proc, f"timed out after {self._timeout_s:g}s", "run_timed_out")
         return True, None
 
-    async def _kill(self, proc: asyncio.subprocess.Process, why: str, action: str) -> None:
+    async def _kill(self, proc: Process, why: str, action: str) -> None:
         """SIGTERM the group, give the main process `kill_grace_s` to exit, then SIGKILL the group."""
         _LOG.warning("killing model process group: %s", why, extra={"action": action, "pid": proc.pid})
         self._note(f"{why}; SIGTERM to process group {proc.pid}")
         _signal_group(proc.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(_exit_of(proc), self._kill_grace_s)
+            await asyncio.wait_for(proc.exited(), self._kill_grace_s)
         except TimeoutError:
             self._note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {proc.pid}")
             _signal_group(proc.pid, signal.SIGKILL)
-            await _exit_of(proc)
+            await proc.exited()
 
-    async def _cleanup(
-        self, proc: asyncio.subprocess.Process, *, timed_out: bool, stopped: str | None
-    ) -> RunResult:
+    async def _cleanup(self, proc: Process, *, timed_out: bool, stopped: str | None) -> RunResult:
         """Kill what is left of the group, drain pipes and progress, close the log, build the result."""
         if proc.returncode is None:  # wait() was cancelled before the run ended
             await self._kill(proc, f"cancelled ({stopped})", "run_cancelled")
-        returncode = await _exit_of(proc)
+        returncode = await proc.exited()
         if _signal_group(proc.pid, signal.SIGKILL):  # forked helpers must not outlive the run
             _LOG.info("killed group leftovers", extra={"action": "group_leftovers_killed", "pid": proc.pid})
         await self._drain_pipes(proc)
@@ -311,7 +339,7 @@ class ModelProcess:
         )
         return self._result
 
-    async def _drain_pipes(self, proc: asyncio.subprocess.Process) -> None:
+    async def _drain_pipes(self, proc: Process) -> None:
         """Let the readers reach EOF; give up on pipes held open by a process that left the group."""
         _done, pending = await asyncio.wait(self._readers, timeout=_PIPE_DRAIN_S)
         if pending:

@@ -2,18 +2,18 @@
 
 Layout (all below one root):
 
-    scratch/<job id>.<attempt>/          input image and the model's output folder, while it runs
+    scratch/<worker>/<lane>/             input image and the model's output folder, while it runs
+                                         (a worker's lanes are reused job after job, emptied between)
     results/<job id>/<attempt>/<name>    published outputs of the attempt that succeeded
     logs/<job id>/attempt-<n>.log        stdout and stderr of each attempt
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
-into place (one atomic rename). A crash leaves at most a scratch folder or an unreferenced
-attempt folder behind, which `sweep()` removes.
+into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
+when it starts again (`reset_lanes`), or an unreferenced attempt folder.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -56,45 +56,60 @@ class ResultStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self._runner_dirs: set[Path] = set()
+        self._made: set[Path] = set()  # lanes and runner folders known to exist
         for part in ("scratch", "results", "logs"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
 
-    def scratch_path(self, job_id: uuid.UUID, attempt: int) -> Path:
-        """Where one attempt's scratch folder is (flat: one folder per attempt, nothing above it)."""
-        return self.root / "scratch" / f"{job_id}.{attempt}"
+    def lane_dir(self, owner: str, index: int) -> Path:
+        """Scratch lane `index` of a worker: a folder reused by one job after another."""
+        return self.root / "scratch" / _safe_name(owner) / str(index)
 
-    def scratch_dir(self, job_id: uuid.UUID, attempt: int) -> Path:
-        """A fresh, empty scratch folder for one attempt, with an `out/` folder inside."""
-        path = self.scratch_path(job_id, attempt)
-        try:
-            path.mkdir()
-        except FileExistsError:  # left by an earlier life of this attempt
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir()
-        (path / "out").mkdir()
-        return path
+    def prepare(self, lane: Path, input_name: str, data: bytes, job_id: uuid.UUID, attempt: int) -> Path:
+        """Everything an attempt needs on disk before its model starts: the input image in its
+        (empty) lane, the lane's `out/` folder, and the log's folder. Returns the log path.
 
-    def prepare(self, job_id: uuid.UUID, attempt: int, input_name: str, data: bytes) -> tuple[Path, Path]:
-        """Everything an attempt needs on disk before its model starts, in one call (the worker runs
-        it in a thread): the scratch folder with the input image in it, and the log's folder.
-        Returns (scratch folder, log path)."""
-        scratch = self.scratch_dir(job_id, attempt)
-        fd = os.open(scratch / input_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        Lanes are made once and emptied after each job (`clear_lane`), so a job costs no folder
+        creation or removal: on a busy ext4 disk, removing a folder costs about a millisecond.
+        """
+        if lane not in self._made:
+            (lane / "out").mkdir(parents=True, exist_ok=True)
+            self._made.add(lane)
+        fd = os.open(lane / input_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        return scratch, self.log_path(job_id, attempt)
+        return self.log_path(job_id, attempt)
+
+    def clear_lane(self, lane: Path) -> bool:
+        """Empty a lane for the next job, keeping its `out/` folder (emptied too); False if it
+        could not be (the lane is then not to be used again)."""
+        out = lane / "out"
+        try:
+            if out.is_symlink() or not out.is_dir():  # replaced by the model: never follow it
+                _empty(lane)
+                out.mkdir()
+            else:
+                _empty(lane, keep="out")
+                _empty(out)
+        except OSError:
+            self._made.discard(lane)
+            return False
+        return True
+
+    def reset_lanes(self, owner: str) -> None:
+        """Remove every lane of `owner` (at its start: whatever a previous life left)."""
+        shutil.rmtree(self.root / "scratch" / _safe_name(owner), ignore_errors=True)
+        self._made = {p for p in self._made if not p.is_relative_to(self.root / "scratch")}
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
         """The working folder of a warm runner (its HOME and its own log)."""
         path = self.root / "runners" / f"{model}-gpu{'none' if gpu is None else gpu}"
-        if path not in self._runner_dirs:  # asked for on every warm job: made once
+        if path not in self._made:  # asked for on every warm job: made once
             path.mkdir(parents=True, exist_ok=True)
-            self._runner_dirs.add(path)
+            self._made.add(path)
         return path
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
@@ -140,36 +155,6 @@ class ResultStore:
         """Remove an attempt's published results (its completion lost to fencing)."""
         shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
 
-    def drop_scratch(self, job_id: uuid.UUID, attempt: int) -> None:
-        """Remove an attempt's scratch folder."""
-        shutil.rmtree(self.scratch_path(job_id, attempt), ignore_errors=True)
-
-    def scratch_attempts(self) -> list[tuple[uuid.UUID, int]]:
-        """Every (job id, attempt) that has a scratch folder now."""
-        found = []
-        for entry in _listing(self.root / "scratch"):
-            job_id, _, attempt = entry.name.partition(".")
-            with contextlib.suppress(ValueError):
-                found.append((uuid.UUID(job_id), int(attempt)))
-        return found
-
-    def sweep(
-        self, candidates: Iterable[tuple[uuid.UUID, int]], alive: Iterable[tuple[uuid.UUID, int]]
-    ) -> int:
-        """Remove the scratch folders of `candidates` that are not `alive`; returns how many.
-
-        Safe while other workers share the folder: list the candidates first, then ask the database
-        which attempts run; a folder is only made after its claim committed, so a running attempt
-        listed before the query is in its answer. Folders vanishing under us are fine.
-        """
-        running = set(alive)
-        removed = 0
-        for job_id, attempt in candidates:
-            if (job_id, attempt) not in running:
-                self.drop_scratch(job_id, attempt)
-                removed += 1
-        return removed
-
     def resolve(self, job: Job, name: str) -> tuple[Path, str, str | None]:
         """The file a link names: (path, media type, sha256 or None). Names come from the job row."""
         result = job.result(name)
@@ -186,9 +171,18 @@ class ResultStore:
         return path, media_type, sha
 
 
-def _listing(folder: Path) -> list[Path]:
-    """The entries of a folder that another process may be removing (missing = empty)."""
-    try:
-        return list(folder.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+def _safe_name(name: str) -> str:
+    """A worker id as one folder name."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
+
+
+def _empty(folder: Path, keep: str | None = None) -> None:
+    """Remove everything in `folder` but the entry named `keep`; symlinks are removed, not followed."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name == keep:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)

@@ -28,7 +28,7 @@ from app import modelkit, runner
 
 _LOG = logging.getLogger("gpujobs.warm")
 _PIPE_DRAIN_S = 2.0
-_STDERR_SETTLE_S = 0.02  # after a job's final line, for stderr the kit flushed before it to arrive
+_STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
 
 ProgressCallback = runner.ProgressCallback
 _Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
@@ -131,14 +131,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-async def _exited(proc: asyncio.subprocess.Process) -> int:
-    """The return code once the process has exited (Process.wait() would also wait for its pipes)."""
-    while True:
-        if proc.returncode is not None:
-            return proc.returncode
-        await asyncio.sleep(0.02)
-
-
 async def _call(callback: ProgressCallback, event: modelkit.Progress) -> None:
     """Await the progress callback; its failures are logged, never raised."""
     try:
@@ -155,9 +147,10 @@ class WarmRunner:
             raise ValueError("argv must not be empty, load_timeout_s > 0 and kill_grace_s >= 0")
         self.launch, self._grace = launch, kill_grace_s
         self.state, self.last_used_s, self.jobs_done = RunnerState.STARTING, time.monotonic(), 0
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: runner.Process | None = None
         self._log = _Log(launch.log_path)
         self._job: tuple[str, _Log, ProgressCallback] | None = None  # the job in flight
+        self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -181,7 +174,7 @@ class WarmRunner:
         """Start the runner in its own session and wait for its ready line; StartFailed otherwise."""
         launch = self.launch
         try:
-            self._proc = proc = await asyncio.create_subprocess_exec(
+            self._proc = proc = await runner.spawn(
                 *launch.argv, cwd=launch.cwd, env=dict(launch.env), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 limit=modelkit.MAX_LINE_BYTES,
@@ -244,6 +237,7 @@ class WarmRunner:
         line = request.encode()  # a request that cannot be sent fails here, before anything changed
         job, job_log, started = request.job, _Log(log_path), time.monotonic()
         self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
+        self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
         try:
             outcome, error, outputs = await self._exchange(job, line, started + timeout_s, timeout_s)
@@ -257,7 +251,8 @@ class WarmRunner:
                 self.state = RunnerState.IDLE  # out-of-turn lines from here on end the runner
         if outcome in (Outcome.DONE, Outcome.BAD_INPUT, Outcome.OOM):
             self.last_used_s, self.jobs_done = time.monotonic(), self.jobs_done + 1
-            await asyncio.sleep(_STDERR_SETTLE_S)
+            with contextlib.suppress(TimeoutError):  # a runner without the kit: give stderr a moment
+                await asyncio.wait_for(self._stderr_ended.wait(), _STDERR_SETTLE_S)
         else:
             await asyncio.shield(self._end(f"job {job}: {error}"))
         self._job = None
@@ -343,6 +338,8 @@ class WarmRunner:
             self._log.write(chunk)
             if self._job is not None:
                 self._job[1].write(chunk)
+                if chunk == modelkit.stderr_end(self._job[0]):
+                    self._stderr_ended.set()
 
     def _end(self, why: str, *, gentle: bool = False) -> asyncio.Task[None]:
         """Kill and reap the runner, once: later calls get the same task."""
@@ -366,7 +363,7 @@ class WarmRunner:
                 elif isinstance(step, signal.Signals):
                     _signal_group(proc.pid, step)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_exited(proc), None if step == signal.SIGKILL else self._grace)
+                    await asyncio.wait_for(proc.exited(), None if step == signal.SIGKILL else self._grace)
             _signal_group(proc.pid, signal.SIGKILL)  # forked helpers must not outlive it
             await self._close_pipes(proc)
             self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")

@@ -82,8 +82,12 @@ class Attempt:
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
         pool: warmpool.WarmPool | None = None,
+        lane: Path | None = None,
     ) -> None:
         self.job = job
+        # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
+        self.lane = lane or store.lane_dir(config.worker_id, 0)
+        self.lane_clean = False  # whether the lane was emptied, and may take another job
         self.spec = spec
         self._manager = manager
         self._store = store
@@ -137,8 +141,7 @@ class Attempt:
                 outcome = self._failure(f"internal error in the worker: {exc!r}", retryable=True)
         if outcome is not None:
             await asyncio.shield(self._persist(outcome))
-        # Off the event loop (file system calls can block); a folder left by a crash is swept later.
-        await asyncio.to_thread(self._store.drop_scratch, job.id, job.attempt)
+        self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
         log.info("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
@@ -147,9 +150,8 @@ class Attempt:
         media_type, data = self._image or await self._manager.input_by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
-        scratch, log_path = await asyncio.to_thread(
-            self._store.prepare, job.id, job.attempt, input_name, data
-        )
+        scratch = self.lane
+        log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
         del data
         input_path = scratch / input_name
         if spec.persistent and self._pool is not None:

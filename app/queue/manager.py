@@ -362,11 +362,6 @@ class JobManager:
             result = await conn.execute(sql.AGE_QUEUED, {"step_s": step_s, "max_boost": max_boost})
         return int(result.rowcount)
 
-    async def running_attempts(self) -> list[tuple[uuid.UUID, int]]:
-        """Every (job id, attempt) that is running anywhere."""
-        async with self._auto.connect() as conn:
-            return [(r.id, r.attempt) for r in (await conn.execute(sql.RUNNING_ATTEMPTS)).all()]
-
     async def heartbeat(
         self,
         *,

@@ -150,6 +150,7 @@ CLAIM = text(
     SELECT claimed.*, i.media_type AS input_media_type, i.data AS input_data
     FROM claimed LEFT JOIN inputs AS i ON i.id = claimed.input_id
     WHERE (SELECT count(*) FROM told) >= 0
+    ORDER BY claimed.rank
     """
 )
 
@@ -165,7 +166,6 @@ SET_PID = text(
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, 'started', attempt, worker_id,
-    ORDER BY claimed.rank
                jsonb_build_object('pid', pid, 'gpu', gpu, 'host', host)
         FROM started
         RETURNING id, job_id, kind
@@ -201,6 +201,8 @@ RUN_EVENT = text(
     """
 )
 
+# Several attempts' successes at once (parallel arrays; `:results` and `:details` hold JSON text),
+# each fenced on its own; the ids that were still owned come back.
 SUCCEED = text(
     f"""
     WITH finished AS (
@@ -221,8 +223,6 @@ SUCCEED = text(
     ), told AS ({_tell("done")}
     )
     SELECT id, (SELECT count(*) FROM told) AS told FROM done
-# Several attempts' successes at once (parallel arrays; `:results` and `:details` hold JSON text),
-# each fenced on its own; the ids that were still owned come back.
     """
 )
 
@@ -318,7 +318,6 @@ AGE_QUEUED = text(
     """
 )
 
-RUNNING_ATTEMPTS = text("SELECT id, attempt FROM jobs WHERE state = 'running'")
 
 # -- leases -----------------------------------------------------------------------------------
 

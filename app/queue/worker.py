@@ -19,6 +19,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -108,6 +109,8 @@ class Worker:
             self.pool,
         )
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
+        self._free_lanes: list[Path] = []
+        self._lanes_made = 0
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self.claimed = 0
@@ -180,17 +183,8 @@ class Worker:
                 "took back a job from this worker's previous run",
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
             )
-        candidates = self._store.scratch_attempts()  # listed before asking who runs: see sweep()
-        removed = self._store.sweep(candidates, await self._manager.running_attempts())
-        log.info(
-            "worker started",
-            extra={
-                "action": "worker_started",
-                "worker": self.id,
-                "gpus": len(gpus),
-                "scratch_removed": removed,
-            },
-        )
+        self._store.reset_lanes(self.id)  # files a previous life of this worker left
+        log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
     def _refuse_if_nothing_fits(self, gpus: list[gpu.Gpu]) -> None:
         smallest = self._models.smallest_vram_mb()
@@ -262,6 +256,11 @@ class Worker:
 
     def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
         self.claimed += 1
+        if self._free_lanes:  # scratch folders are reused: one per job running at once
+            lane = self._free_lanes.pop()
+        else:
+            lane = self._store.lane_dir(self.id, self._lanes_made)
+            self._lanes_made += 1
         run = attempt_.Attempt(
             job,
             spec=self._models.get(job.model),
@@ -272,10 +271,11 @@ class Worker:
             capacity_mb=self._capacity_mb(job.gpu),
             image=image,
             pool=self.pool,
+            lane=lane,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
-        task.add_done_callback(functools.partial(self._finished, job.id))
+        task.add_done_callback(functools.partial(self._finished, run))
 
     async def _make_room(self, job: Job) -> None:
         """Evict idle warm runners of other models (least recently used first) if `job` needs their memory."""
@@ -302,11 +302,13 @@ class Worker:
         sizes = {g.index: g.total_mb for g in self._inventory.snapshot()}
         return max(0, sizes.get(gpu_index or 0, 0) - self._config.vram_buffer_mb)
 
-    def _finished(self, job_id: uuid.UUID, task: asyncio.Task[None]) -> None:
+    def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
+        job_id = run.job.id
+        if run.lane_clean:
+            self._free_lanes.append(run.lane)
         entry = self._running.get(job_id)
         if entry is not None and entry[1] is task:  # a newer attempt of the same job may have replaced it
             del self._running[job_id]
-            run = entry[0]
             self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})

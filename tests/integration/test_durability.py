@@ -209,11 +209,15 @@ async def test_admin_bulk_retry_by_filter(manager, make_worker, api):
     assert [(await manager.get(j)).state for j in bad] == [JobState.queued] * 3
 
 
-async def test_restart_cleans_scratch_of_dead_attempts(manager, make_worker, store):
-    stale = store.scratch_dir(uuid.uuid4(), 1)
-    (stale / "input.png").write_bytes(b"left by a crash")
-    await make_worker().run()
-    assert not stale.exists()
+async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_worker, store):
+    worker = make_worker()
+    stale = store.lane_dir(worker.id, 3)
+    (stale / "out").mkdir(parents=True)
+    (stale / "out" / "half.glb").write_bytes(b"left by a crash")
+    other = store.lane_dir("host:another-worker", 0)  # not ours: it may be running
+    other.mkdir(parents=True)
+    await worker.run()
+    assert not stale.exists() and other.is_dir()
 
 
 async def test_database_outage_loses_nothing(tmp_path, models_file, png):

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import re
 import socket
 import stat
@@ -40,7 +41,11 @@ import json, os, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 out = args["--out"]
 with open(os.path.join(out, "probe.json"), "w") as f:
-    json.dump({"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd()}, f)
+    found = sorted(os.listdir())
+    json.dump({"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "found": found}, f)
+os.makedirs(os.path.expanduser("~/.cache/probe"), exist_ok=True)  # litter, for the next job to not find
+with open(os.path.expanduser("~/.cache/probe/secret"), "w") as f:
+    f.write(args["--text"])
 size = int(float(args["--size-mb"]) * 1024 * 1024)
 if size:
     with open(os.path.join(out, "big.bin"), "wb") as f:
@@ -722,10 +727,25 @@ async def test_models_run_with_a_minimal_environment_in_their_scratch_folder(
     assert set(probe["env"]) <= {"PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"} | {
         "PYTHONUNBUFFERED", "HOME", "GPUJOBS_JOB", "CUDA_DEVICE_ORDER", "LC_CTYPE"
     }  # fmt: skip
-    scratch = store.root / "scratch" / f"{job_id}.1"
-    assert probe["cwd"] == str(scratch) and probe["env"]["HOME"] == str(scratch)
+    scratch = Path(probe["cwd"])
+    assert scratch.is_relative_to(store.root / "scratch") and probe["env"]["HOME"] == str(scratch)
     assert probe["argv"][probe["argv"].index("--text") + 1] == hostile  # one element, no shell
     assert not await asyncio.to_thread(pwned.exists)
+
+
+async def test_a_scratch_folder_is_emptied_before_the_next_job_uses_it(settings, make_worker, png):
+    async with api_client(settings) as http:
+        first = (await submit(http, png(), model="probe", params={"text": "first user's secret"})).json()
+        second = (await submit(http, png(color=(1, 2, 3)), model="probe")).json()
+        await make_worker(max_jobs_per_gpu=1).run()  # one job at a time: one lane, twice
+        seen = []
+        for job in (first, second):
+            job = (await http.get(f"/jobs/{job['id']}")).json()
+            assert job["state"] == "succeeded", job["error"]
+            seen.append((await http.get(job["files"][0]["url"])).json())
+    assert seen[0]["cwd"] == seen[1]["cwd"]  # the same lane...
+    assert seen[1]["found"] == ["input.png", "out"]  # ...holding nothing of the first job
+    assert sorted(os.listdir(seen[1]["cwd"])) == ["out"] and os.listdir(Path(seen[1]["cwd"]) / "out") == []
 
 
 async def test_model_output_over_its_size_cap_fails_the_job(settings, make_worker, png):

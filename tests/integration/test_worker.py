@@ -71,7 +71,8 @@ async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store
     kinds = [e.kind for e in await manager.events(job_id)]
     assert kinds[:2] == ["submitted", "claimed"] and "started" in kinds
     assert "progress" in kinds and kinds[-1] == "succeeded"
-    assert not any((store.root / "scratch").iterdir())  # scratch cleaned
+    [lane] = [p for p in (store.root / "scratch").glob("*/*")]  # scratch emptied for the next job
+    assert sorted(p.name for p in lane.iterdir()) == ["out"] and not any((lane / "out").iterdir())
 
 
 def overlaps(runs: list[dict[str, Any]]) -> int:

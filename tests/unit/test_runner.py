@@ -381,3 +381,22 @@ async def test_kill_process_group_of_a_leftover(ignore_term: bool) -> None:
 async def test_kill_process_group_refuses_dangerous_groups(pgid: int | None) -> None:
     with pytest.raises(ValueError):
         await runner.kill_process_group(os.getpgid(0) if pgid is None else pgid, grace_s=0.1)
+
+
+async def test_an_exit_is_seen_at_once_even_while_a_child_holds_the_pipes(tmp_path: Path) -> None:
+    proc = await runner.spawn(
+        "/bin/sh",
+        "-c",
+        "sleep 3 & exit 7",
+        limit=1024,
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert await asyncio.wait_for(proc.exited(), 2.0) == 7  # Process.wait() (3.11) waits for the pipe
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    started = asyncio.get_running_loop().time()
+    for _ in range(20):  # polling for the exit would add its interval to each run
+        assert (await _run(_process(tmp_path, ["/bin/true"]))).exit_code == 0
+    assert asyncio.get_running_loop().time() - started < 20 * 0.025

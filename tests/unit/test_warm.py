@@ -372,3 +372,16 @@ async def test_relief_serves_two_jobs_in_one_process(tmp_path: Path, pool: warmp
     assert unreadable.outcome is warm.Outcome.BAD_INPUT and "cannot read image" in (unreadable.error or "")
     assert (0.4, "heightmap") in jobs.progress and jobs.progress.count((1.0, "written")) == 2
     assert "relief: device cpu" in (tmp_path / "runners" / "relief.log").read_text()
+
+
+async def test_the_kits_end_line_spares_the_stderr_wait(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as warm_runner:
+        await jobs.run(warm_runner, steps=0)  # loaded and warm
+        started = asyncio.get_running_loop().time()
+        for _ in range(20):
+            assert (await jobs.run(warm_runner, steps=0)).ok
+        took_s = asyncio.get_running_loop().time() - started
+    # Without the end line each job waits warm._STDERR_SETTLE_S (20 ms) for stderr: 0.4 s at least.
+    assert took_s < 20 * warm._STDERR_SETTLE_S, took_s
+    assert jobs.log(21).count(modelkit.stderr_end("job21:1").decode()) == 1  # stderr was all there
