@@ -67,8 +67,8 @@ async def submit(
     values = spec.validate_params(params)
     check_priority(priority, limits)
     await manager.check_owner_queue(owner, limit=limits.queue_limit_per_key, idempotency_key=idempotency_key)
-    data = await asyncio.to_thread(images.read_capped, image, limits.max_upload_bytes)
-    checked = await asyncio.to_thread(images.inspect, data, max_pixels=limits.max_pixels)
+    # One hop to a thread to read, check and hash the bytes (zlib and hashlib release the GIL).
+    checked = await asyncio.to_thread(_read_and_inspect, image, limits)
     declared = spec.estimate_vram_mb(checked.megapixels)
     vram_mb = declared if learner is None else (await learner.estimate(spec, checked.megapixels))[0]
     new = manager_.NewJob(
@@ -82,3 +82,7 @@ async def submit(
         idempotency_key=idempotency_key,
     )
     return await manager.enqueue(new, checked, queue_limit=limits.queue_limit)
+
+
+def _read_and_inspect(image: BinaryIO, limits: Limits) -> manager_.NewInput:
+    return images.inspect(images.read_upload(image, limits.max_upload_bytes), max_pixels=limits.max_pixels)

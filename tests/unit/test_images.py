@@ -1,0 +1,210 @@
+"""Image checks: the PNG check without decoding agrees with a full decode, and is stricter only on damage."""
+
+from __future__ import annotations
+
+import io
+import random
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app import errors, images
+
+LIMIT = 10**8
+
+
+def encode(image: Image.Image, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **options)
+    return buffer.getvalue()
+
+
+def noise(mode: str, size: tuple[int, int] = (37, 23), seed: int = 1) -> Image.Image:
+    """Random pixels in `mode` (odd sizes, so sub-byte rows end mid-byte)."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    if mode == "1":
+        return Image.fromarray(rng.integers(0, 2, (height, width), dtype=np.uint8) * 255).convert("1")
+    if mode == "I;16":
+        return Image.fromarray(rng.integers(0, 65536, (height, width), dtype=np.uint16))
+    if mode == "P":
+        return Image.fromarray(rng.integers(0, 16, (height, width), dtype=np.uint8), "P")
+    bands = len(Image.new(mode, (1, 1)).getbands())
+    return Image.fromarray(rng.integers(0, 256, (height, width, bands), dtype=np.uint8).squeeze(), mode)
+
+
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def chunks(png: bytes) -> list[tuple[bytes, bytes]]:
+    """(type, data) of each chunk."""
+    found, pos = [], 8
+    while pos < len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        found.append((png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return found
+
+
+def assemble(parts: list[tuple[bytes, bytes]]) -> bytes:
+    return images.PNG_SIGNATURE + b"".join(chunk(kind, data) for kind, data in parts)
+
+
+def with_image_data(png: bytes, raw: bytes) -> bytes:
+    """`png` with its image data replaced by `raw`, deflated into one IDAT (valid CRCs)."""
+    parts = [(k, d) for k, d in chunks(png) if k != b"IDAT"]
+    return assemble([*parts[:-1], (b"IDAT", zlib.compress(raw)), parts[-1]])
+
+
+def refused(data: bytes) -> str:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        images.inspect(data, max_pixels=LIMIT)
+    return caught.value.message
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "RGB", "RGBA", "P", "I;16"])
+@pytest.mark.parametrize("optimize", [False, True])
+def test_whole_pngs_pass_without_decoding(mode, optimize):
+    data = encode(noise(mode), optimize=optimize)
+    assert images.check_png(data) is True
+    checked = images.inspect(data, max_pixels=LIMIT)
+    assert (checked.width, checked.height, checked.media_type) == (37, 23, "image/png")
+
+
+def test_many_small_idat_chunks_and_one_huge_one():
+    data = encode(noise("RGB", (300, 200)), compress_level=0)  # stored blocks, as in a noise photo
+    raw = zlib.decompress(b"".join(d for k, d in chunks(data) if k == b"IDAT"))
+    parts = [(k, d) for k, d in chunks(data) if k != b"IDAT"]
+    stream = zlib.compress(raw, 0)
+    split = [(b"IDAT", stream[i : i + 100]) for i in range(0, len(stream), 100)]
+    assert images.check_png(assemble([*parts[:-1], *split, parts[-1]])) is True
+    assert images.check_png(assemble([*parts[:-1], (b"IDAT", stream), parts[-1]])) is True
+
+
+def test_a_bad_crc_is_refused():
+    data = bytearray(encode(noise("RGB")))
+    data[-20] ^= 0x01  # inside the last IDAT, before IEND
+    assert "fails its CRC" in refused(bytes(data))
+
+
+def test_image_data_cut_short_is_refused_even_with_iend_after_it():
+    data = encode(noise("RGB"))
+    parts = chunks(data)
+    stream = b"".join(d for k, d in parts if k == b"IDAT")
+    cut = [(k, d) for k, d in parts if k != b"IDAT"]
+    forged = assemble([*cut[:-1], (b"IDAT", stream[: len(stream) // 2]), cut[-1]])
+    assert "ends early" in refused(forged)
+    # A complete zlib stream of too few rows is just as short.
+    raw = zlib.decompress(stream)
+    assert "ends early" in refused(with_image_data(data, raw[:-1]))
+
+
+def test_too_much_image_data_or_a_bad_filter_byte_is_refused():
+    data = encode(noise("L"))
+    raw = bytearray(zlib.decompress(b"".join(d for k, d in chunks(data) if k == b"IDAT")))
+    assert "more image data" in refused(with_image_data(data, bytes(raw) + b"\0"))
+    row = 1 + 37
+    raw[5 * row] = 9  # the filter byte of the sixth row
+    assert "unknown filter type" in refused(with_image_data(data, bytes(raw)))
+
+
+def test_damaged_deflate_data_is_refused():
+    data = encode(noise("RGB"), compress_level=9)
+    parts = chunks(data)
+    stream = bytearray(b"".join(d for k, d in parts if k == b"IDAT"))
+    stream[-3] ^= 0xFF  # the Adler-32 at the end of the stream
+    rest = [(k, d) for k, d in parts if k != b"IDAT"]
+    assert "damaged" in refused(assemble([*rest[:-1], (b"IDAT", bytes(stream)), rest[-1]]))
+
+
+def interlaced(width: int, height: int) -> bytes:
+    """A grey-scale Adam7-interlaced PNG (PIL does not write them)."""
+    passes = (
+        (0, 0, 8, 8),
+        (4, 0, 8, 8),
+        (0, 4, 4, 8),
+        (2, 0, 4, 4),
+        (0, 2, 2, 4),
+        (1, 0, 2, 2),
+        (0, 1, 1, 2),
+    )
+    raw = bytearray()
+    for x0, y0, dx, dy in passes:
+        for y in range(y0, height, dy):
+            row = bytes((x * 7 + y * 3) % 256 for x in range(x0, width, dx))
+            raw += b"\0" + row if row else b""
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 1)
+    return assemble([(b"IHDR", header), (b"IDAT", zlib.compress(bytes(raw))), (b"IEND", b"")])
+
+
+def test_missing_iend_or_split_image_data_is_refused():
+    data = encode(noise("RGB"))
+    assert "before its IEND" in refused(data[:-12])
+    parts = chunks(data)
+    idat = next(d for k, d in parts if k == b"IDAT")
+    split = [parts[0], (b"IDAT", idat[:50]), (b"tEXt", b"a\0b"), (b"IDAT", idat[50:]), parts[-1]]
+    assert images.check_png(assemble(split)) is False  # left to the full decode, which refuses it
+    assert "truncated or corrupt" in refused(assemble(split))
+
+
+def test_unusual_layouts_go_to_the_full_decode():
+    parts = chunks(encode(noise("RGB")))
+    text_after = assemble([*parts[:-1], (b"tEXt", b"note\0after the image data"), parts[-1]])
+    for data in (interlaced(37, 23), text_after):
+        assert images.check_png(data) is False
+        assert images.inspect(data, max_pixels=LIMIT).width == 37  # decoded fully, and whole
+    whole = interlaced(37, 23)
+    parts = chunks(whole)
+    cut = assemble([parts[0], (b"IDAT", parts[1][1][:-20]), parts[-1]])
+    assert "truncated or corrupt" in refused(cut)
+
+
+def damaged(rng: random.Random, png: bytes) -> bytes:
+    """`png` with random damage: to the file (CRCs catch it), or to its image data re-wrapped with
+    valid CRCs (only the inflate, size and filter checks can catch it)."""
+    parts = chunks(png)
+    stream = bytearray(b"".join(d for k, d in parts if k == b"IDAT"))
+    target = bytearray(png) if rng.random() < 0.3 else stream
+    for _ in range(rng.randint(1, 3)):
+        roll = rng.random()
+        if roll < 0.2:
+            del target[rng.randrange(len(target) // 2, len(target)) :]
+        elif roll < 0.3:
+            target += bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        else:
+            target[rng.randrange(8, len(target))] = rng.randrange(256)
+    if target is not stream:
+        return bytes(target)
+    rest = [(k, d) for k, d in parts if k != b"IDAT"]
+    return assemble([*rest[:-1], (b"IDAT", bytes(stream)), rest[-1]])
+
+
+def test_the_check_never_accepts_what_a_full_decode_refuses():
+    """Random damage to real PNGs: whenever inspect accepts, PIL decodes every pixel."""
+    rng = random.Random(7)
+    sources = [
+        encode(noise(mode, seed=s), compress_level=level)
+        for mode in ("RGB", "L", "P", "RGBA", "1")
+        for s, level in ((0, 0), (1, 6))
+    ]
+    accepted = 0
+    for _ in range(600):
+        data = damaged(rng, rng.choice(sources))
+        try:
+            images.inspect(data, max_pixels=LIMIT)
+        except (errors.InvalidRequest, errors.UnsupportedMedia):
+            continue
+        accepted += 1
+        with Image.open(io.BytesIO(data)) as decoded:
+            decoded.load()
+    assert 0 < accepted < 600  # damage to stored pixels passes (both agree), most else is caught
+
+
+def test_read_upload_reads_once_and_caps():
+    assert images.read_upload(io.BytesIO(b"x" * 10), 10) == b"x" * 10
+    with pytest.raises(errors.PayloadTooLarge):
+        images.read_upload(io.BytesIO(b"x" * 11), 10)
