@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
-from sqlalchemy import MetaData, exc
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy import MetaData, TextClause, exc
+from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase
 
 # Stable constraint names, so autogenerate and downgrades agree with the migrations.
@@ -37,6 +41,37 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         pool_recycle=1800,
         connect_args={"server_settings": {"application_name": "gpujobs"}},
     )
+
+
+async def fetch_row(conn: AsyncConnection, statement: TextClause, values: Mapping[str, Any]) -> Any:
+    """Run a `text()` statement straight on the asyncpg connection under `conn`; its first row or None.
+
+    For hot statements that return wide rows: SQLAlchemy sets up a result for textual SQL on each
+    execution (column matching, row processing), which for a `jobs` row costs about as much CPU as
+    sending the statement. The row is an asyncpg Record (a mapping, JSON already decoded by the
+    dialect's codecs). A connection error invalidates the pooled connection, as SQLAlchemy would.
+    """
+    compiled = _driver_sql(statement, conn.dialect)
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None, "a live pooled connection has its driver connection"
+    try:
+        return await driver.fetchrow(compiled.string, *(values[k] for k in compiled.names))
+    except BaseException as exc:
+        if is_unavailable(exc):
+            await conn.invalidate(exc)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    string: str  # with $1, $2... placeholders
+    names: tuple[str, ...]  # the bind parameter of each placeholder, in order
+
+
+@functools.lru_cache(maxsize=64)
+def _driver_sql(statement: TextClause, dialect: Dialect) -> _Compiled:
+    compiled = statement.compile(dialect=dialect)
+    return _Compiled(compiled.string, tuple(compiled.positiontup or ()))
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:  # type: ignore[type-arg]

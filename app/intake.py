@@ -66,7 +66,6 @@ async def submit(
     spec = models.get(model)
     values = spec.validate_params(params)
     check_priority(priority, limits)
-    await manager.check_owner_queue(owner, limit=limits.queue_limit_per_key, idempotency_key=idempotency_key)
     # One hop to a thread to read, check and hash the bytes (zlib and hashlib release the GIL).
     checked = await asyncio.to_thread(_read_and_inspect, image, limits)
     declared = spec.estimate_vram_mb(checked.megapixels)
@@ -81,7 +80,9 @@ async def submit(
         max_attempts=spec.max_attempts,
         idempotency_key=idempotency_key,
     )
-    return await manager.enqueue(new, checked, queue_limit=limits.queue_limit)
+    return await manager.enqueue(
+        new, checked, queue_limit=limits.queue_limit, owner_limit=limits.queue_limit_per_key
+    )
 
 
 def _read_and_inspect(image: BinaryIO, limits: Limits) -> manager_.NewInput:

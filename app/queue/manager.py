@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app import errors, tables
+from app import db, errors, tables
 from app.queue import batcher, records, sql
 from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vram_class
 
@@ -108,23 +108,31 @@ class JobManager:
 
     # -- intake ---------------------------------------------------------------------------
 
-    async def enqueue(self, job: NewJob, image: NewInput, *, queue_limit: int) -> tuple[Job, bool]:
-        """Store the image (once per content) and queue the job; (job, created)."""
-        async with self._engine.begin() as conn:
-            if job.idempotency_key is not None:
-                existing = await self._idempotent(conn, job)
-                if existing is not None:
-                    return existing, False
-            if await conn.scalar(sql.QUEUE_FULL, {"limit": queue_limit}):
-                raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
-            input_id = await self._store_input(conn, image)
-            row = (await conn.execute(sql.ENQUEUE, self._job_values(job, input_id, image))).first()
-        if row is None:  # a concurrent request with the same idempotency key won
-            async with self._engine.begin() as conn:
+    async def enqueue(
+        self, job: NewJob, image: NewInput, *, queue_limit: int, owner_limit: int = 0
+    ) -> tuple[Job, bool]:
+        """Store the image (once per content) and queue the job, in one statement; (job, created).
+
+        A repeated idempotency key gives back the owner's earlier job. QueueFull, with nothing
+        written, when `queue_limit` jobs wait, or `owner_limit` of the owner's (0: no limit).
+        """
+        values = self._job_values(job, image, queue_limit=queue_limit, owner_limit=owner_limit)
+        async with self._auto.connect() as conn:
+            row = await db.fetch_row(conn, sql.ENQUEUE, values)  # the hot path of every upload
+        if row["outcome"] == "queue_full":
+            raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
+        if row["outcome"] == "owner_full":
+            raise errors.QueueFull(
+                f"you have {owner_limit} jobs waiting, the most one key may queue; "
+                "try again once some have started",
+                retry_after_s=30,
+            )
+        if row["id"] is None:  # a concurrent request with the same idempotency key won
+            async with self._auto.connect() as conn:
                 existing = await self._idempotent(conn, job)
             assert existing is not None
             return existing, False
-        return Job.from_row(row), True
+        return Job.from_row(row), row["outcome"] == "queued"
 
     @staticmethod
     async def _idempotent(conn: AsyncConnection, job: NewJob) -> Job | None:
@@ -134,33 +142,25 @@ class JobManager:
         return None if row is None else Job.from_row(row)
 
     @staticmethod
-    async def _store_input(conn: AsyncConnection, image: NewInput) -> int:
-        found = await conn.scalar(sql.FIND_INPUT, {"sha256": image.sha256})
-        if found is not None:
-            return int(found)
-        values = {
-            "sha256": image.sha256,
-            "media_type": image.media_type,
-            "width": image.width,
-            "height": image.height,
-            "bytes": len(image.data),
-            "data": image.data,
-        }
-        return int(await conn.scalar(sql.INSERT_INPUT, values))
-
-    @staticmethod
-    def _job_values(job: NewJob, input_id: int, image: NewInput) -> dict[str, Any]:
+    def _job_values(job: NewJob, image: NewInput, *, queue_limit: int, owner_limit: int) -> dict[str, Any]:
         return {
             "owner": job.owner,
             "model": job.model,
             "params": json.dumps(dict(job.params)),
-            "input_id": input_id,
             "megapixels": image.megapixels,
             "priority": job.priority,
             "vram_mb": job.vram_mb,
             "declared_vram_mb": job.vram_mb if job.declared_vram_mb is None else job.declared_vram_mb,
             "max_attempts": job.max_attempts,
             "idempotency_key": job.idempotency_key,
+            "queue_limit": queue_limit,
+            "owner_limit": max(owner_limit, 0),
+            "sha256": image.sha256,
+            "media_type": image.media_type,
+            "width": image.width,
+            "height": image.height,
+            "bytes": len(image.data),
+            "data": image.data,
         }
 
     # -- reading --------------------------------------------------------------------------
@@ -471,22 +471,6 @@ class JobManager:
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RETRY_MATCHING, values)).all()
         return len(rows)
-
-    # -- security -------------------------------------------------------------------------
-
-    async def check_owner_queue(self, owner: str, *, limit: int, idempotency_key: str | None) -> None:
-        """QueueFull if `owner` already has `limit` queued jobs (0: no limit; repeats always pass)."""
-        if limit <= 0:
-            return
-        values = {"owner": owner, "limit": limit, "key": idempotency_key}
-        async with self._auto.connect() as conn:
-            full = await conn.scalar(sql.OWNER_QUEUE_FULL, values)
-        if full:
-            raise errors.QueueFull(
-                f"you have {limit} jobs waiting, the most one key may queue; "
-                "try again once some have started",
-                retry_after_s=30,
-            )
 
     # -- observability --------------------------------------------------------------------
 

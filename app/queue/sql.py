@@ -29,38 +29,50 @@ def _tell(jobs: str, event: str | None = "event", *, message: bool = False) -> s
 
 # -- intake -----------------------------------------------------------------------------------
 
-# Is the queue full (at least :limit jobs waiting, retries included)? Counts at most :limit rows.
-QUEUE_FULL = text(
-    """
-    SELECT count(*) >= :limit FROM (
-        SELECT 1 FROM jobs WHERE state IN ('queued', 'scheduled') LIMIT :limit
-    ) AS q
-    """
-)
-
-FIND_INPUT = text("SELECT id FROM inputs WHERE sha256 = :sha256")
-
-# Insert an image once per content; on a concurrent duplicate, return the row that won.
-INSERT_INPUT = text(
-    """
-    INSERT INTO inputs (sha256, media_type, width, height, bytes, data)
-    VALUES (:sha256, :media_type, :width, :height, :bytes, :data)
-    ON CONFLICT (sha256) DO UPDATE SET sha256 = EXCLUDED.sha256
-    RETURNING id
-    """
-)
-
+# A waiting job of this owner with this idempotency key (one that lost a race re-reads it).
 FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_key = :key")
 
-# Queue a job, write its `submitted` event and wake the workers, in one statement.
-# Returns no row when the idempotency key was taken by a concurrent request.
+# Queue a job, in one statement (run in autocommit: no BEGIN / COMMIT round trips). In order:
+# - `prior`: the owner's job with this idempotency key: it comes back, nothing is written;
+# - `verdict`: else 'owner_full' when the owner has :owner_limit jobs waiting (0: no limit), else
+#   'queue_full' when :queue_limit jobs wait (each count stops at its limit); nothing is written;
+# - else 'queued': the image is stored once per content (`found` by sha256, else inserted; on a
+#   concurrent duplicate the row that won comes back), the job, its `submitted` event, NOTIFYs.
+# Returns one row: `outcome`, then the job's columns (NULL when full, or when a concurrent request
+# took the idempotency key first: the caller then reads that job with FIND_IDEMPOTENT).
 ENQUEUE = text(
     f"""
-    WITH job AS (
+    WITH prior AS (
+        SELECT * FROM jobs WHERE owner = :owner AND idempotency_key = CAST(:idempotency_key AS text)
+    ), verdict AS (
+        SELECT CASE
+            WHEN EXISTS (SELECT 1 FROM prior) THEN 'repeat'
+            WHEN :owner_limit > 0 AND (SELECT count(*) FROM (
+                    SELECT 1 FROM jobs WHERE owner = :owner AND state IN ('queued', 'scheduled')
+                    LIMIT :owner_limit) AS mine) >= :owner_limit THEN 'owner_full'
+            WHEN (SELECT count(*) FROM (
+                    SELECT 1 FROM jobs WHERE state IN ('queued', 'scheduled')
+                    LIMIT :queue_limit) AS everyone) >= :queue_limit THEN 'queue_full'
+            ELSE 'queued'
+        END AS outcome
+    ), found AS (
+        SELECT id FROM inputs WHERE sha256 = :sha256
+    ), stored AS (
+        INSERT INTO inputs (sha256, media_type, width, height, bytes, data)
+        SELECT :sha256, :media_type, CAST(:width AS integer), CAST(:height AS integer),
+               CAST(:bytes AS bigint), CAST(:data AS bytea)
+        FROM verdict WHERE outcome = 'queued' AND NOT EXISTS (SELECT 1 FROM found)
+        ON CONFLICT (sha256) DO UPDATE SET sha256 = EXCLUDED.sha256
+        RETURNING id
+    ), job AS (
         INSERT INTO jobs (owner, model, params, input_id, megapixels, priority, vram_mb,
                           declared_vram_mb, max_attempts, idempotency_key)
-        VALUES (:owner, :model, CAST(:params AS jsonb), :input_id, :megapixels, :priority,
-                :vram_mb, :declared_vram_mb, :max_attempts, :idempotency_key)
+        SELECT :owner, :model, CAST(:params AS jsonb), i.id, CAST(:megapixels AS real),
+               CAST(:priority AS integer), CAST(:vram_mb AS integer),
+               CAST(:declared_vram_mb AS integer), CAST(:max_attempts AS integer),
+               CAST(:idempotency_key AS text)
+        FROM verdict, (SELECT id FROM found UNION ALL SELECT id FROM stored) AS i
+        WHERE verdict.outcome = 'queued'
         ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
         RETURNING *
     ), event AS (
@@ -71,9 +83,12 @@ ENQUEUE = text(
         FROM job
         RETURNING id, job_id, kind
     ), told AS ({_tell("job")}
+    ), woken AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM job
     )
-    SELECT job.* FROM job, LATERAL (SELECT pg_notify('{QUEUED_CHANNEL}', job.model)) AS wake
-    WHERE (SELECT count(*) FROM told) >= 0
+    SELECT verdict.outcome, j.*
+    FROM verdict LEFT JOIN (SELECT * FROM job UNION ALL SELECT * FROM prior) AS j ON true
+    WHERE (SELECT count(*) FROM told) >= 0 AND (SELECT count(*) FROM woken) >= 0
     """
 )
 
@@ -498,22 +513,6 @@ EVENTS = text(
     FROM job_events AS e JOIN jobs AS j ON j.id = e.job_id
     WHERE e.job_id = :id AND (CAST(:owner AS text) IS NULL OR j.owner = :owner)
     ORDER BY e.id
-    """
-)
-
-# -- security ---------------------------------------------------------------------------------
-
-# Has :owner at least :limit queued jobs? Counts at most :limit rows. A request that repeats an
-# earlier Idempotency-Key of the owner is never refused: it only reads back the job it made.
-OWNER_QUEUE_FULL = text(
-    """
-    SELECT NOT EXISTS (
-               SELECT 1 FROM jobs
-               WHERE owner = :owner AND idempotency_key = CAST(:key AS text)
-           )
-       AND (SELECT count(*) FROM (
-                SELECT 1 FROM jobs WHERE owner = :owner AND state IN ('queued', 'scheduled') LIMIT :limit
-            ) AS q) >= :limit
     """
 )
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import zlib
 from typing import Any
 
 import httpx
@@ -188,6 +190,79 @@ async def test_queue_limit_answers_429_with_retry_after(settings, png, engine):
         assert full.status_code == 429
         assert int(full.headers["retry-after"]) > 0
     assert (await counts(engine))[0] == 2
+
+
+async def test_a_refused_submission_writes_nothing(settings, make_key, png, engine):
+    """Queue full, the owner's share full: 429, and no job, image or event is stored."""
+    async with api_client(settings, queue_limit=2) as http:
+        for i in range(2):
+            assert (await submit(http, png(color=(i, 9, 9)))).status_code == 201
+        full = await submit(http, png(color=(7, 7, 7)))
+        assert full.status_code == 429 and "queue is full" in full.json()["detail"]
+    alice = await make_key("alice")
+    async with api_client(settings, key=alice, queue_limit_per_key=1) as http:
+        assert (await submit(http, png(color=(8, 8, 8)))).status_code == 201
+        mine = await submit(http, png(color=(9, 9, 9)))
+        assert mine.status_code == 429 and "1 jobs waiting" in mine.json()["detail"]
+    assert await counts(engine) == (3, 3, 3)
+
+
+async def test_a_repeated_key_stores_nothing_new(client, png, engine):
+    headers = {"Idempotency-Key": "same"}
+    first = await client.post(
+        "/jobs", files={"image": ("a.png", png(color=(1, 2, 3)), "image/png")}, data={"model": "relief"},
+        headers=headers,
+    )  # fmt: skip
+    again = await client.post(
+        "/jobs", files={"image": ("b.png", png(color=(4, 5, 6)), "image/png")}, data={"model": "relief"},
+        headers=headers,
+    )  # fmt: skip
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["id"] == first.json()["id"]
+    assert await counts(engine) == (1, 1, 1)
+
+
+async def test_concurrent_repeats_of_a_key_make_one_job(client, png, engine):
+    headers = {"Idempotency-Key": "race"}
+    files = {"image": ("a.png", png(), "image/png")}
+    answers = await asyncio.gather(
+        *(client.post("/jobs", files=files, data={"model": "relief"}, headers=headers) for _ in range(6))
+    )
+    assert sorted(a.status_code for a in answers) == [200] * 5 + [201]
+    assert len({a.json()["id"] for a in answers}) == 1
+    assert (await counts(engine))[:2] == (1, 1)
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    found, pos = [], 8
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        found.append((data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return found
+
+
+def _png_of(parts: list[tuple[bytes, bytes]]) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    return b"\x89PNG\r\n\x1a\n" + b"".join(chunk(kind, data) for kind, data in parts)
+
+
+async def test_damaged_pngs_are_422_without_a_full_decode(client, png, engine):
+    good = png((200, 120))
+    bad_crc = bytearray(good)
+    bad_crc[-20] ^= 1  # in the image data: only its CRC tells
+    parts = _png_chunks(good)
+    stream = b"".join(d for k, d in parts if k == b"IDAT")
+    others = [(k, d) for k, d in parts if k != b"IDAT"]
+    cut_short = _png_of([*others[:-1], (b"IDAT", stream[: len(stream) // 2]), others[-1]])  # IEND after it
+    for image, reason in ((bytes(bad_crc), "CRC"), (cut_short, "ends early")):
+        response = await submit(client, image)
+        assert response.status_code == 422, response.text
+        detail = response.json()["detail"]
+        assert "truncated or corrupt" in detail and reason in detail, detail
+    assert await counts(engine) == (0, 0, 0)
 
 
 async def test_listing_pages_through_fifty_jobs(client, png):
