@@ -40,7 +40,9 @@ class Caller:
         return None if self.admin else self.principal
 
 
-def get_services(request: Request) -> Services:
+# The dependencies are `async def` though they never wait: FastAPI runs a plain `def` dependency in
+# its thread pool, a thread hop (and wake-up) per request for a few attribute reads.
+async def get_services(request: Request) -> Services:
     """The services built by the app's lifespan."""
     services: Services = request.app.state.services
     return services
@@ -55,7 +57,7 @@ bearer = HTTPBearer(
 )
 
 
-def get_caller(
+async def get_caller(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> Caller:
     """The caller, as authenticated by the security middleware; 401 if it was not."""
@@ -65,7 +67,7 @@ def get_caller(
     return Caller(principal=identity.principal, admin=identity.admin)
 
 
-def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+async def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
     """The caller, if it holds an admin key; 403 otherwise."""
     if not caller.admin:
         raise errors.Forbidden("this needs an admin key")

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, Header, Query, Response, UploadFile
 
 from app import intake
+from app.api import limits
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic
 from app.queue.jobs import JobState
@@ -16,6 +17,7 @@ from app.queue.jobs import JobState
 router = APIRouter(
     prefix="/jobs",
     tags=["jobs"],
+    route_class=limits.UploadRoute,  # POST /jobs parses its upload in memory
     dependencies=[Depends(get_caller)],
     responses={
         401: {"model": ErrorPublic, "description": "Missing, invalid or revoked API key"},

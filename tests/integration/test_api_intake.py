@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import zlib
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from sqlalchemy import text
 
 from app.settings import Settings
@@ -263,6 +266,36 @@ async def test_damaged_pngs_are_422_without_a_full_decode(client, png, engine):
         detail = response.json()["detail"]
         assert "truncated or corrupt" in detail and reason in detail, detail
     assert await counts(engine) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_uploads_over_a_megabyte_are_stored_whole(client, engine, declared):
+    """Kept in memory when the length is declared, spooled to disk when it is not (chunked)."""
+    pixels = np.random.default_rng(3).integers(0, 256, (700, 700, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+    image = buffer.getvalue()
+    assert len(image) > 1 << 20
+    head = (
+        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nrelief\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="image"; filename="big.png"\r\n'
+        b"Content-Type: image/png\r\n\r\n"
+    )
+    body = head + image + b"\r\n--b--\r\n"
+
+    async def pieces():
+        for start in range(0, len(body), 100_000):
+            yield body[start : start + 100_000]
+
+    response = await client.post(
+        "/jobs",
+        content=body if declared else pieces(),
+        headers={"content-type": "multipart/form-data; boundary=b"},
+    )
+    assert response.status_code == 201, response.text
+    stored = await client.get(f"/jobs/{response.json()['id']}/input")
+    assert stored.content == image
+    assert await counts(engine) == (1, 1, 1)
 
 
 async def test_listing_pages_through_fifty_jobs(client, png):
