@@ -46,6 +46,7 @@ def build_worker(
         oom_growth=settings.oom_growth,
         warm_idle_s=settings.warm_idle_s,
         warm_streak_max=settings.warm_streak_max,
+        claim_batch=settings.claim_batch,
         python=sys.executable,
         burst=burst,
     )

@@ -60,6 +60,7 @@ class WorkerConfig:
     oom_growth: float = 1.5
     warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
     warm_streak_max: int = 4  # claims in a row that may prefer warm models before others get a turn
+    claim_batch: int = 16  # the most jobs one claim statement may take
 
 
 class Worker:
@@ -105,6 +106,7 @@ class Worker:
                 backfill_min_samples=config.backfill_min_samples,
                 settle_timeout_s=config.gpu_settle_timeout_s,
                 warm_streak_max=config.warm_streak_max,
+                claim_batch=config.claim_batch,
             ),
             self.pool,
         )

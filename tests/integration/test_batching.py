@@ -91,3 +91,24 @@ async def test_successes_reported_together_share_a_statement_and_are_fenced_each
     async with engine.connect() as conn:
         events = await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'succeeded'"))
     assert events == 9
+
+
+async def claim_statements(engine: Any) -> list[int]:
+    """How many jobs each claim statement took (a statement's rows share its `started_at`)."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT count(*) FROM jobs GROUP BY started_at ORDER BY started_at"))
+        return [int(n) for (n,) in rows]
+
+
+async def test_a_worker_with_free_slots_claims_them_in_one_statement(manager: JobManager, engine, make_worker):
+    for _ in range(6):
+        await enqueue(manager, sleep=0.3)
+    await make_worker(max_jobs_per_gpu=8).run()
+    assert await claim_statements(engine) == [6]
+
+
+async def test_claim_batch_bounds_a_statement(manager: JobManager, engine, make_worker):
+    for _ in range(6):
+        await enqueue(manager, sleep=0.3)
+    await make_worker(max_jobs_per_gpu=8, claim_batch=2).run()
+    assert await claim_statements(engine) == [2, 2, 2]
