@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,8 +62,12 @@ async def submit(
     idempotency_key: str | None,
     limits: Limits,
     learner: learning.VramLearner | None = None,
+    gate: asyncio.Semaphore | None = None,
 ) -> tuple[Job, bool]:
-    """Check everything, store the image, queue the job; (job, created). Nothing is stored on error."""
+    """Check everything, store the image, queue the job; (job, created). Nothing is stored on error.
+
+    `gate`, if given, is held while the job is written to the database.
+    """
     spec = models.get(model)
     values = spec.validate_params(params)
     check_priority(priority, limits)
@@ -80,9 +85,10 @@ async def submit(
         max_attempts=spec.max_attempts,
         idempotency_key=idempotency_key,
     )
-    return await manager.enqueue(
-        new, checked, queue_limit=limits.queue_limit, owner_limit=limits.queue_limit_per_key
-    )
+    async with gate or contextlib.nullcontext():
+        return await manager.enqueue(
+            new, checked, queue_limit=limits.queue_limit, owner_limit=limits.queue_limit_per_key
+        )
 
 
 def _read_and_inspect(image: BinaryIO, limits: Limits) -> manager_.NewInput:

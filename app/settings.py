@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     queue_limit_per_key: int = Field(
         100, ge=0, description="Most queued jobs per principal (its keys share it); 429 beyond; 0 = no limit"
     )
+    upload_writers: int = Field(
+        4,
+        ge=0,
+        description="Uploads written to the database at once; the rest wait their turn in the API, "
+        "first come first served (0 = no limit)",
+    )
     priority_min: int = Field(-100, description="Lowest priority a job may ask for")
     priority_max: int = Field(100, description="Highest priority a job may ask for")
     lease_s: float = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -25,6 +26,10 @@ class Services:
     limits: Limits
     keys: auth.KeyStore
     learner: learning.VramLearner | None = None
+    # Uploads writing to the database now (Settings.upload_writers; None: no limit). FIFO, so under
+    # load each upload waits about as long as the others, and PostgreSQL is not asked to interleave
+    # dozens of large inserts at once.
+    upload_gate: asyncio.Semaphore | None = None
 
 
 @dataclass(frozen=True, slots=True)

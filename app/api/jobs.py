@@ -71,6 +71,7 @@ async def submit_job(
         idempotency_key=idempotency_key,
         limits=services.limits,
         learner=services.learner,
+        gate=services.upload_gate,
     )
     response.headers["Location"] = f"/jobs/{job.id}"
     if not created:

@@ -47,6 +47,7 @@ def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.
         models=registry.load_registry(settings.models_file),
         limits=limits,
         keys=keys,
+        upload_gate=asyncio.Semaphore(settings.upload_writers) if settings.upload_writers else None,
         learner=learning.VramLearner(
             manager,
             learning.LearningConfig(
