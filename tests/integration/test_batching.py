@@ -100,7 +100,7 @@ async def claim_statements(engine: Any) -> list[int]:
         return [int(n) for (n,) in rows]
 
 
-async def test_a_worker_with_free_slots_claims_them_in_one_statement(manager: JobManager, engine, make_worker):
+async def test_a_worker_with_free_slots_claims_them_in_one_statement(manager, engine, make_worker):
     for _ in range(6):
         await enqueue(manager, sleep=0.3)
     await make_worker(max_jobs_per_gpu=8).run()
