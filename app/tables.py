@@ -52,6 +52,7 @@ class Input(Base):
     width: Mapped[int] = mapped_column(Integer)
     height: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
+    # Stored EXTERNAL (migration 0004): images are compressed already, PostgreSQL need not try.
     data: Mapped[builtins.bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
 
@@ -122,6 +123,13 @@ class JobRow(Base):
         Index("ix_jobs_lease", "lease_expires_at", postgresql_where=text("state = 'running'")),
         # Heartbeats and restart recovery: a worker's running jobs.
         Index("ix_jobs_worker", "worker_id", postgresql_where=text("state = 'running'")),
+        # The per-owner queue limit: an owner's waiting jobs, counted on every upload.
+        Index(
+            "ix_jobs_owner_waiting",
+            "owner",
+            "state",
+            postgresql_where=text("state IN ('queued', 'scheduled')"),
+        ),
         # Listing a caller's jobs newest first, with a (created_at, id) cursor.
         Index("ix_jobs_owner_created", "owner", text("created_at DESC"), text("id DESC")),
         # Retention: finished jobs whose files are still on disk, oldest first.

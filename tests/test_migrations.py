@@ -55,3 +55,25 @@ async def test_upgrade_downgrade_and_no_difference(server_url):
         assert await _diff(url) == []
     finally:
         await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+async def _storage_of_input_data(url: str) -> str:
+    conn = await asyncpg.connect(db.asyncpg_dsn(url))
+    try:
+        query = "SELECT attstorage::text FROM pg_attribute WHERE attrelid = $1::regclass AND attname = $2"
+        return str(await conn.fetchval(query, "inputs", "data"))
+    finally:
+        await conn.close()
+
+
+async def test_images_are_stored_without_compression(server_url):
+    name = f"gpujobs_mig_{uuid.uuid4().hex[:8]}"
+    await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
+    url = _with_database(server_url, name)
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        assert await _storage_of_input_data(url) == "e"  # EXTERNAL: out of line, never compressed
+        await asyncio.to_thread(migrate.downgrade, url, "0003")
+        assert await _storage_of_input_data(url) == "x"  # EXTENDED, PostgreSQL's default for bytea
+    finally:
+        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
