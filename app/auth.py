@@ -25,7 +25,7 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import errors
+from app import db, errors
 
 KEY_PREFIX: Final = "gpj_"
 KEY_BYTES: Final = 32
@@ -200,12 +200,13 @@ class KeyStore:
             raise Unauthorized()
         digest = hash_key(secret)
         async with self._engine.connect() as conn:
-            # One statement on every request: autocommit saves the BEGIN/COMMIT round trips (~40%).
+            # One statement on every request: autocommit saves the BEGIN/COMMIT round trips (~40%),
+            # and the driver's own fetch SQLAlchemy's result set-up.
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = (await conn.execute(VERIFY_KEY, {"key_hash": digest, "touch_s": self._touch_s})).first()
-        if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
+            row = await db.fetch_row(conn, VERIFY_KEY, {"key_hash": digest, "touch_s": self._touch_s})
+        if row is None or not hmac.compare_digest(row["key_hash"], digest) or row["revoked_at"] is not None:
             raise Unauthorized()
-        return Identity(row.id, row.principal, Role(row.role))
+        return Identity(row["id"], row["principal"], Role(row["role"]))
 
     async def find(self, key: str) -> KeyInfo:
         """One key by its id, the start of its prefix (as `keys list` shows it) or the whole key."""
