@@ -100,7 +100,7 @@ class JobManager:
 
     def __init__(self, engine: AsyncEngine, *, quarantine_after: int = 3) -> None:
         self._engine = engine
-        # Every unit below but enqueue and expire is one statement, atomic on its own: autocommit
+        # Every unit below but expire is one statement, atomic on its own: autocommit
         # saves the BEGIN and COMMIT round trips a transaction would add around it.
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
