@@ -45,17 +45,24 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
 
 async def fetch_row(conn: AsyncConnection, statement: TextClause, values: Mapping[str, Any]) -> Any:
     """Run a `text()` statement straight on the asyncpg connection under `conn`; its first row or None.
+    (`fetch_rows` for all of them.)
 
     For hot statements that return wide rows: SQLAlchemy sets up a result for textual SQL on each
     execution (column matching, row processing), which for a `jobs` row costs about as much CPU as
     sending the statement. The row is an asyncpg Record (a mapping, JSON already decoded by the
     dialect's codecs). A connection error invalidates the pooled connection, as SQLAlchemy would.
     """
+    rows = await fetch_rows(conn, statement, values)
+    return rows[0] if rows else None
+
+
+async def fetch_rows(conn: AsyncConnection, statement: TextClause, values: Mapping[str, Any]) -> list[Any]:
+    """Run a `text()` statement straight on the asyncpg connection under `conn`; all its rows."""
     compiled = _driver_sql(statement, conn.dialect)
     driver = (await conn.get_raw_connection()).driver_connection
     assert driver is not None, "a live pooled connection has its driver connection"
     try:
-        return await driver.fetchrow(compiled.string, *(values[k] for k in compiled.names))
+        return list(await driver.fetch(compiled.string, *(values[k] for k in compiled.names)))
     except BaseException as exc:
         if is_unavailable(exc):
             await conn.invalidate(exc)

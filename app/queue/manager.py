@@ -272,11 +272,13 @@ class JobManager:
             "lease_s": lease_s,
         }
         async with self._auto.connect() as conn:
-            rows = (await conn.execute(sql.CLAIM, values)).all()
+            rows = await db.fetch_rows(conn, sql.CLAIM, values)  # wide rows: the driver's fetch
         return [
             Claimed(
                 Job.from_row(row),
-                None if row.input_data is None else (str(row.input_media_type), bytes(row.input_data)),
+                None
+                if row["input_data"] is None
+                else (str(row["input_media_type"]), bytes(row["input_data"])),
             )
             for row in rows
         ]
@@ -319,7 +321,7 @@ class JobManager:
             "details": [detail for _, _, detail in items],
         }
         async with self._auto.connect() as conn:
-            done = {row.id for row in (await conn.execute(sql.SUCCEED, values)).all()}
+            done = {row["id"] for row in await db.fetch_rows(conn, sql.SUCCEED, values)}
         return [job.id in done for job, _, _ in items]
 
     async def fail(
