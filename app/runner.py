@@ -4,6 +4,11 @@ Kills go to the whole group (SIGTERM, `kill_grace_s`, SIGKILL); after the main p
 gets a last SIGKILL, so forked helpers die too. Both pipes drain at once into the log; stdout progress
 lines reach `on_progress` in order from a separate task (a slow callback never stalls the pipes) and
 never after `wait()` returns. Call `stop()` and `wait()` from the event loop's thread.
+
+`ModelProcess` starts the child with `subprocess.Popen` and reads it with the event loop's own
+readiness callbacks: asyncio's subprocess transports, protocols and child watcher cost more CPU
+than starting `/bin/true` does. `spawn()` keeps asyncio's machinery for warm runners, which also
+write to their child's stdin.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -32,6 +39,7 @@ _PROGRESS_BACKLOG = 1000  # undelivered progress updates kept; the oldest are dr
 _PIPE_DRAIN_S = 2.0  # after the group is dead, how long the pipes may take to reach EOF
 _PROGRESS_DRAIN_S = 5.0  # after exit, how long queued progress updates may take to deliver
 _POLL_S = 0.05
+_READ_BYTES = 64 * 1024  # at most this much of a pipe per read
 _PASSED_THROUGH = ("PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
 
 ProgressCallback = Callable[[float, str], Awaitable[None]]
@@ -125,16 +133,6 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-async def _next_chunk(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
-    """The next line (complete) or a piece of an overlong one (not complete); b"" at EOF."""
-    try:
-        return await reader.readuntil(b"\n"), True
-    except asyncio.IncompleteReadError as exc:  # EOF: the last, unterminated line (maybe empty)
-        return exc.partial, True
-    except asyncio.LimitOverrunError as exc:
-        return await reader.read(max(exc.consumed, 1)), False
-
-
 class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
     """asyncio's stream protocol, plus a future done as soon as the process has exited."""
 
@@ -189,8 +187,66 @@ async def _finish_anyway(coro: Coroutine[Any, Any, _T]) -> _T:
     return task.result()
 
 
+class _Pipe:
+    """One of the child's output pipes: its read end (non-blocking) and the line it is in the middle of."""
+
+    __slots__ = ("fd", "overlong", "parse", "partial")
+
+    def __init__(self, fd: int, *, parse: bool) -> None:
+        os.set_blocking(fd, False)
+        self.fd, self.parse = fd, parse
+        self.partial = b""  # the start of a line whose newline has not come yet
+        self.overlong = False  # the line in progress went to the log in pieces: it is never parsed
+
+    def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
+        """Take bytes read; return what goes to the log now (whole lines, or a piece of an overlong
+        one, so the two streams interleave by lines) and the complete lines to parse."""
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            self.partial += data
+            return self._overflow(), []
+        ready, self.partial = self.partial + data[:cut], data[cut:]
+        lines = self._lines(ready) if self.parse and b"PROGRESS" in ready else []
+        self.overlong = False
+        return ready + self._overflow(), lines
+
+    def rest(self) -> tuple[bytes, list[bytes]]:
+        """The last, unterminated line: for the log, and to parse unless it was overlong."""
+        rest, self.partial = self.partial, b""
+        return rest, [rest] if self.parse and rest and not self.overlong else []
+
+    def _overflow(self) -> bytes:
+        """A line in progress beyond LINE_LIMIT_BYTES, taken out for the log; else b""."""
+        if len(self.partial) <= LINE_LIMIT_BYTES:
+            return b""
+        piece, self.partial, self.overlong = self.partial, b"", True
+        return piece
+
+    def _lines(self, ready: bytes) -> list[bytes]:
+        """The lines in `ready` (which ends with a newline) short enough to parse."""
+        lines = ready.split(b"\n")[:-1]
+        if self.overlong:  # the first is the end of a line that went out in pieces
+            del lines[0]
+        return [line for line in lines if len(line) <= LINE_LIMIT_BYTES]
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when `pid` exits; None without pidfds (Linux < 5.3)."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # ENOSYS, or no descriptor left: a thread will wait instead
+        return None
+
+
 class ModelProcess:
-    """One model run: `start()`, optionally `stop(reason)`, and always `await wait()`."""
+    """One model run: `start()`, optionally `stop(reason)`, and always `await wait()`.
+
+    A run that prints no progress needs no task: the event loop reads the pipes (`add_reader`) and
+    learns of the exit when the child's pidfd becomes readable (where pidfds are missing, a thread
+    waits for the child). The progress task starts with the first update.
+    """
 
     def __init__(
         self,
@@ -214,119 +270,171 @@ class ModelProcess:
         self._timeout_s = timeout_s
         self._kill_grace_s = kill_grace_s
         self._on_progress = on_progress
-        self._proc: Process | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
         self._log: BinaryIO | None = None
         self._tail = bytearray()
-        self._readers: list[asyncio.Task[None]] = []
+        self._pipes: list[_Pipe] = []
+        self._progress: asyncio.Queue[tuple[float, str]] | None = None  # made with the first update
         self._dispatcher: asyncio.Task[None] | None = None
-        self._progress: asyncio.Queue[tuple[float, str]] = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
-        self._stop_requested = asyncio.Event()
         self._stop_reason: str | None = None
         self._started_at = 0.0
         self._result: RunResult | None = None
+        # Made by start(), in the running loop:
+        self._loop: asyncio.AbstractEventLoop
+        self._group: int  # the child's pid, also its process-group id
+        self._exited: asyncio.Future[int]  # the return code, once the child is reaped
+        self._stopped: asyncio.Future[None]  # done at the first stop()
+        self._pipes_closed: asyncio.Future[None]  # done when both pipes are closed
 
     @property
     def pid(self) -> int | None:
         """The child's pid, which is also its process-group id; None before start()."""
-        return None if self._proc is None else self._proc.pid
+        return None if self._popen is None else self._popen.pid
 
     async def start(self) -> int:
         """Start the model in its own session; return its pid (== pgid). OSError if it cannot start."""
-        if self._proc is not None:
+        if self._popen is not None:
             raise RuntimeError("this ModelProcess was already started")
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self._log_path.open("ab")
-        try:
-            proc = await spawn(
-                *self._argv,
-                cwd=self._cwd,
-                env=self._env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                limit=LINE_LIMIT_BYTES,
-            )
-        except BaseException:
-            log.close()
-            raise
-        self._log, self._proc, self._started_at = log, proc, time.monotonic()
-        _LOG.info("model started", extra={"action": "model_started", "pid": proc.pid})
-        self._note(f"started pid {proc.pid}: {' '.join(self._argv)}")
-        self._start_tasks(proc)
-        return proc.pid
+        self._begin(*self._launch())
+        return self._group
 
     def stop(self, reason: str) -> None:
         """Ask the run to stop for `reason` (the first reason wins); `wait()` performs the kill."""
         if self._stop_reason is None:
             self._stop_reason = reason
-        self._stop_requested.set()
+        if self._popen is not None and not self._stopped.done():
+            self._stopped.set_result(None)
 
     async def wait(self) -> RunResult:
         """Run until exit, timeout or stop; kill and reap the whole group; safe to cancel."""
         if self._result is not None:
             return self._result
-        if self._proc is None:
+        if self._popen is None:
             raise RuntimeError("wait() before start()")
-        proc = self._proc
         try:
-            timed_out, stopped = await self._supervise(proc)
+            timed_out, stopped = await self._supervise()
         except asyncio.CancelledError:
             stopped = self._stop_reason or "wait() was cancelled"
-            await _finish_anyway(self._cleanup(proc, timed_out=False, stopped=stopped))
+            await _finish_anyway(self._cleanup(timed_out=False, stopped=stopped))
             raise
-        return await _finish_anyway(self._cleanup(proc, timed_out=timed_out, stopped=stopped))
+        if self._exited.done() and not self._pipes and self._dispatcher is None:
+            self._kill_leftovers()  # nothing left to wait for: no cleanup task needed to be cancel-safe
+            return self._finish(timed_out=timed_out, stopped=stopped)
+        return await _finish_anyway(self._cleanup(timed_out=timed_out, stopped=stopped))
 
-    def _start_tasks(self, proc: Process) -> None:
-        """Start the two pipe readers and, if there is a callback, the progress dispatcher."""
-        assert proc.stdout is not None and proc.stderr is not None
-        pid, callback = proc.pid, self._on_progress
-        self._readers = [
-            asyncio.create_task(self._copy(proc.stdout, parse=True), name=f"runner-stdout-{pid}"),
-            asyncio.create_task(self._copy(proc.stderr, parse=False), name=f"runner-stderr-{pid}"),
-        ]
-        if callback is not None:
-            self._dispatcher = asyncio.create_task(self._dispatch(callback), name=f"runner-progress-{pid}")
+    def _launch(self) -> tuple[subprocess.Popen[bytes], BinaryIO, int, int]:
+        """Open the log, start the child on two new pipes; return it, the log and the pipes' read ends.
 
-    async def _supervise(self, proc: Process) -> tuple[bool, str | None]:
+        Popen returns once the child has called exec (CPython uses vfork), as asyncio's start would.
+        """
+        log = self._open_log()
+        fds: list[int] = []  # stdout's read and write ends, then stderr's
+        try:
+            fds += os.pipe()
+            fds += os.pipe()
+            popen = subprocess.Popen(
+                self._argv, cwd=self._cwd, env=self._env, stdin=subprocess.DEVNULL, stdout=fds[1],
+                stderr=fds[3], start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            log.close()
+            raise
+        os.close(fds[1])
+        os.close(fds[3])
+        return popen, log, fds[0], fds[2]
+
+    def _open_log(self) -> BinaryIO:
+        """Open the log to append to; its folder is usually there already (a system call saved)."""
+        try:
+            return self._log_path.open("ab", buffering=0)
+        except FileNotFoundError:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            return self._log_path.open("ab", buffering=0)
+
+    def _begin(self, popen: subprocess.Popen[bytes], log: BinaryIO, stdout: int, stderr: int) -> None:
+        """Note the start, then have the loop read both pipes and learn of the exit."""
+        self._loop = loop = asyncio.get_running_loop()
+        self._popen, self._group, self._log, self._started_at = popen, popen.pid, log, time.monotonic()
+        self._exited, self._stopped, self._pipes_closed = (loop.create_future() for _ in range(3))
+        if self._stop_reason is not None:
+            self._stopped.set_result(None)
+        _LOG.info("model started", extra={"action": "model_started", "pid": popen.pid})
+        self._note(f"started pid {popen.pid}: {' '.join(self._argv)}")
+        self._pipes = [_Pipe(stdout, parse=self._on_progress is not None), _Pipe(stderr, parse=False)]
+        for pipe in self._pipes:
+            loop.add_reader(pipe.fd, self._on_output, pipe)
+        pidfd = _pidfd(popen.pid)
+        if pidfd is not None:
+            loop.add_reader(pidfd, self._reap, popen, pidfd)
+        else:
+            name = f"runner-wait-{popen.pid}"
+            threading.Thread(target=self._wait_in_thread, args=(popen,), name=name, daemon=True).start()
+
+    def _reap(self, popen: subprocess.Popen[bytes], pidfd: int) -> None:
+        """The pidfd is readable: the child has exited; reap it (no wait: it is a zombie)."""
+        self._loop.remove_reader(pidfd)
+        os.close(pidfd)
+        self._set_exited(popen.wait())
+
+    def _wait_in_thread(self, popen: subprocess.Popen[bytes]) -> None:
+        """Without pidfds: wait for the child in this thread, then tell the loop."""
+        code = popen.wait()
+        with contextlib.suppress(RuntimeError):  # the loop was closed meanwhile
+            self._loop.call_soon_threadsafe(self._set_exited, code)
+
+    def _set_exited(self, code: int) -> None:
+        """Record the return code of the reaped child."""
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    async def _exits_within(self, timeout_s: float | None) -> bool:
+        """Whether the child exits within `timeout_s` (None: wait for it); cancelling leaves `_exited`."""
+        await asyncio.wait((self._exited,), timeout=timeout_s)
+        return self._exited.done()
+
+    async def _supervise(self) -> tuple[bool, str | None]:
         """Wait for exit, the deadline or a stop request; returns (timed_out, stop reason)."""
         remaining = max(self._timeout_s - (time.monotonic() - self._started_at), 0.0)
-        exited = asyncio.create_task(proc.exited(), name=f"runner-exit-{proc.pid}")
-        stopping = asyncio.create_task(self._stop_requested.wait(), name=f"runner-stop-{proc.pid}")
-        try:
-            await asyncio.wait({exited, stopping}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            exited.cancel()
-            stopping.cancel()
-        if proc.returncode is not None:
+        watched: tuple[asyncio.Future[Any], ...] = (self._exited, self._stopped)
+        await asyncio.wait(watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        if self._exited.done():
             return False, None
         if self._stop_reason is not None:
-            await self._kill(proc, f"stop requested: {self._stop_reason}", "run_stopped")
+            await self._kill(f"stop requested: {self._stop_reason}", "run_stopped")
             return False, self._stop_reason
-        await self._kill(proc, f"timed out after {self._timeout_s:g}s", "run_timed_out")
+        await self._kill(f"timed out after {self._timeout_s:g}s", "run_timed_out")
         return True, None
 
-    async def _kill(self, proc: Process, why: str, action: str) -> None:
+    async def _kill(self, why: str, action: str) -> None:
         """SIGTERM the group, give the main process `kill_grace_s` to exit, then SIGKILL the group."""
-        _LOG.warning("killing model process group: %s", why, extra={"action": action, "pid": proc.pid})
-        self._note(f"{why}; SIGTERM to process group {proc.pid}")
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.exited(), self._kill_grace_s)
-        except TimeoutError:
-            self._note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {proc.pid}")
-            _signal_group(proc.pid, signal.SIGKILL)
-            await proc.exited()
+        pid = self._group
+        _LOG.warning("killing model process group: %s", why, extra={"action": action, "pid": pid})
+        self._note(f"{why}; SIGTERM to process group {pid}")
+        _signal_group(pid, signal.SIGTERM)
+        if not await self._exits_within(self._kill_grace_s):
+            self._note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {pid}")
+            _signal_group(pid, signal.SIGKILL)
+            await self._exits_within(None)
 
-    async def _cleanup(self, proc: Process, *, timed_out: bool, stopped: str | None) -> RunResult:
+    async def _cleanup(self, *, timed_out: bool, stopped: str | None) -> RunResult:
         """Kill what is left of the group, drain pipes and progress, close the log, build the result."""
-        if proc.returncode is None:  # wait() was cancelled before the run ended
-            await self._kill(proc, f"cancelled ({stopped})", "run_cancelled")
-        returncode = await proc.exited()
-        if _signal_group(proc.pid, signal.SIGKILL):  # forked helpers must not outlive the run
-            _LOG.info("killed group leftovers", extra={"action": "group_leftovers_killed", "pid": proc.pid})
-        await self._drain_pipes(proc)
+        if not self._exited.done():  # wait() was cancelled before the run ended
+            await self._kill(f"cancelled ({stopped})", "run_cancelled")
+        self._kill_leftovers()
+        await self._drain_pipes()
         await self._drain_progress()
+        return self._finish(timed_out=timed_out, stopped=stopped)
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL the rest of the reaped child's group: forked helpers must not outlive the run."""
+        if _signal_group(group := self._group, signal.SIGKILL):
+            _LOG.info("killed group leftovers", extra={"action": "group_leftovers_killed", "pid": group})
+
+    def _finish(self, *, timed_out: bool, stopped: str | None) -> RunResult:
+        """Note how the child ended, close the log and build the result."""
+        returncode = self._exited.result()
         self._note(f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}")
         self._close_log()
         self._result = RunResult(
@@ -339,25 +447,18 @@ class ModelProcess:
         )
         return self._result
 
-    async def _drain_pipes(self, proc: Process) -> None:
-        """Let the readers reach EOF; give up on pipes held open by a process that left the group."""
-        _done, pending = await asyncio.wait(self._readers, timeout=_PIPE_DRAIN_S)
-        if pending:
+    async def _drain_pipes(self) -> None:
+        """Let the pipes reach EOF; give up on pipes held open by a process that left the group."""
+        if self._pipes:
+            await asyncio.wait((self._pipes_closed,), timeout=_PIPE_DRAIN_S)
+        if self._pipes:
             self._note("output pipes still open after exit (a process left the group?); closing them")
-        for task in pending:
-            task.cancel()
-        for outcome in await asyncio.gather(*self._readers, return_exceptions=True):
-            if isinstance(outcome, Exception):
-                _LOG.error("log reader failed: %r", outcome, extra={"action": "reader_failed"})
-        # Process has no public close(); without it a pipe held open by an escaped process would
-        # leave the transport unclosed. The process is reaped, so this only closes the pipes.
-        transport = getattr(proc, "_transport", None)
-        if transport is not None:
-            transport.close()
+            for pipe in list(self._pipes):
+                self._close_pipe(pipe, eof=False)
 
     async def _drain_progress(self) -> None:
         """Deliver queued progress updates (bounded in time), then stop the dispatcher."""
-        if self._dispatcher is None:
+        if self._dispatcher is None or self._progress is None:
             return
         try:
             await asyncio.wait_for(self._progress.join(), _PROGRESS_DRAIN_S)
@@ -366,41 +467,66 @@ class ModelProcess:
         self._dispatcher.cancel()
         await asyncio.gather(self._dispatcher, return_exceptions=True)
 
-    async def _copy(self, reader: asyncio.StreamReader, *, parse: bool) -> None:
-        """Copy one pipe into the log as lines arrive; queue progress from complete stdout lines."""
-        inside_overlong = False
-        while True:
-            chunk, complete = await _next_chunk(reader)
-            if not chunk:
-                return
-            self._write(chunk)
-            if parse and complete and not inside_overlong:
-                self._queue_progress(chunk.decode("utf-8", errors="replace"))
-            inside_overlong = not complete
+    def _on_output(self, pipe: _Pipe) -> None:
+        """The loop saw a pipe readable: copy what it has into the log, queue progress; close at EOF."""
+        try:
+            data = os.read(pipe.fd, _READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            _LOG.error("cannot read the model's output: %s", exc, extra={"action": "reader_failed"})
+            data = b""
+        if data:
+            self._take(*pipe.feed(data))
+        else:
+            self._close_pipe(pipe, eof=True)
+
+    def _close_pipe(self, pipe: _Pipe, *, eof: bool) -> None:
+        """Stop reading a pipe; its unterminated last line goes to the log (and is parsed at EOF)."""
+        self._loop.remove_reader(pipe.fd)
+        os.close(pipe.fd)
+        rest, lines = pipe.rest()
+        self._take(rest, lines if eof else [])
+        self._pipes.remove(pipe)
+        if not self._pipes and not self._pipes_closed.done():
+            self._pipes_closed.set_result(None)
+
+    def _take(self, ready: bytes, lines: list[bytes]) -> None:
+        """Log output and queue the progress updates among its complete stdout lines."""
+        if ready:
+            self._write(ready)
+        for line in lines:
+            self._queue_progress(line.decode("utf-8", errors="replace"))
 
     def _queue_progress(self, line: str) -> None:
         """Queue a parsed progress update for the callback, dropping the oldest if the backlog is full."""
         parsed = parse_progress(line)
-        if parsed is None or self._dispatcher is None:
+        if parsed is None or self._on_progress is None:
             return
+        if self._progress is None:
+            self._progress = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
+            self._dispatcher = self._loop.create_task(
+                self._dispatch(self._on_progress, self._progress), name=f"runner-progress-{self._group}"
+            )
         if self._progress.full():
             self._progress.get_nowait()
             self._progress.task_done()
         self._progress.put_nowait(parsed)
 
-    async def _dispatch(self, callback: ProgressCallback) -> None:
+    @staticmethod
+    async def _dispatch(callback: ProgressCallback, updates: asyncio.Queue[tuple[float, str]]) -> None:
         """Call `on_progress` for each update in order; its failures are logged, never raised."""
         while True:
-            fraction, message = await self._progress.get()
+            fraction, message = await updates.get()
             try:
                 await callback(fraction, message)
             except Exception:
                 _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
             finally:
-                self._progress.task_done()
+                updates.task_done()
 
     def _write(self, data: bytes) -> None:
-        """Append bytes to the log file and the in-memory tail; a failing disk must not stop draining."""
+        """Append bytes to the log (one write) and the in-memory tail; a failing disk never stops draining."""
         self._tail += data
         if len(self._tail) > 2 * TAIL_BYTES:
             del self._tail[:-TAIL_BYTES]
@@ -408,13 +534,12 @@ class ModelProcess:
             return
         try:
             self._log.write(data)
-            self._log.flush()
         except OSError as exc:
             _LOG.error("cannot write the run log: %s", exc, extra={"action": "log_write_failed"})
             self._close_log()
 
     def _close_log(self) -> None:
-        """Close the log file; a flush that fails here has already been reported or cannot matter."""
+        """Close the log file (unbuffered: nothing is left to write, so a failing close cannot matter)."""
         if self._log is not None:
             with contextlib.suppress(OSError):
                 self._log.close()

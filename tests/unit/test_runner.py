@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,68 @@ async def test_an_exit_is_seen_at_once_even_while_a_child_holds_the_pipes(tmp_pa
     for _ in range(20):  # polling for the exit would add its interval to each run
         assert (await _run(_process(tmp_path, ["/bin/true"]))).exit_code == 0
     assert asyncio.get_running_loop().time() - started < 20 * 0.025
+
+
+@pytest.mark.asyncio
+async def test_a_quiet_run_needs_no_task_of_its_own(tmp_path: Path) -> None:
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+    previous = loop.get_task_factory()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, context: Any = None) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, context=context)
+
+    async def on_progress(fraction: float, message: str) -> None:
+        raise AssertionError("/bin/true reports no progress")
+
+    loop.set_task_factory(factory)
+    try:
+        result = await _run(_process(tmp_path, ["/bin/true"], on_progress=on_progress))
+    finally:
+        loop.set_task_factory(previous)
+    assert result.ok
+    assert made == [], "the pipes, the exit and the cleanup need no task when nothing is printed"
+    log = (tmp_path / "logs" / "run.log").read_text()
+    assert log.startswith("[runner] started pid") and log.endswith("[runner] exit code 0\n")
+
+
+@pytest.mark.asyncio
+async def test_progress_split_across_writes_and_an_unterminated_last_line(tmp_path: Path) -> None:
+    seen: list[tuple[float, str]] = []
+
+    async def on_progress(fraction: float, message: str) -> None:
+        seen.append((fraction, message))
+
+    argv = _script(
+        tmp_path,
+        """
+        import sys, time
+        for piece in ("PROGRESS 0.", "3 split", "\\nPROGRESS 0.4 a\\nPROGRESS 0.5 b\\nPRO", "GRESS 0.6 c\\n"):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            time.sleep(0.05)
+        sys.stdout.write("PROGRESS 0.9 no newline")
+        """,
+    )
+    result = await _run(_process(tmp_path, argv, on_progress=on_progress))
+    assert result.ok
+    assert seen == [(0.3, "split"), (0.4, "a"), (0.5, "b"), (0.6, "c"), (0.9, "no newline")]
+    assert "PROGRESS 0.3 split\nPROGRESS 0.4 a\n" in (tmp_path / "logs" / "run.log").read_text()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stop", [False, True])
+async def test_without_pidfds_a_thread_waits_for_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: bool
+) -> None:
+    monkeypatch.delattr(os, "pidfd_open", raising=False)  # as before Linux 5.3
+    argv = _script(tmp_path, "import sys, time\ntime.sleep(float(sys.argv[1]))\nsys.exit(3)\n")
+    process = _process(tmp_path, [*argv, "60" if stop else "0"])
+    pid = await process.start()
+    assert f"runner-wait-{pid}" in {thread.name for thread in threading.enumerate()}
+    if stop:
+        process.stop("canceled")
+    result = await asyncio.wait_for(process.wait(), 5)
+    expected = (None, signal.SIGTERM, "canceled") if stop else (3, None, None)
+    assert (result.exit_code, result.signal, result.stopped) == expected
