@@ -74,6 +74,7 @@ class Attempt:
         self,
         job: Job,
         *,
+        lane: Path,
         spec: registry.ModelSpec,
         manager: manager_.JobManager,
         store: storage.ResultStore,
@@ -82,11 +83,10 @@ class Attempt:
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
         pool: warmpool.WarmPool | None = None,
-        lane: Path | None = None,
     ) -> None:
         self.job = job
         # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
-        self.lane = lane or store.lane_dir(config.worker_id, 0)
+        self.lane = lane
         self.lane_clean = False  # whether the lane was emptied, and may take another job
         self.spec = spec
         self._manager = manager
