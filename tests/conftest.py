@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from PIL import Image
 from app import auth, db, migrate, pgserver, registry, storage
 from app.api.main import create_app
 from app.queue.manager import JobManager
+from app.queue.planner import PlannerConfig
 from app.queue.worker import Worker, WorkerConfig
 from app.settings import Settings
 from tests import dbadmin
@@ -264,20 +266,25 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         manager_: JobManager | None = None,
         **config: Any,
     ) -> Worker:
+        # Keyword arguments go to WorkerConfig or, for scheduling, to its PlannerConfig.
+        planned = {f.name for f in dataclasses.fields(PlannerConfig)}
+        scheduling = PlannerConfig(
+            **{"vram_buffer_mb": 0, **{k: v for k, v in config.items() if k in planned}}
+        )
         values: dict[str, Any] = {
             "worker_id": f"test:{name}",
             "lease_s": settings.lease_s,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
             "poll_interval_s": 0.05 if burst else settings.poll_interval_s,
             "reap_interval_s": settings.reap_interval_s,
-            "vram_buffer_mb": 0,
             "kill_grace_s": settings.kill_grace_s,
             "shutdown_grace_s": 5.0,
             "retry_base_s": settings.retry_base_s,
             "retry_max_s": settings.retry_max_s,
             "python": sys.executable,
             "burst": burst,
-            **config,
+            "scheduling": scheduling,
+            **{k: v for k, v in config.items() if k not in planned},
         }
         assert settings.database_url
         return Worker(

@@ -5,12 +5,14 @@ Kept apart from the web layer so a worker process starts without importing it.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from app import gpu, registry, retention, storage
 from app.queue import manager as manager_
+from app.queue import planner as planner_
 from app.queue import worker as worker_
 from app.settings import Settings
 
@@ -26,27 +28,8 @@ def build_worker(
 ) -> worker_.Worker:
     """A worker configured from settings (used by `serve` and `gpujobs worker`)."""
     config = worker_.WorkerConfig(
-        worker_id=settings.worker_id,
-        lease_s=settings.lease_s,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        poll_interval_s=settings.poll_interval_s,
-        reap_interval_s=settings.reap_interval_s,
-        vram_buffer_mb=settings.vram_buffer_mb,
-        max_jobs_per_gpu=settings.max_jobs_per_gpu,
-        kill_grace_s=settings.kill_grace_s,
-        shutdown_grace_s=settings.shutdown_grace_s,
-        retry_base_s=settings.retry_base_s,
-        retry_max_s=settings.retry_max_s,
-        age_step_s=settings.age_step_s,
-        age_max_boost=settings.age_max_boost,
-        reserve_after_s=settings.reserve_after_s,
-        backfill_min_samples=settings.backfill_min_samples,
-        gpu_settle_timeout_s=settings.gpu_settle_timeout_s,
-        oom_max_retries=settings.oom_max_retries,
-        oom_growth=settings.oom_growth,
-        warm_idle_s=settings.warm_idle_s,
-        warm_streak_max=settings.warm_streak_max,
-        claim_batch=settings.claim_batch,
+        **_same_names(worker_.WorkerConfig, settings),
+        scheduling=planner_.PlannerConfig(**_same_names(planner_.PlannerConfig, settings)),
         python=sys.executable,
         burst=burst,
     )
@@ -60,6 +43,13 @@ def build_worker(
         listen_dsn=listen_dsn,
         side_tasks=retention_task(settings, manager),
     )
+
+
+def _same_names(config: type[Any], settings: Settings) -> dict[str, Any]:
+    """The settings a config dataclass takes: its fields that Settings has under the same name."""
+    return {
+        f.name: getattr(settings, f.name) for f in dataclasses.fields(config) if hasattr(settings, f.name)
+    }
 
 
 def retention_task(

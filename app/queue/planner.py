@@ -2,7 +2,7 @@
 
 Budgets: each GPU's free MB (DESIGN.md "Claiming"), less the jobs running on it, less the memory
 of jobs that ended but whose processes NVML still shows (a GPU is not offered again until its
-memory is back, or `settle_timeout_s` passed). Claims, in order, while a reservation holds:
+memory is back, or `gpu_settle_timeout_s` passed). Claims, in order, while a reservation holds:
 
     1. any job, on the GPUs that are not held
     2. on the held GPU: jobs that outrank the reserved one
@@ -35,7 +35,7 @@ class PlannerConfig:
     max_jobs_per_gpu: int = 0
     reserve_after_s: float = 120.0
     backfill_min_samples: int = 5
-    settle_timeout_s: float = 30.0
+    gpu_settle_timeout_s: float = 30.0
     refresh_s: float = 1.0  # how often the reservation is reconsidered
     warm_streak_max: int = 4  # claims in a row that may prefer models with a warm runner
     estimates_ttl_s: float = 30.0
@@ -88,7 +88,7 @@ class Planner:
     def settle(self, gpu_index: int, vram_mb: int, pids: set[int], job_id: object) -> None:
         """A job ended: keep its memory counted until its processes leave the GPU."""
         if pids:
-            deadline = time.monotonic() + self._config.settle_timeout_s
+            deadline = time.monotonic() + self._config.gpu_settle_timeout_s
             self._settling.append(_Settling(gpu_index, vram_mb, frozenset(pids), deadline, job_id))
 
     def _settling_mb(self) -> Counter[int]:
@@ -195,8 +195,10 @@ class Planner:
                 warm=warm,
             )
 
-        room = sum(slots[g] for g in open_) if slots is not None else len(open_) * self._config.claim_batch
-        jobs = await take(open_, models, limit=max(1, min(self._config.claim_batch, room)))
+        limit = self._config.claim_batch
+        if slots is not None:
+            limit = min(limit, sum(slots[g] for g in open_))
+        jobs = await take(open_, models, limit=max(1, limit))
         if jobs or not held or self.reservation is None:
             return jobs
         # The held GPU: one job at a time, so each sees the reservation as it stands.

@@ -18,7 +18,7 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,6 @@ class WorkerConfig:
     heartbeat_interval_s: float = 5.0
     poll_interval_s: float = 2.0
     reap_interval_s: float = 5.0
-    vram_buffer_mb: int = 512
-    max_jobs_per_gpu: int = 0
     kill_grace_s: float = 5.0
     shutdown_grace_s: float = 30.0
     retry_base_s: float = 5.0
@@ -53,14 +51,11 @@ class WorkerConfig:
     burst: bool = False  # tests: exit once nothing is queued that fits and nothing runs
     age_step_s: float = 60.0
     age_max_boost: int = 10
-    reserve_after_s: float = 120.0
-    backfill_min_samples: int = 5
-    gpu_settle_timeout_s: float = 30.0
     oom_max_retries: int = 2
     oom_growth: float = 1.5
     warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
-    warm_streak_max: int = 4  # claims in a row that may prefer warm models before others get a turn
-    claim_batch: int = 16  # the most jobs one claim statement may take
+    # What may be claimed and where: VRAM buffer, jobs per GPU, reservations, batches (the planner's).
+    scheduling: planner_.PlannerConfig = field(default_factory=planner_.PlannerConfig)
 
 
 class Worker:
@@ -95,21 +90,7 @@ class Worker:
             oom_growth=config.oom_growth,
         )
         self.pool = warmpool.WarmPool(kill_grace_s=config.kill_grace_s)
-        self.planner = planner_.Planner(
-            manager,
-            inventory,
-            models,
-            planner_.PlannerConfig(
-                vram_buffer_mb=config.vram_buffer_mb,
-                max_jobs_per_gpu=config.max_jobs_per_gpu,
-                reserve_after_s=config.reserve_after_s,
-                backfill_min_samples=config.backfill_min_samples,
-                settle_timeout_s=config.gpu_settle_timeout_s,
-                warm_streak_max=config.warm_streak_max,
-                claim_batch=config.claim_batch,
-            ),
-            self.pool,
-        )
+        self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
@@ -190,12 +171,12 @@ class Worker:
 
     def _refuse_if_nothing_fits(self, gpus: list[gpu.Gpu]) -> None:
         smallest = self._models.smallest_vram_mb()
-        largest = max((g.total_mb - self._config.vram_buffer_mb for g in gpus), default=0)
+        largest = max((g.total_mb - self._config.scheduling.vram_buffer_mb for g in gpus), default=0)
         if largest < smallest:
             sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"
             raise errors.ConfigError(
                 f"no GPU can ever run a job: the smallest model needs {smallest} MB, the largest GPU offers "
-                f"{largest} MB after the {self._config.vram_buffer_mb} MB buffer ({sizes})"
+                f"{largest} MB after the {self._config.scheduling.vram_buffer_mb} MB buffer ({sizes})"
             )
 
     async def _shutdown(self, side: list[asyncio.Task[None]]) -> None:
@@ -302,7 +283,7 @@ class Worker:
     def _capacity_mb(self, gpu_index: int | None) -> int:
         """The most a job may use on this GPU: its size less the buffer."""
         sizes = {g.index: g.total_mb for g in self._inventory.snapshot()}
-        return max(0, sizes.get(gpu_index or 0, 0) - self._config.vram_buffer_mb)
+        return max(0, sizes.get(gpu_index or 0, 0) - self._config.scheduling.vram_buffer_mb)
 
     def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
         job_id = run.job.id

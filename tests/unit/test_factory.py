@@ -1,0 +1,50 @@
+"""build_worker: every worker and scheduling setting reaches the worker it builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from app import db, registry, storage
+from app.queue import factory
+from app.queue.manager import JobManager
+from app.settings import Settings
+
+
+async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_path: Path):
+    settings = Settings(
+        database_url="postgresql+asyncpg://nobody@127.0.0.1:1/none",  # never connected to
+        models_file=models_file,
+        storage_dir=tmp_path / "storage",
+        gpus="24GiB",
+        worker_name="w7",
+        lease_s=7,
+        kill_grace_s=3,
+        warm_idle_s=11,
+        vram_buffer_mb=100,
+        max_jobs_per_gpu=2,
+        claim_batch=3,
+        gpu_settle_timeout_s=9,
+        reserve_after_s=13,
+    )
+    engine = db.create_engine(settings.database_url or "")
+    worker = factory.build_worker(
+        settings,
+        manager=JobManager(engine),
+        store=storage.ResultStore(settings.storage_dir),
+        models=registry.load_registry(models_file),
+        listen_dsn=None,
+        burst=True,
+    )
+    await engine.dispose()
+    config = worker._config
+    assert (config.worker_id, config.lease_s, config.kill_grace_s, config.warm_idle_s) == (
+        settings.worker_id,
+        7,
+        3,
+        11,
+    )
+    assert config.burst and config.python == sys.executable
+    scheduling = config.scheduling
+    assert (scheduling.vram_buffer_mb, scheduling.max_jobs_per_gpu, scheduling.claim_batch) == (100, 2, 3)
+    assert (scheduling.gpu_settle_timeout_s, scheduling.reserve_after_s) == (9, 13)
