@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 
 import asyncpg
 from alembic.autogenerate import compare_metadata
@@ -36,11 +38,19 @@ async def _diff(url: str) -> list[object]:
         await engine.dispose()
 
 
-async def test_upgrade_downgrade_and_no_difference(server_url):
+@contextlib.asynccontextmanager
+async def empty_database(server_url: str) -> AsyncIterator[str]:
+    """A new, empty database on the test server (dropped afterwards): its URL."""
     name = f"gpujobs_mig_{uuid.uuid4().hex[:8]}"
     await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
-    url = _with_database(server_url, name)
     try:
+        yield _with_database(server_url, name)
+    finally:
+        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+async def test_upgrade_downgrade_and_no_difference(server_url):
+    async with empty_database(server_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         expected = {"inputs", "jobs", "job_events", "workers", "api_keys", "alembic_version", "job_state"}
         assert expected <= await _table_names(url)
@@ -53,8 +63,6 @@ async def test_upgrade_downgrade_and_no_difference(server_url):
         assert await _table_names(url) == {"alembic_version"}
         await asyncio.to_thread(migrate.upgrade, url)  # and back up again from base
         assert await _diff(url) == []
-    finally:
-        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 async def _storage_of_input_data(url: str) -> str:
@@ -67,13 +75,8 @@ async def _storage_of_input_data(url: str) -> str:
 
 
 async def test_images_are_stored_without_compression(server_url):
-    name = f"gpujobs_mig_{uuid.uuid4().hex[:8]}"
-    await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
-    url = _with_database(server_url, name)
-    try:
+    async with empty_database(server_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         assert await _storage_of_input_data(url) == "e"  # EXTERNAL: out of line, never compressed
         await asyncio.to_thread(migrate.downgrade, url, "0003")
         assert await _storage_of_input_data(url) == "x"  # EXTENDED, PostgreSQL's default for bytea
-    finally:
-        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

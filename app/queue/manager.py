@@ -34,6 +34,17 @@ class NewInput:
         """Width times height, in millions of pixels."""
         return self.width * self.height / 1e6
 
+    def row_values(self) -> dict[str, Any]:
+        """Its row of `inputs`, as bind parameters."""
+        return {
+            "sha256": self.sha256,
+            "media_type": self.media_type,
+            "width": self.width,
+            "height": self.height,
+            "bytes": len(self.data),
+            "data": self.data,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class NewJob:
@@ -155,12 +166,7 @@ class JobManager:
             "idempotency_key": job.idempotency_key,
             "queue_limit": queue_limit,
             "owner_limit": max(owner_limit, 0),
-            "sha256": image.sha256,
-            "media_type": image.media_type,
-            "width": image.width,
-            "height": image.height,
-            "bytes": len(image.data),
-            "data": image.data,
+            **image.row_values(),
         }
 
     # -- reading --------------------------------------------------------------------------

@@ -232,16 +232,8 @@ def start_worker(run: Run, name: str, *, burst: bool) -> bq.Child:
 async def small_input(run: Run) -> tuple[int, float]:
     """The one stored 64x48 PNG every queued job points at: (input id, megapixels)."""
     image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
-    values = {
-        "sha256": image.sha256,
-        "media_type": image.media_type,
-        "width": image.width,
-        "height": image.height,
-        "bytes": len(image.data),
-        "data": image.data,
-    }
     async with run.bench.engine.begin() as conn:
-        return int(await conn.scalar(SMALL_INPUT, values)), image.megapixels
+        return int(await conn.scalar(SMALL_INPUT, image.row_values())), image.megapixels
 
 
 async def bulk_enqueue(run: Run, model: str, count: int) -> float:
