@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class ResultStore:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         self._made: set[Path] = set()  # lanes and runner folders known to exist
+        self._inputs: dict[Path, str] = {}  # lane -> its input file, kept (emptied) for the next job
         for part in ("scratch", "results", "logs"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
 
@@ -68,34 +70,45 @@ class ResultStore:
         """Everything an attempt needs on disk before its model starts: the input image in its
         (empty) lane, the lane's `out/` folder, and the log's folder. Returns the log path.
 
-        Lanes are made once and emptied after each job (`clear_lane`), so a job costs no folder
-        creation or removal: on a busy ext4 disk, removing a folder costs about a millisecond.
+        Lanes are made once and emptied after each job (`clear_lane`), and the input file is
+        emptied rather than removed, then renamed and written again. So a job creates and frees no
+        file in its lane: on a busy disk, each file made and removed makes later creations slower
+        (ext4 skips recently freed inodes one by one, which showed as most of a no-op job's CPU).
         """
         if lane not in self._made:
             (lane / "out").mkdir(parents=True, exist_ok=True)
             self._made.add(lane)
-        fd = os.open(lane / input_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        kept = self._inputs.pop(lane, None)
+        if kept is not None and kept != input_name:
+            os.replace(lane / kept, lane / input_name)
+        fd = os.open(lane / input_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
+        self._inputs[lane] = input_name
         return self.log_path(job_id, attempt)
 
     def clear_lane(self, lane: Path) -> bool:
-        """Empty a lane for the next job, keeping its `out/` folder (emptied too); False if it
-        could not be (the lane is then not to be used again)."""
+        """Empty a lane for the next job, keeping its `out/` folder (emptied too) and its input
+        file (truncated); False if it could not be (the lane is then not to be used again)."""
         out = lane / "out"
+        name = self._inputs.get(lane)
         try:
+            if name is not None and not _truncate(lane / name):  # replaced by the model: removed
+                del self._inputs[lane]
+                name = None
             if out.is_symlink() or not out.is_dir():  # replaced by the model: never follow it
-                _empty(lane)
+                _empty(lane, keep=(name,))
                 out.mkdir()
             else:
-                _empty(lane, keep="out")
+                _empty(lane, keep=("out", name))
                 _empty(out)
         except OSError:
             self._made.discard(lane)
+            self._inputs.pop(lane, None)
             return False
         return True
 
@@ -103,6 +116,7 @@ class ResultStore:
         """Remove every lane of `owner` (at its start: whatever a previous life left)."""
         shutil.rmtree(self.root / "scratch" / _safe_name(owner), ignore_errors=True)
         self._made = {p for p in self._made if not p.is_relative_to(self.root / "scratch")}
+        self._inputs.clear()
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
         """The working folder of a warm runner (its HOME and its own log)."""
@@ -176,13 +190,31 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
-def _empty(folder: Path, keep: str | None = None) -> None:
-    """Remove everything in `folder` but the entry named `keep`; symlinks are removed, not followed."""
+def _empty(folder: Path, keep: Sequence[str | None] = ()) -> None:
+    """Remove everything in `folder` but the entries named in `keep`; symlinks are removed, not
+    followed."""
     with os.scandir(folder) as entries:
         for entry in entries:
-            if entry.name == keep:
+            if entry.name in keep:
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)
             else:
                 os.unlink(entry.path)
+
+
+def _truncate(path: Path) -> bool:
+    """Empty `path` in place if it is a regular file with no other name; False if it is anything
+    else (a symlink, a folder, a FIFO, a hard link the model made), which is then left alone."""
+    try:  # O_NONBLOCK: opening a FIFO with no reader fails instead of waiting
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return False
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    return True

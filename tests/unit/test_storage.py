@@ -6,6 +6,8 @@ import os
 import uuid
 from pathlib import Path
 
+import pytest
+
 from app import storage
 
 
@@ -28,9 +30,53 @@ def test_clearing_a_lane_leaves_only_an_empty_out_folder(tmp_path: Path):
     (lane / "out" / "mesh.glb").write_bytes(b"unpublished")
     (lane / "out" / "sub").mkdir()
     assert store.clear_lane(lane)
-    assert sorted(os.listdir(lane)) == ["out"] and os.listdir(lane / "out") == []
+    assert sorted(os.listdir(lane)) == ["input.png", "out"] and os.listdir(lane / "out") == []
+    assert (lane / "input.png").read_bytes() == b""  # kept for the next job, its bytes gone
     store.prepare(lane, "input.jpg", b"second", uuid.uuid4(), 1)
     assert sorted(os.listdir(lane)) == ["input.jpg", "out"]
+    assert (lane / "input.jpg").read_bytes() == b"second"
+
+
+def test_jobs_in_a_lane_reuse_one_input_file(tmp_path: Path):
+    """No file is made or freed per job: on ext4 without a journal, every freed inode made each
+    later file creation slower (it skips recently freed inodes one at a time)."""
+    store = storage.ResultStore(tmp_path)
+    lane = store.lane_dir("w", 0)
+    store.prepare(lane, "input.png", b"first, longer", uuid.uuid4(), 1)
+    fd = os.open(lane / "input.png", os.O_RDONLY)  # the file itself, whatever its name
+    try:
+        for name, data in (("input.png", b"two"), ("input.jpg", b"three"), ("input.png", b"four")):
+            assert store.clear_lane(lane)
+            store.prepare(lane, name, data, uuid.uuid4(), 1)
+            assert os.fstat(fd).st_nlink == 1 and os.pread(fd, 100, 0) == data  # never removed
+            assert sorted(os.listdir(lane)) == [name, "out"]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("replace", ["symlink", "hardlink", "folder", "fifo"])
+def test_an_input_the_model_replaced_is_removed_and_what_it_points_to_is_untouched(
+    tmp_path: Path, replace: str
+):
+    store = storage.ResultStore(tmp_path / "storage")
+    lane, victim = store.lane_dir("w", 0), tmp_path / "victim"
+    victim.write_bytes(b"not the worker's")
+    store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+    (lane / "input.png").unlink()
+    if replace == "symlink":
+        os.symlink(victim, lane / "input.png")
+    elif replace == "hardlink":
+        os.link(victim, lane / "input.png")
+    elif replace == "folder":
+        (lane / "input.png").mkdir()
+        (lane / "input.png" / "inner").write_bytes(b"y")
+    else:
+        os.mkfifo(lane / "input.png")
+    assert store.clear_lane(lane)
+    assert sorted(os.listdir(lane)) == ["out"]
+    assert victim.read_bytes() == b"not the worker's"
+    store.prepare(lane, "input.png", b"next", uuid.uuid4(), 1)
+    assert (lane / "input.png").read_bytes() == b"next" and victim.read_bytes() == b"not the worker's"
 
 
 def test_an_out_folder_replaced_by_a_link_is_removed_not_followed(tmp_path: Path):
