@@ -9,7 +9,8 @@ Layout (all below one root):
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
 into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
-when it starts again (`reset_lanes`), or an unreferenced attempt folder.
+when it starts again (`reset_lanes`), or an unreferenced attempt folder. A worker that stops
+removes its lanes too.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ class ResultStore:
 
     def prepare(self, lane: Path, input_name: str, data: bytes, job_id: uuid.UUID, attempt: int) -> Path:
         """Everything an attempt needs on disk before its model starts: the input image in its
-        (empty) lane, the lane's `out/` folder, and the log's folder. Returns the log path.
+        (otherwise empty) lane, the lane's `out/` folder, and the log's folder. Returns the log path.
 
-        Lanes are made once and emptied after each job (`clear_lane`), and the input file is
-        emptied rather than removed, then renamed and written again. So a job creates and frees no
-        file in its lane: on a busy disk, each file made and removed makes later creations slower
-        (ext4 skips recently freed inodes one by one, which showed as most of a no-op job's CPU).
+        Lanes are made once and emptied after each job (`clear_lane`) but for the input file, which
+        the next job renames if need be, overwrites and cuts to its own length. So a job creates,
+        frees and truncates to zero no file in its lane. On this VM's disk (ext4 without a journal)
+        each freed inode made later creations slower, as ext4 skips recently freed inodes one by
+        one, and that showed as most of a no-op job's CPU.
         """
         if lane not in self._made:
             (lane / "out").mkdir(parents=True, exist_ok=True)
@@ -81,11 +83,13 @@ class ResultStore:
         kept = self._inputs.pop(lane, None)
         if kept is not None and kept != input_name:
             os.replace(lane / kept, lane / input_name)
-        fd = os.open(lane / input_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(lane / input_name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            view, at = memoryview(data), 0
+            while at < len(view):
+                at += os.pwrite(fd, view[at:], at)
+            if os.fstat(fd).st_size > at:  # the last job's input was longer: none of it may remain
+                os.ftruncate(fd, at)
         finally:
             os.close(fd)
         self._inputs[lane] = input_name
@@ -93,11 +97,12 @@ class ResultStore:
 
     def clear_lane(self, lane: Path) -> bool:
         """Empty a lane for the next job, keeping its `out/` folder (emptied too) and its input
-        file (truncated); False if it could not be (the lane is then not to be used again)."""
+        file (overwritten by the next job's); False if it could not be (the lane is then not to be
+        used again)."""
         out = lane / "out"
         name = self._inputs.get(lane)
         try:
-            if name is not None and not _truncate(lane / name):  # replaced by the model: removed
+            if name is not None and not _plain_file(lane / name):  # replaced by the model: removed
                 del self._inputs[lane]
                 name = None
             if out.is_symlink() or not out.is_dir():  # replaced by the model: never follow it
@@ -113,7 +118,8 @@ class ResultStore:
         return True
 
     def reset_lanes(self, owner: str) -> None:
-        """Remove every lane of `owner` (at its start: whatever a previous life left)."""
+        """Remove every lane of `owner` (at its start, whatever a previous life left; at its stop,
+        the last inputs)."""
         shutil.rmtree(self.root / "scratch" / _safe_name(owner), ignore_errors=True)
         self._made = {p for p in self._made if not p.is_relative_to(self.root / "scratch")}
         self._inputs.clear()
@@ -203,18 +209,11 @@ def _empty(folder: Path, keep: Sequence[str | None] = ()) -> None:
                 os.unlink(entry.path)
 
 
-def _truncate(path: Path) -> bool:
-    """Empty `path` in place if it is a regular file with no other name; False if it is anything
-    else (a symlink, a folder, a FIFO, a hard link the model made), which is then left alone."""
-    try:  # O_NONBLOCK: opening a FIFO with no reader fails instead of waiting
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def _plain_file(path: Path) -> bool:
+    """Whether `path` is a regular file with no other name (not a link, a folder, a FIFO or a
+    hard link the model made, any of which is removed instead of written through)."""
+    try:
+        info = os.lstat(path)
     except OSError:
         return False
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            return False
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
-    return True
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1

@@ -193,6 +193,7 @@ class Worker:
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
+        self._store.reset_lanes(self.id)  # the last inputs are not left on disk
         with contextlib.suppress(Exception):
             await self._manager.set_worker_state(self.id, "stopped")
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})

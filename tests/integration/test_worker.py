@@ -71,10 +71,7 @@ async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store
     kinds = [e.kind for e in await manager.events(job_id)]
     assert kinds[:2] == ["submitted", "claimed"] and "started" in kinds
     assert "progress" in kinds and kinds[-1] == "succeeded"
-    [lane] = [p for p in (store.root / "scratch").glob("*/*")]  # scratch emptied for the next job
-    assert sorted(p.name for p in lane.iterdir()) == ["input.png", "out"]
-    assert not any((lane / "out").iterdir())
-    assert (lane / "input.png").stat().st_size == 0  # kept for the next job, emptied
+    assert list((store.root / "scratch").glob("*/*")) == []  # the stopped worker removed its lanes
 
 
 def overlaps(runs: list[dict[str, Any]]) -> int:
