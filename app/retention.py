@@ -19,12 +19,13 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Final
 
-from app import db, errors
+from app import db, errors, storage
 from app.queue import manager as manager_
 from app.queue import sql
 
@@ -86,22 +87,56 @@ def disk_usage(root: Path) -> dict[str, int]:
     return usage
 
 
-def job_folders(root: Path, job_id: uuid.UUID) -> list[Path]:
-    """The folders that hold one job's files."""
-    return [root / part / str(job_id) for part in PARTS]
+def job_files(root: Path, job_ids: Collection[uuid.UUID]) -> list[Path]:
+    """The folders and files that hold these jobs' files: result folders, log files (one scan of
+    each log folder involved), and the per-job folders of earlier versions (logs, scratch)."""
+    paths = [root / part / str(job_id) for job_id in job_ids for part in PARTS]
+    wanted = {str(job_id) for job_id in job_ids}
+    for bucket in sorted({job_id.hex[:2] for job_id in job_ids}):
+        with contextlib.suppress(OSError), os.scandir(root / "logs" / bucket) as entries:
+            paths += [
+                Path(entry.path)
+                for entry in entries
+                if (match := storage.LOG_FILE.match(entry.name)) and match[1] in wanted
+            ]
+    return paths
 
 
-def _delete(root: Path, job_id: uuid.UUID) -> int:
-    freed = 0
-    for folder in job_folders(root, job_id):
-        if folder.is_dir() and not folder.is_symlink():
-            freed += tree_bytes(folder)
-            shutil.rmtree(folder, ignore_errors=True)
+def paths_bytes(paths: Iterable[Path]) -> int:
+    """Bytes of these files and of the regular files below these folders (links not followed)."""
+    total = 0
+    for path in paths:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            total += tree_bytes(path)
+        else:
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+    return total
+
+
+def _files_bytes(root: Path, job_ids: Collection[uuid.UUID]) -> int:
+    return paths_bytes(job_files(root, job_ids))
+
+
+def _delete(root: Path, job_ids: Collection[uuid.UUID]) -> int:
+    """Remove the jobs' files (a link in their place is left alone); the bytes freed."""
+    paths = job_files(root, job_ids)
+    freed = paths_bytes(paths)
+    for path in paths:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
     return freed
 
 
 def _jobs_on_disk(root: Path) -> list[uuid.UUID]:
-    """Every job id that has a folder below the storage root."""
+    """Every job id that has a folder or a log below the storage root."""
     found: set[uuid.UUID] = set()
     for part in PARTS:
         folder = root / part
@@ -109,6 +144,11 @@ def _jobs_on_disk(root: Path) -> list[uuid.UUID]:
             for entry in entries:
                 with contextlib.suppress(ValueError):
                     found.add(uuid.UUID(entry.name))
+    with contextlib.suppress(OSError), os.scandir(root / "logs") as buckets:
+        for bucket in buckets:
+            if len(bucket.name) == 2 and bucket.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError), os.scandir(bucket.path) as entries:
+                    found.update(uuid.UUID(m[1]) for e in entries if (m := storage.LOG_FILE.match(e.name)))
     return sorted(found)
 
 
@@ -149,15 +189,14 @@ class Pruner:
         ids = await self._manager.expirable(cutoff=report.cutoff, limit=1_000_000)
         report.jobs, report.inputs_deleted = len(ids), None
         report.job_ids = ids[:REPORTED_IDS]
-        for job_id in ids:
-            for folder in job_folders(self._root, job_id):
-                report.files_bytes += await asyncio.to_thread(tree_bytes, folder)
+        for start in range(0, len(ids), self._batch):
+            batch = ids[start : start + self._batch]
+            report.files_bytes += await asyncio.to_thread(_files_bytes, self._root, batch)
 
     async def _expire_all(self, report: PruneReport) -> None:
         while True:
             batch = await self._manager.expire(cutoff=report.cutoff, limit=self._batch)
-            for job_id in batch.job_ids:
-                report.files_bytes += await asyncio.to_thread(_delete, self._root, job_id)
+            report.files_bytes += await asyncio.to_thread(_delete, self._root, batch.job_ids)
             report.jobs += len(batch.job_ids)
             report.inputs_deleted = (report.inputs_deleted or 0) + batch.inputs_deleted
             report.inputs_bytes += batch.input_bytes
@@ -171,9 +210,9 @@ class Pruner:
         listed = await asyncio.to_thread(_jobs_on_disk, self._root)
         removed = 0
         for start in range(0, len(listed), 1000):
-            for job_id in await self._manager.expired_among(listed[start : start + 1000]):
-                await asyncio.to_thread(_delete, self._root, job_id)
-                removed += 1
+            expired = await self._manager.expired_among(listed[start : start + 1000])
+            await asyncio.to_thread(_delete, self._root, expired)
+            removed += len(expired)
         return removed
 
     async def run_forever(self, *, older_than_s: float, interval_s: float) -> None:

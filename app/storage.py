@@ -5,7 +5,10 @@ Layout (all below one root):
     scratch/<worker>/<lane>/             input image and the model's output folder, while it runs
                                          (a worker's lanes are reused job after job, emptied between)
     results/<job id>/<attempt>/<name>    published outputs of the attempt that succeeded
-    logs/<job id>/attempt-<n>.log        stdout and stderr of each attempt
+    logs/<xy>/<job id>.attempt-<n>.log   stdout and stderr of each attempt (<xy>: the id's first
+                                         two hex digits, 256 folders made once, so a job makes no
+                                         folder for its log; logs/<job id>/attempt-<n>.log of
+                                         earlier versions are still served and pruned)
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
 into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
@@ -28,7 +31,8 @@ from pathlib import Path
 from app import errors
 from app.queue.jobs import Job, ResultFile
 
-LOG_NAME = re.compile(r"^attempt-([1-9][0-9]{0,5})\.log$")
+LOG_NAME = re.compile(r"^attempt-([1-9][0-9]{0,5})\.log$")  # as links name logs
+LOG_FILE = re.compile(r"^([0-9a-f-]{36})\.attempt-[1-9][0-9]{0,5}\.log$")  # as logs are stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +138,10 @@ class ResultStore:
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes (its folder is made)."""
-        path = self.root / "logs" / str(job_id) / f"attempt-{attempt}.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = log_file(self.root, job_id, attempt)
+        if path.parent not in self._made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made.add(path.parent)
         return path
 
     def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
@@ -182,13 +188,20 @@ class ResultStore:
             path = self.root / "results" / str(job.id) / str(job.attempt) / result.name
             media_type, sha = result.media_type, result.sha256
         elif (match := LOG_NAME.match(name)) and 1 <= int(match.group(1)) <= job.attempt:
-            path = self.root / "logs" / str(job.id) / name
+            path = log_file(self.root, job.id, int(match.group(1)))
+            if not path.exists():  # written by an earlier version: one folder per job
+                path = self.root / "logs" / str(job.id) / name
             media_type, sha = "text/plain; charset=utf-8", None
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")
         if path.is_symlink() or not path.resolve().is_relative_to(self.root) or not path.is_file():
             raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
         return path, media_type, sha
+
+
+def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:
+    """The log of one attempt: logs/<first two hex digits of the id>/<id>.attempt-<n>.log."""
+    return root / "logs" / job_id.hex[:2] / f"{job_id}.attempt-{attempt}.log"
 
 
 def _safe_name(name: str) -> str:

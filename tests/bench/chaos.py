@@ -52,7 +52,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import db, images, migrate, pgserver, registry
+from app import db, images, migrate, pgserver, registry, storage
 from app.queue.manager import JobManager, NewJob
 from app.settings import load_settings
 from tests import dbadmin
@@ -814,7 +814,8 @@ def details(f: Figures, tmp: Path) -> list[str]:
     lines += [f"  failed ({n}): {error}" for error, n in f.failed_errors.most_common(5)]
     lines += [f"  bad result: {b}" for b in f.bad_results[:10]]
     lines += [
-        f"  attempt failed: job {job} attempt {n}: {error} (log: {tmp}/storage/logs/{job}/attempt-{n}.log)"
+        f"  attempt failed: job {job} attempt {n}: {error}"
+        f" (log: {storage.log_file(tmp / 'storage', uuid.UUID(job), n)})"
         for error, job, n in f.attempt_failures[:10]
     ]
     lines += [f"  orphan at end: pid {pid} job {job} (killed)" for pid, job in f.orphans_at_end[:10]]

@@ -37,8 +37,13 @@ async def age(engine: Any, *job_ids: uuid.UUID, days: float = 10) -> None:
 
 
 def folders(root: Any, job_id: uuid.UUID) -> list[str]:
-    """Which of the job's folders exist."""
-    return [part for part in ("results", "logs", "scratch") if (root / part / str(job_id)).exists()]
+    """Which of the job's files exist: its result folder, its logs, a scratch folder (or logs of
+    earlier versions, in a folder of their own)."""
+    logs = list((root / "logs" / job_id.hex[:2]).glob(f"{job_id}.attempt-*.log"))
+    logs += list((root / "logs" / str(job_id)).glob("attempt-*.log"))
+    found = {"results": (root / "results" / str(job_id)).exists(), "logs": bool(logs)}
+    found["scratch"] = (root / "scratch" / str(job_id)).exists()
+    return [part for part, there in found.items() if there]
 
 
 async def scene(manager: JobManager, make_worker: Any, engine: Any) -> dict[str, uuid.UUID]:
@@ -125,6 +130,25 @@ async def test_folders_left_by_a_crash_are_swept(settings, manager, make_worker,
         report = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
     assert report["jobs"] == 0 and report["leftovers_removed"] == 1
     assert folders(store.root, job_id) == []
+
+
+async def test_logs_in_the_layout_of_earlier_versions_are_served_and_pruned(
+    settings, manager, make_worker, engine, store
+):
+    """Before logs/<xy>/<id>.attempt-<n>.log, each job had a folder logs/<id>/attempt-<n>.log."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    [log] = (store.root / "logs" / job_id.hex[:2]).glob(f"{job_id}.attempt-*.log")
+    old = store.root / "logs" / str(job_id) / "attempt-1.log"
+    old.parent.mkdir()
+    log.rename(old)
+    async with api_client(settings) as http:
+        job = (await http.get(f"/jobs/{job_id}")).json()
+        served = await http.get(job["links"]["log"])
+        assert served.status_code == 200 and served.text == old.read_text() and "started pid" in served.text
+        await age(engine, job_id)
+        report = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
+    assert report["jobs"] == 1 and folders(store.root, job_id) == []
 
 
 async def test_workers_prune_periodically(settings, manager, make_worker, engine, store, spawn_worker):

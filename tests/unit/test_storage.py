@@ -18,7 +18,7 @@ def test_prepare_puts_the_input_in_the_lane_and_makes_the_log_folder(tmp_path: P
     log = store.prepare(lane, "input.png", b"\x89PNG data", job, 2)
     assert (lane / "input.png").read_bytes() == b"\x89PNG data"
     assert (lane / "out").is_dir() and not any((lane / "out").iterdir())
-    assert log == tmp_path / "logs" / str(job) / "attempt-2.log" and log.parent.is_dir()
+    assert log == tmp_path / "logs" / job.hex[:2] / f"{job}.attempt-2.log" and log.parent.is_dir()
 
 
 def test_clearing_a_lane_leaves_only_an_empty_out_folder(tmp_path: Path):
