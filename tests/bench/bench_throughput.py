@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from tests.bench import bench_queue as bq
 
 WORKER_SLOTS = 8  # jobs at a time per worker (ours: GPUJOBS_MAX_JOBS_PER_GPU; procrastinate: concurrency)
 UPLOAD_CLIENTS = 32
+UPLOAD_ROUNDS = 2  # PostgreSQL alone, then the API, twice in turn
 UPLOAD_BYTES = 1_000_000
 PARTS = frozenset({"queue", "latency", "uploads"})  # --only picks among them
 
@@ -155,9 +156,14 @@ class Cpu:
 
     def since(self, run: Run) -> Cpu:
         """What was used from this mark until now."""
-        now = Cpu.now(run)
-        pg = None if now.postgres_s is None or self.postgres_s is None else now.postgres_s - self.postgres_s
-        return Cpu(now.own_s - self.own_s, now.children_s - self.children_s, pg)
+        return Cpu.now(run).minus(self)
+
+    def minus(self, earlier: Cpu) -> Cpu:
+        """What was used between an earlier mark and this one."""
+        pg = None
+        if self.postgres_s is not None and earlier.postgres_s is not None:
+            pg = self.postgres_s - earlier.postgres_s
+        return Cpu(self.own_s - earlier.own_s, self.children_s - earlier.children_s, pg)
 
 
 def postgres_cpu_s(data_dir: Path) -> float | None:
@@ -477,31 +483,6 @@ class Timed:
         return 1000 * statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1]
 
 
-async def concurrently(
-    one: Callable[[int], Awaitable[str | None]], indices: range, timeout_s: float
-) -> Timed:
-    """`one(i)` for every i, UPLOAD_CLIENTS at a time, until done or `timeout_s`; one returns a problem."""
-    latencies: list[float] = []
-    problems: list[str] = []
-    todo = iter(indices)  # shared by the clients: each takes the next index
-    deadline = time.perf_counter() + timeout_s
-
-    async def client() -> None:
-        for i in todo:
-            if time.perf_counter() > deadline:
-                return
-            started = time.perf_counter()
-            problem = await one(i)
-            if problem is None:
-                latencies.append(time.perf_counter() - started)
-            else:
-                problems.append(problem)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(UPLOAD_CLIENTS)))
-    return Timed(latencies, time.perf_counter() - started, problems)
-
-
 async def clear_inputs(run: Run) -> None:
     """Empty the job and input tables, and checkpoint (so no run pays for the last one's writes)."""
     async with run.bench.engine.begin() as conn:
@@ -512,12 +493,32 @@ async def clear_inputs(run: Run) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """Uploads made after a warm-up, and the CPU they cost: this process (the clients), PostgreSQL,
-    and the API process (None for the PostgreSQL-alone reference)."""
+    """Uploads measured in a steady stream, and the CPU they cost: this process (the clients),
+    PostgreSQL, and the API process (None for the PostgreSQL-alone reference). `burst_ms`: the
+    slowest call of the uncounted first round, in which every client started at once."""
 
     timed: Timed
     cpu: Cpu
     api_s: float | None = None
+    burst_ms: float = float("nan")
+
+    @classmethod
+    def pooled(cls, rounds: Sequence[Measured]) -> Measured:
+        """Rounds as one: all their calls, their times and their CPU added up."""
+        timed = Timed(
+            [t for r in rounds for t in r.timed.latencies_s],
+            sum(r.timed.elapsed_s for r in rounds),
+            [p for r in rounds for p in r.timed.problems],
+        )
+        pg = [r.cpu.postgres_s for r in rounds]
+        cpu = Cpu(
+            sum(r.cpu.own_s for r in rounds),
+            sum(r.cpu.children_s for r in rounds),
+            None if None in pg else sum(x for x in pg if x is not None),
+        )
+        api = [r.api_s for r in rounds]
+        api_s = None if None in api else sum(x for x in api if x is not None)
+        return cls(timed, cpu, api_s, max(r.burst_ms for r in rounds))
 
     def cpu_line(self) -> str:
         """CPU ms per upload, by process."""
@@ -538,11 +539,45 @@ def process_cpu_s(pid: int) -> float:
 async def measure(
     run: Run, one: Callable[[int], Awaitable[str | None]], sizes: Sizes, api_pid: int = 0
 ) -> Measured:
-    """A warm-up round (a connection each, caches), then `sizes.uploads` calls of `one`, measured."""
-    await concurrently(one, range(-UPLOAD_CLIENTS, 0), sizes.upload_timeout_s)
-    mark, api_s = Cpu.now(run), process_cpu_s(api_pid)
-    timed = await concurrently(one, range(sizes.uploads), sizes.upload_timeout_s)
-    return Measured(timed, mark.since(run), process_cpu_s(api_pid) - api_s if api_pid else None)
+    """UPLOAD_CLIENTS clients, each calling `one(i)` again as soon as its last call ended: a first
+    round (uncounted: connections, caches), then `sizes.uploads` measured calls, then one more round
+    (uncounted), so every measured call shares the server with as many others. The rate, the
+    latencies and the CPU are those of the measured calls, from the start of the first to the end
+    of the last. `one` returns a problem, or None."""
+    count, clients = sizes.uploads, UPLOAD_CLIENTS
+    todo = iter(range(-clients, count + clients))  # shared by the clients: each takes the next
+    latencies: list[float] = []
+    problems: list[str] = []
+    burst: list[float] = []
+    marks: list[tuple[float, Cpu, float]] = []  # at the first measured call's start, the last's end
+    deadline = time.perf_counter() + sizes.upload_timeout_s
+
+    def mark() -> None:
+        marks.append((time.perf_counter(), Cpu.now(run), process_cpu_s(api_pid)))
+
+    async def client() -> None:
+        for i in todo:
+            if time.perf_counter() > deadline or len(marks) == 2:
+                return
+            if i == 0:
+                mark()
+            started = time.perf_counter()
+            problem = await one(i)
+            took = time.perf_counter() - started
+            if i < 0:
+                burst.append(took)
+            elif i < count:
+                latencies.append(took) if problem is None else problems.append(problem)
+                if len(latencies) + len(problems) == count:
+                    mark()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    if len(marks) < 2:  # timed out
+        mark()
+    (t0, cpu0, api0), (t1, cpu1, api1) = marks[0], marks[-1]
+    timed = Timed(latencies, t1 - t0, problems)
+    burst_ms = 1000 * max(burst, default=float("nan"))
+    return Measured(timed, cpu1.minus(cpu0), api1 - api0 if api_pid else None, burst_ms)
 
 
 async def insert_uploads(run: Run, picture: Picture, sizes: Sizes) -> Measured:
@@ -639,23 +674,38 @@ def timed_line(timed: Timed, unit: str) -> str:
 
 
 async def uploads(run: Run, sizes: Sizes) -> None:
-    """The same 1 MB PNGs into PostgreSQL alone, then through POST /jobs."""
+    """The same 1 MB PNGs into PostgreSQL alone, then through POST /jobs, UPLOAD_ROUNDS times in
+    turn; each line pools the rounds. An uncounted round primes the server first: PostgreSQL makes
+    new WAL files (and writes them full of zeros) until it has enough to recycle, which halved the
+    rate of whichever side came first."""
     section = f"3. uploads, 1 MB PNGs, {UPLOAD_CLIENTS} clients"
     picture = Picture.noise(UPLOAD_BYTES)
     await clear_inputs(run)
-    pg = await insert_uploads(run, picture, sizes)
-    run.add(
-        section, f"PostgreSQL alone: INSERT into inputs ({sizes.uploads} rows)", timed_line(pg.timed, "rows")
-    )
-    run.add(section, "  CPU ms per row", pg.cpu_line())
+    await insert_uploads(run, picture, sizes)
+    pg_rounds: list[Measured] = []
+    api_rounds: list[Measured] = []
+    idle_kb = peak_kb = 0
+    for _ in range(UPLOAD_ROUNDS):
+        await clear_inputs(run)
+        pg_rounds.append(await insert_uploads(run, picture, sizes))
+        await clear_inputs(run)
+        measured, idle_kb, peak = await api_uploads(run, picture, sizes)
+        api_rounds.append(measured)
+        peak_kb = max(peak_kb, peak)
     await clear_inputs(run)
-    api, idle_kb, peak_kb = await api_uploads(run, picture, sizes)
-    run.add(section, f"POST /jobs over HTTP ({sizes.uploads} requests)", timed_line(api.timed, "req"))
+    pg, api = Measured.pooled(pg_rounds), Measured.pooled(api_rounds)
+    rounds = f"{UPLOAD_ROUNDS} rounds of {sizes.uploads}"
+    run.add(section, f"PostgreSQL alone: INSERT into inputs ({rounds} rows)", timed_line(pg.timed, "rows"))
+    run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} rows/s" for r in pg_rounds))
+    run.add(section, "  CPU ms per row", pg.cpu_line())
+    run.add(section, "  first round, all clients at once (not counted): slowest", f"{pg.burst_ms:.0f} ms")
+    run.add(section, f"POST /jobs over HTTP ({rounds} requests)", timed_line(api.timed, "req"))
+    run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} req/s" for r in api_rounds))
     run.add(section, "  CPU ms per request", api.cpu_line())
+    run.add(section, "  first round, all clients at once (not counted): slowest", f"{api.burst_ms:.0f} ms")
     run.add(
         section, "API process RSS: idle / peak (VmHWM)", f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
     )
-    await clear_inputs(run)
     run.figures["upload ratio"] = api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0
     run.figures["upload p99/p50"] = api.timed.ms(99) / api.timed.ms(50)
     run.figures["pg p99/p50"] = pg.timed.ms(99) / pg.timed.ms(50)
