@@ -199,11 +199,9 @@ class KeyStore:
         if secret is None or not well_formed(secret):
             raise Unauthorized()
         digest = hash_key(secret)
-        async with self._engine.connect() as conn:
-            # One statement on every request: autocommit saves the BEGIN/COMMIT round trips (~40%),
-            # and the driver's own fetch SQLAlchemy's result set-up.
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = await db.fetch_row(conn, VERIFY_KEY, {"key_hash": digest, "touch_s": self._touch_s})
+        # One statement on every request: autocommit saves the BEGIN/COMMIT round trips (~40%), and
+        # the driver's own fetch SQLAlchemy's result set-up.
+        row = await db.fetch_row(self._engine, VERIFY_KEY, {"key_hash": digest, "touch_s": self._touch_s})
         if row is None or not hmac.compare_digest(row["key_hash"], digest) or row["revoked_at"] is not None:
             raise Unauthorized()
         return Identity(row["id"], row["principal"], Role(row["role"]))

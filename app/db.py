@@ -11,8 +11,9 @@ from typing import Any
 import asyncpg
 from sqlalchemy import MetaData, TextClause, exc
 from sqlalchemy.engine import Dialect, make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.util import greenlet_spawn
 
 # Stable constraint names, so autogenerate and downgrades agree with the migrations.
 NAMING = {
@@ -43,30 +44,37 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     )
 
 
-async def fetch_row(conn: AsyncConnection, statement: TextClause, values: Mapping[str, Any]) -> Any:
-    """Run a `text()` statement straight on the asyncpg connection under `conn`; its first row or None.
-    (`fetch_rows` for all of them.)
+async def fetch_row(engine: AsyncEngine, statement: TextClause, values: Mapping[str, Any]) -> Any:
+    """Run a `text()` statement straight on a pooled asyncpg connection, in autocommit; its first
+    row or None. (`fetch_rows` for all of them.)
 
-    For hot statements that return wide rows: SQLAlchemy sets up a result for textual SQL on each
-    execution (column matching, row processing), which for a `jobs` row costs about as much CPU as
-    sending the statement. The row is an asyncpg Record (a mapping, JSON already decoded by the
-    dialect's codecs). A connection error invalidates the pooled connection, as SQLAlchemy would.
+    For the hot statements (an upload, a claim, finished jobs, the key check): SQLAlchemy sets up a
+    result for textual SQL on each execution (column matching, row processing), which for a `jobs`
+    row costs about as much CPU as sending the statement, and its `Connection` around the pooled
+    one costs more again (`python -m tests.bench.bench_pool`). The row is an asyncpg Record (a
+    mapping, JSON already decoded by the dialect's codecs).
     """
-    rows = await fetch_rows(conn, statement, values)
+    rows = await fetch_rows(engine, statement, values)
     return rows[0] if rows else None
 
 
-async def fetch_rows(conn: AsyncConnection, statement: TextClause, values: Mapping[str, Any]) -> list[Any]:
-    """Run a `text()` statement straight on the asyncpg connection under `conn`; all its rows."""
-    compiled = _driver_sql(statement, conn.dialect)
-    driver = (await conn.get_raw_connection()).driver_connection
-    assert driver is not None, "a live pooled connection has its driver connection"
+async def fetch_rows(engine: AsyncEngine, statement: TextClause, values: Mapping[str, Any]) -> list[Any]:
+    """Run a `text()` statement straight on a pooled asyncpg connection, in autocommit; all its
+    rows. A connection error, or a cancel while the statement runs, discards the connection (a
+    statement cut off mid-way leaves its connection in an unknown state)."""
+    compiled = _driver_sql(statement, engine.dialect)
+    pooled = await engine.raw_connection()
     try:
-        return list(await driver.fetch(compiled.string, *(values[k] for k in compiled.names)))
+        driver = pooled.driver_connection
+        assert driver is not None, "a live pooled connection has its driver connection"
+        rows = await driver.fetch(compiled.string, *(values[k] for k in compiled.names))
     except BaseException as exc:
-        if is_unavailable(exc):
-            await conn.invalidate(exc)
+        if is_unavailable(exc) or not isinstance(exc, Exception):
+            await greenlet_spawn(pooled.invalidate, exc)
         raise
+    finally:
+        await greenlet_spawn(pooled.close)
+    return list(rows)
 
 
 @dataclass(frozen=True, slots=True)

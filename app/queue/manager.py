@@ -128,8 +128,7 @@ class JobManager:
         written, when `queue_limit` jobs wait, or `owner_limit` of the owner's (0: no limit).
         """
         values = self._job_values(job, image, queue_limit=queue_limit, owner_limit=owner_limit)
-        async with self._auto.connect() as conn:
-            row = await db.fetch_row(conn, sql.ENQUEUE, values)  # the hot path of every upload
+        row = await db.fetch_row(self._engine, sql.ENQUEUE, values)  # the hot path of every upload
         if row["outcome"] == "queue_full":
             raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
         if row["outcome"] == "owner_full":
@@ -277,8 +276,7 @@ class JobManager:
             "host": host,
             "lease_s": lease_s,
         }
-        async with self._auto.connect() as conn:
-            rows = await db.fetch_rows(conn, sql.CLAIM, values)  # wide rows: the driver's fetch
+        rows = await db.fetch_rows(self._engine, sql.CLAIM, values)  # wide rows: the driver's fetch
         return [
             Claimed(
                 Job.from_row(row),
@@ -326,8 +324,7 @@ class JobManager:
             "results": [results for _, results, _ in items],
             "details": [detail for _, _, detail in items],
         }
-        async with self._auto.connect() as conn:
-            done = {row["id"] for row in await db.fetch_rows(conn, sql.SUCCEED, values)}
+        done = {row["id"] for row in await db.fetch_rows(self._engine, sql.SUCCEED, values)}
         return [job.id in done for job, _, _ in items]
 
     async def fail(
