@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import numpy as np
 from PIL import Image
 from sqlalchemy import event, text
@@ -432,27 +433,42 @@ async def best_rate(claim: ClaimOnce, claimers: int, sizes: Sizes) -> tuple[floa
 
 
 async def server_ms(engine: AsyncEngine, claim: ClaimOnce) -> float:
-    """Best-of-5 planning + execution time of the claim's statement on the server (EXPLAIN ANALYZE)."""
-    captured: list[tuple[str, Any]] = []
+    """Best-of-5 planning + execution time of the claim's statement on the server (EXPLAIN ANALYZE).
+
+    The statement is caught as the claim sends it: through SQLAlchemy (the naive claim) or straight
+    to the driver (`db.fetch_rows`, the real one); each EXPLAIN is rolled back."""
+    captured: list[tuple[str, list[Any]]] = []
 
     def grab(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        captured.append((statement, parameters))
+        captured.append((statement, list(parameters)))
+
+    fetch_rows = db.fetch_rows
+
+    async def grab_driver(engine_: AsyncEngine, statement: Any, values: Any) -> list[Any]:
+        compiled = db._driver_sql(statement, engine_.dialect)
+        captured.append((compiled.string, [values[k] for k in compiled.names]))
+        return await fetch_rows(engine_, statement, values)
 
     event.listen(engine.sync_engine, "before_cursor_execute", grab)
+    db.fetch_rows = grab_driver  # type: ignore[assignment]
     try:
         await claim(0)  # the statement and parameters exactly as the claim sends them
     finally:
+        db.fetch_rows = fetch_rows  # type: ignore[assignment]
         event.remove(engine.sync_engine, "before_cursor_execute", grab)
     statement, parameters = captured[-1]
     times: list[float] = []
-    for _ in range(5):
-        async with engine.connect() as conn:  # rolled back: the explained claim changes nothing
-            explained = f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}"
-            plan = (await conn.exec_driver_sql(explained, parameters)).scalar()
-            await conn.rollback()
-        assert plan is not None
-        top = (json.loads(plan) if isinstance(plan, str) else plan)[0]
-        times.append(top["Planning Time"] + top["Execution Time"])
+    driver = await asyncpg.connect(db.asyncpg_dsn(engine.url.render_as_string(hide_password=False)))
+    try:
+        for _ in range(5):
+            explaining = driver.transaction()
+            await explaining.start()
+            plan = await driver.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}", *parameters)
+            await explaining.rollback()  # the explained claim changes nothing
+            top = (json.loads(plan) if isinstance(plan, str) else plan)[0]
+            times.append(top["Planning Time"] + top["Execution Time"])
+    finally:
+        await driver.close()
     return min(times)
 
 
