@@ -223,10 +223,16 @@ def _empty(folder: Path, keep: Sequence[str | None] = ()) -> None:
 
 
 def _plain_file(path: Path) -> bool:
-    """Whether `path` is a regular file with no other name (not a link, a folder, a FIFO or a
-    hard link the model made, any of which is removed instead of written through)."""
+    """Whether `path` is still the input file as written: a regular file of ours with no other
+    name, mode 0600. A link, a folder, a FIFO, a hard link or a changed mode (a model that made
+    its input read-only would make the next job's write fail) is removed instead."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_nlink == 1
+        and info.st_uid == os.getuid()
+        and stat.S_IMODE(info.st_mode) == 0o600
+    )

@@ -53,6 +53,17 @@ def test_jobs_in_a_lane_reuse_one_input_file(tmp_path: Path):
         os.close(fd)
 
 
+def test_an_input_the_model_made_read_only_is_made_anew(tmp_path: Path):
+    store = storage.ResultStore(tmp_path)
+    lane = store.lane_dir("w", 0)
+    store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
+    (lane / "input.png").chmod(0o400)  # as a non-root worker, the next write would be refused
+    assert store.clear_lane(lane) and sorted(os.listdir(lane)) == ["out"]
+    store.prepare(lane, "input.png", b"second", uuid.uuid4(), 1)
+    assert (lane / "input.png").read_bytes() == b"second"
+    assert (lane / "input.png").stat().st_mode & 0o777 == 0o600
+
+
 @pytest.mark.parametrize("replace", ["symlink", "hardlink", "folder", "fifo"])
 def test_an_input_the_model_replaced_is_removed_and_what_it_points_to_is_untouched(
     tmp_path: Path, replace: str
