@@ -148,6 +148,7 @@ CLAIM = text(
                                  = ANY(CAST(:warm_pairs AS text[])) DESC,
                              p.budgets[i], i
                     LIMIT 1) AS slot
+            OFFSET 0  -- computed once per row: without it the planner copies the subquery to each use
         ) AS pick
         WHERE p.taken < :limit
     ), claimed AS (
