@@ -64,11 +64,13 @@ async def fetch_rows(engine: AsyncEngine, statement: TextClause, values: Mapping
     statement cut off mid-way leaves its connection in an unknown state)."""
     compiled = _driver_sql(statement, engine.dialect)
     pooled = await engine.raw_connection()
+    driver = pooled.driver_connection
+    assert driver is not None, "a live pooled connection has its driver connection"
     try:
-        driver = pooled.driver_connection
-        assert driver is not None, "a live pooled connection has its driver connection"
         rows = await driver.fetch(compiled.string, *(values[k] for k in compiled.names))
     except BaseException as exc:
+        if not isinstance(exc, Exception):  # cancelled mid-statement: closed at once, not politely
+            driver.terminate()  # (a polite close can fail while the statement is in flight)
         if is_unavailable(exc) or not isinstance(exc, Exception):
             await greenlet_spawn(pooled.invalidate, exc)
         raise

@@ -163,3 +163,5 @@ class JobFeed:
             self.connected.clear()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), timeout=2)
+            if not conn.is_closed():
+                conn.terminate()

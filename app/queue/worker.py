@@ -385,16 +385,18 @@ class Worker:
     async def _listen_on(self, conn: asyncpg.Connection) -> None:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _: lost.set())
-        await conn.add_listener(sql.QUEUED_CHANNEL, lambda *_: self._wake.set())
-        await conn.add_listener(sql.CANCEL_CHANNEL, self._on_cancel)
-        self._wake.set()  # jobs may have been queued while we were not listening
-        try:
+        try:  # closed however this ends, a cancel while subscribing included
+            await conn.add_listener(sql.QUEUED_CHANNEL, lambda *_: self._wake.set())
+            await conn.add_listener(sql.CANCEL_CHANNEL, self._on_cancel)
+            self._wake.set()  # jobs may have been queued while we were not listening
             while not lost.is_set() and not conn.is_closed():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(lost.wait(), timeout=self._config.heartbeat_interval_s)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), timeout=2)
+            if not conn.is_closed():
+                conn.terminate()
 
     def _on_cancel(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         with contextlib.suppress(ValueError):
