@@ -21,7 +21,7 @@ def test_prepare_puts_the_input_in_the_lane_and_makes_the_log_folder(tmp_path: P
     assert log == tmp_path / "logs" / job.hex[:2] / f"{job}.attempt-2.log" and log.parent.is_dir()
 
 
-def test_clearing_a_lane_leaves_only_an_empty_out_folder(tmp_path: Path):
+def test_clearing_a_lane_leaves_its_input_file_and_an_empty_out_folder(tmp_path: Path):
     store = storage.ResultStore(tmp_path)
     lane = store.lane_dir("w", 0)
     store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
