@@ -11,6 +11,7 @@ from sqlalchemy import text
 from app import errors
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
+from tests.integration.test_durability import running
 from tests.integration.test_worker import enqueue
 
 CLAIM = {"worker_id": "test:w", "host": "h", "models": ["toy"], "lease_s": 60}
@@ -112,3 +113,27 @@ async def test_claim_batch_bounds_a_statement(manager: JobManager, engine, make_
         await enqueue(manager, sleep=0.3)
     await make_worker(max_jobs_per_gpu=8, claim_batch=2).run()
     assert await claim_statements(engine) == [2, 2, 2]
+
+
+async def test_no_transaction_stays_open_while_models_run(manager: JobManager, make_worker, engine):
+    """Every write is one short autocommit statement: while jobs run (claimed, pids recorded,
+    progress and heartbeats written), no connection of the worker sits idle inside a transaction."""
+    ids = [await enqueue(manager, sleep=2.0, steps=4) for _ in range(2)]
+    seen: list[int] = []
+    async with running(make_worker(burst=False)):
+        deadline = asyncio.get_running_loop().time() + 10
+        while [(await manager.get(i)).state for i in ids] != [JobState.running] * 2:
+            assert asyncio.get_running_loop().time() < deadline, "the jobs did not start"
+            await asyncio.sleep(0.05)
+        for _ in range(15):  # across the pid records (0.5 s) and progress lines
+            async with engine.connect() as conn:
+                seen.append(int(await conn.scalar(IDLE_IN_TRANSACTION)))
+            await asyncio.sleep(0.1)
+        assert [(await manager.get(i)).state for i in ids] == [JobState.running] * 2  # still running
+    assert seen == [0] * 15
+
+
+IDLE_IN_TRANSACTION = text(
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
+)
