@@ -230,6 +230,16 @@ class _Pipe:
         return [line for line in lines if len(line) <= LINE_LIMIT_BYTES]
 
 
+def open_log(path: Path) -> BinaryIO:
+    """A log opened to append to, unbuffered; its folder is made only if missing (usually it is
+    there already: a system call saved per job)."""
+    try:
+        return path.open("ab", buffering=0)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("ab", buffering=0)
+
+
 def _pidfd(pid: int) -> int | None:
     """A file descriptor that becomes readable when `pid` exits; None without pidfds (Linux < 5.3)."""
     if not hasattr(os, "pidfd_open"):
@@ -327,7 +337,7 @@ class ModelProcess:
 
         Popen returns once the child has called exec (CPython uses vfork), as asyncio's start would.
         """
-        log = self._open_log()
+        log = open_log(self._log_path)
         fds: list[int] = []  # stdout's read and write ends, then stderr's
         try:
             fds += os.pipe()
@@ -344,14 +354,6 @@ class ModelProcess:
         os.close(fds[1])
         os.close(fds[3])
         return popen, log, fds[0], fds[2]
-
-    def _open_log(self) -> BinaryIO:
-        """Open the log to append to; its folder is usually there already (a system call saved)."""
-        try:
-            return self._log_path.open("ab", buffering=0)
-        except FileNotFoundError:
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            return self._log_path.open("ab", buffering=0)
 
     def _begin(self, popen: subprocess.Popen[bytes], log: BinaryIO, stdout: int, stderr: int) -> None:
         """Note the start, then have the loop read both pipes and learn of the exit."""

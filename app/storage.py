@@ -62,7 +62,7 @@ class ResultStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self._made: set[Path] = set()  # lanes and runner folders known to exist
+        self._made: set[Path] = set()  # lanes, runner and log folders known to exist
         self._inputs: dict[Path, str] = {}  # lane -> its input file, kept for the next job to overwrite
         for part in ("scratch", "results", "logs"):
             (self.root / part).mkdir(parents=True, exist_ok=True)

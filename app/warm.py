@@ -95,11 +95,7 @@ class _Log:
     """An append-only log file and its recent tail; a failing disk never stops the pipes."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            self._file: BinaryIO | None = path.open("ab", buffering=0)
-        except FileNotFoundError:  # its folder is usually made already: one system call saved per job
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("ab", buffering=0)
+        self._file: BinaryIO | None = runner.open_log(path)
         self._tail = b""
 
     def write(self, data: bytes) -> None:
