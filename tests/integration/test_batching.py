@@ -137,3 +137,21 @@ IDLE_IN_TRANSACTION = text(
     "SELECT count(*) FROM pg_stat_activity"
     " WHERE datname = current_database() AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
 )
+
+
+async def test_one_heartbeat_renews_every_lease_the_worker_holds(manager: JobManager, engine):
+    for _ in range(4):
+        await enqueue(manager)
+    mine = [c.job for c in await manager.claim(**CLAIM, budgets={0: 10_000}, limit=3)]
+    other = (await manager.claim(**{**CLAIM, "worker_id": "test:other"}, budgets={0: 10_000}))[0].job
+    assert len(mine) == 3
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE jobs SET lease_expires_at = now() + interval '1 second'"))
+    owned = await manager.heartbeat(
+        worker_id="test:w", job_ids=[j.id for j in [*mine, other]], lease_s=60, gpus=[]
+    )
+    assert owned == {j.id: (1, False) for j in mine}  # not the other worker's job
+    async with engine.connect() as conn:
+        renewed = text("SELECT id, lease_expires_at > now() + interval '30 seconds' FROM jobs")
+        leases = dict((await conn.execute(renewed)).all())
+    assert leases == {**{j.id: True for j in mine}, other.id: False}
