@@ -27,14 +27,14 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
+
+from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.runner")
 _T = TypeVar("_T")
 
 LINE_LIMIT_BYTES = 64 * 1024  # longer stdout/stderr lines are logged in pieces and never parsed
-TAIL_BYTES = 4096
-TAIL_LINES = 40
 _PROGRESS_BACKLOG = 1000  # undelivered progress updates kept; the oldest are dropped beyond this
 _PIPE_DRAIN_S = 2.0  # after the group is dead, how long the pipes may take to reach EOF
 _PROGRESS_DRAIN_S = 5.0  # after exit, how long queued progress updates may take to deliver
@@ -230,16 +230,6 @@ class _Pipe:
         return [line for line in lines if len(line) <= LINE_LIMIT_BYTES]
 
 
-def open_log(path: Path) -> BinaryIO:
-    """A log opened to append to, unbuffered; its folder is made only if missing (usually it is
-    there already: a system call saved per job)."""
-    try:
-        return path.open("ab", buffering=0)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("ab", buffering=0)
-
-
 def _pidfd(pid: int) -> int | None:
     """A file descriptor that becomes readable when `pid` exits; None without pidfds (Linux < 5.3)."""
     if not hasattr(os, "pidfd_open"):
@@ -276,13 +266,11 @@ class ModelProcess:
         self._argv = tuple(argv)
         self._cwd = cwd
         self._env = dict(env)
-        self._log_path = log_path
+        self._log = RunLog(log_path, "runner")
         self._timeout_s = timeout_s
         self._kill_grace_s = kill_grace_s
         self._on_progress = on_progress
         self._popen: subprocess.Popen[bytes] | None = None
-        self._log: BinaryIO | None = None
-        self._tail = bytearray()
         self._pipes: list[_Pipe] = []
         self._progress: asyncio.Queue[tuple[float, str]] | None = None  # made with the first update
         self._dispatcher: asyncio.Task[None] | None = None
@@ -332,12 +320,11 @@ class ModelProcess:
             return self._finish(timed_out=timed_out, stopped=stopped)
         return await _finish_anyway(self._cleanup(timed_out=timed_out, stopped=stopped))
 
-    def _launch(self) -> tuple[subprocess.Popen[bytes], BinaryIO, int, int]:
-        """Open the log, start the child on two new pipes; return it, the log and the pipes' read ends.
+    def _launch(self) -> tuple[subprocess.Popen[bytes], int, int]:
+        """Start the child on two new pipes; return it and the pipes' read ends.
 
         Popen returns once the child has called exec (CPython uses vfork), as asyncio's start would.
         """
-        log = open_log(self._log_path)
         fds: list[int] = []  # stdout's read and write ends, then stderr's
         try:
             fds += os.pipe()
@@ -349,21 +336,20 @@ class ModelProcess:
         except BaseException:
             for fd in fds:
                 os.close(fd)
-            log.close()
             raise
         os.close(fds[1])
         os.close(fds[3])
-        return popen, log, fds[0], fds[2]
+        return popen, fds[0], fds[2]
 
-    def _begin(self, popen: subprocess.Popen[bytes], log: BinaryIO, stdout: int, stderr: int) -> None:
+    def _begin(self, popen: subprocess.Popen[bytes], stdout: int, stderr: int) -> None:
         """Note the start, then have the loop read both pipes and learn of the exit."""
         self._loop = loop = asyncio.get_running_loop()
-        self._popen, self._group, self._log, self._started_at = popen, popen.pid, log, time.monotonic()
+        self._popen, self._group, self._started_at = popen, popen.pid, time.monotonic()
         self._exited, self._stopped, self._pipes_closed = (loop.create_future() for _ in range(3))
         if self._stop_reason is not None:
             self._stopped.set_result(None)
         _LOG.info("model started", extra={"action": "model_started", "pid": popen.pid})
-        self._note(f"started pid {popen.pid}: {' '.join(self._argv)}")
+        self._log.note(f"started pid {popen.pid}: {' '.join(self._argv)}")
         self._pipes = [_Pipe(stdout, parse=self._on_progress is not None), _Pipe(stderr, parse=False)]
         for pipe in self._pipes:
             loop.add_reader(pipe.fd, self._on_output, pipe)
@@ -413,10 +399,10 @@ class ModelProcess:
         """SIGTERM the group, give the main process `kill_grace_s` to exit, then SIGKILL the group."""
         pid = self._group
         _LOG.warning("killing model process group: %s", why, extra={"action": action, "pid": pid})
-        self._note(f"{why}; SIGTERM to process group {pid}")
+        self._log.note(f"{why}; SIGTERM to process group {pid}")
         _signal_group(pid, signal.SIGTERM)
         if not await self._exits_within(self._kill_grace_s):
-            self._note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {pid}")
+            self._log.note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {pid}")
             _signal_group(pid, signal.SIGKILL)
             await self._exits_within(None)
 
@@ -437,15 +423,15 @@ class ModelProcess:
     def _finish(self, *, timed_out: bool, stopped: str | None) -> RunResult:
         """Note how the child ended, close the log and build the result."""
         returncode = self._exited.result()
-        self._note(f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}")
-        self._close_log()
+        self._log.note(f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}")
+        self._log.close(keep=returncode != 0 or timed_out or stopped is not None)
         self._result = RunResult(
             exit_code=returncode if returncode >= 0 else None,
             signal=-returncode if returncode < 0 else None,
             timed_out=timed_out,
             stopped=stopped,
             duration_s=time.monotonic() - self._started_at,
-            log_tail=self._tail_text(),
+            log_tail=self._log.tail(),
         )
         return self._result
 
@@ -454,7 +440,7 @@ class ModelProcess:
         if self._pipes:
             await asyncio.wait((self._pipes_closed,), timeout=_PIPE_DRAIN_S)
         if self._pipes:
-            self._note("output pipes still open after exit (a process left the group?); closing them")
+            self._log.note("output pipes still open after exit (a process left the group?); closing them")
             for pipe in list(self._pipes):
                 self._close_pipe(pipe, eof=False)
 
@@ -495,8 +481,7 @@ class ModelProcess:
 
     def _take(self, ready: bytes, lines: list[bytes]) -> None:
         """Log output and queue the progress updates among its complete stdout lines."""
-        if ready:
-            self._write(ready)
+        self._log.write(ready)
         for line in lines:
             self._queue_progress(line.decode("utf-8", errors="replace"))
 
@@ -526,34 +511,6 @@ class ModelProcess:
                 _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
             finally:
                 updates.task_done()
-
-    def _write(self, data: bytes) -> None:
-        """Append bytes to the log (one write) and the in-memory tail; a failing disk never stops draining."""
-        self._tail += data
-        if len(self._tail) > 2 * TAIL_BYTES:
-            del self._tail[:-TAIL_BYTES]
-        if self._log is None or self._log.closed:
-            return
-        try:
-            self._log.write(data)
-        except OSError as exc:
-            _LOG.error("cannot write the run log: %s", exc, extra={"action": "log_write_failed"})
-            self._close_log()
-
-    def _close_log(self) -> None:
-        """Close the log file (unbuffered: nothing is left to write, so a failing close cannot matter)."""
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.close()
-
-    def _note(self, text: str) -> None:
-        """Write one line of the runner's own into the log, so the log tells why a run ended."""
-        self._write(f"[runner] {text}\n".encode())
-
-    def _tail_text(self) -> str:
-        """The last TAIL_LINES lines within the last TAIL_BYTES bytes, decoded leniently."""
-        text = bytes(self._tail[-TAIL_BYTES:]).decode("utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-TAIL_LINES:])
 
 
 def prefer_pidfd_watcher() -> None:

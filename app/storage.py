@@ -181,8 +181,11 @@ class ResultStore:
         """Remove an attempt's published results (its completion lost to fencing)."""
         shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
 
-    def resolve(self, job: Job, name: str) -> tuple[Path, str, str | None]:
-        """The file a link names: (path, media type, sha256 or None). Names come from the job row."""
+    def resolve(self, job: Job, name: str) -> tuple[Path | None, str, str | None]:
+        """The file a link names: (path, media type, sha256 or None). Names come from the job row.
+
+        The path is None for the log of an attempt that has none: its model has printed nothing
+        (yet) and the run did not end badly (app/runlog.py). That log is empty, not missing."""
         result = job.result(name)
         if result is not None:
             path = self.root / "results" / str(job.id) / str(job.attempt) / result.name
@@ -192,6 +195,8 @@ class ResultStore:
             if not path.exists():  # written by an earlier version: one folder per job
                 path = self.root / "logs" / str(job.id) / name
             media_type, sha = "text/plain; charset=utf-8", None
+            if not os.path.lexists(path):
+                return None, media_type, sha
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")
         if path.is_symlink() or not path.resolve().is_relative_to(self.root) or not path.is_file():

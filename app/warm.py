@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import BinaryIO, TypeAlias
+from typing import TypeAlias
 
 from app import modelkit, runner
+from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
 _PIPE_DRAIN_S = 2.0
@@ -91,39 +92,6 @@ class StartFailed(Exception):
     """The runner could not start, or exited, timed out, was stopped or broke the protocol first."""
 
 
-class _Log:
-    """An append-only log file and its recent tail; a failing disk never stops the pipes."""
-
-    def __init__(self, path: Path) -> None:
-        self._file: BinaryIO | None = runner.open_log(path)
-        self._tail = b""
-
-    def write(self, data: bytes) -> None:
-        """Append bytes (the tail keeps them even when the file cannot)."""
-        self._tail = (self._tail + data)[-runner.TAIL_BYTES :]
-        try:
-            if self._file is not None:
-                self._file.write(data)
-        except OSError as exc:
-            _LOG.error("cannot write a runner log: %s", exc, extra={"action": "log_write_failed"})
-            self.close()
-
-    def note(self, text: str) -> None:
-        """One line of the worker's own, so the log says what happened."""
-        self.write(f"[warm] {text}\n".encode())
-
-    def tail(self) -> str:
-        """The last TAIL_LINES lines of the last TAIL_BYTES bytes."""
-        return "\n".join(self._tail.decode("utf-8", errors="replace").splitlines()[-runner.TAIL_LINES :])
-
-    def close(self) -> None:
-        """Close the file (again is fine)."""
-        with contextlib.suppress(OSError):
-            if self._file is not None:
-                self._file.close()
-        self._file = None
-
-
 def _signal_group(pgid: int, sig: int) -> None:
     """Send `sig` to a process group, if anything of ours is still in it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -147,8 +115,8 @@ class WarmRunner:
         self.launch, self._grace = launch, kill_grace_s
         self.state, self.last_used_s, self.jobs_done = RunnerState.STARTING, time.monotonic(), 0
         self._proc: runner.Process | None = None
-        self._log = _Log(launch.log_path)
-        self._job: tuple[str, _Log, ProgressCallback] | None = None  # the job in flight
+        self._log = RunLog(launch.log_path, "warm", eager=True)
+        self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -234,7 +202,7 @@ class WarmRunner:
         if self.state is not RunnerState.IDLE:
             raise RuntimeError(f"run_job() on a runner that is {self.state}")
         line = request.encode()  # a request that cannot be sent fails here, before anything changed
-        job, job_log, started = request.job, _Log(log_path), time.monotonic()
+        job, job_log, started = request.job, RunLog(log_path, "warm"), time.monotonic()
         self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
@@ -242,7 +210,7 @@ class WarmRunner:
             outcome, error, outputs = await self._exchange(job, line, started + timeout_s, timeout_s)
         except asyncio.CancelledError:
             self._job = None
-            job_log.close()
+            job_log.close(keep=True)
             await asyncio.shield(self._end("cancelled during a job"))
             raise
         finally:
@@ -258,13 +226,13 @@ class WarmRunner:
         return self._result(job_log, outcome, error, outputs, time.monotonic() - started)
 
     def _result(
-        self, log: _Log, outcome: Outcome, error: str | None, outputs: tuple[str, ...], took_s: float
+        self, log: RunLog, outcome: Outcome, error: str | None, outputs: tuple[str, ...], took_s: float
     ) -> WarmResult:
         """Close the job's log and describe the job's end."""
         assert self._proc is not None
         code = self._proc.returncode if outcome is Outcome.CRASHED else None  # else the kill was ours
         log.note(f"{outcome}{': ' + error if error else ''} after {took_s:.2f} s; runner {self.state}")
-        log.close()
+        log.close(keep=outcome is not Outcome.DONE)
         stopped = self._stop_reason if outcome is Outcome.STOPPED else None
         exit_code, sig = (code, None) if code is None or code >= 0 else (None, -code)
         return WarmResult(outcome, error, outputs, stopped, exit_code, sig, took_s, log.tail())
@@ -334,11 +302,12 @@ class WarmRunner:
                 chunk = await reader.read(max(exc.consumed, 1))
             if not chunk:
                 return
+            if self._job is not None and chunk == modelkit.stderr_end(self._job[0]):
+                self._stderr_ended.set()  # protocol, not output: in neither log
+                continue
             self._log.write(chunk)
             if self._job is not None:
                 self._job[1].write(chunk)
-                if chunk == modelkit.stderr_end(self._job[0]):
-                    self._stderr_ended.set()
 
     def _end(self, why: str, *, gentle: bool = False) -> asyncio.Task[None]:
         """Kill and reap the runner, once: later calls get the same task."""

@@ -35,6 +35,8 @@ async def download(
         raise errors.Gone(f"the files of job {job_id} were deleted by retention on {job.expired_at:%Y-%m-%d}")
     path, media_type, sha256 = services.store.resolve(job, name)
     headers = {"Cache-Control": "private, max-age=3600"}
+    if path is None:  # a log that holds nothing: the run printed nothing (yet)
+        return Response(b"", media_type=media_type, headers={"Cache-Control": "no-cache"})
     if sha256 is not None:
         headers["ETag"] = f'"{sha256}"'
         if headers["ETag"] in request.headers.get("if-none-match", ""):

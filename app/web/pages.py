@@ -186,6 +186,8 @@ def log_tail(store: storage.ResultStore, job: Job) -> dict[str, Any] | None:
     name = f"attempt-{job.attempt}.log"
     try:
         path, _, _ = store.resolve(job, name)
+        if path is None:  # the run printed nothing (yet)
+            return {"text": "", "name": name, "truncated": False}
         with path.open("rb") as f:
             size = f.seek(0, 2)
             f.seek(max(0, size - LOG_TAIL_BYTES))

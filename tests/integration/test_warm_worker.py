@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from app.queue.jobs import JobState
+from tests.conftest import api_client
 from tests.integration.test_durability import alive, running, until
 from tests.integration.test_worker import enqueue
 
@@ -27,6 +28,20 @@ async def test_one_warm_process_answers_many_jobs(manager, make_worker, store, t
     texts = [store.resolve(j, "out.txt")[0].read_text() for j in jobs]
     assert all(f"pid {pid}" in t for t in texts)
     assert not alive(pid)  # the burst worker closed its runners on the way out
+
+
+async def test_a_quiet_jobs_log_makes_no_file_and_is_served_empty(settings, manager, make_worker, store):
+    quiet = await enqueue(manager, model="warm_a", vram_mb=2000, steps=0)
+    chatty = await enqueue(manager, model="warm_a", vram_mb=2000, steps=1)
+    await make_worker(max_jobs_per_gpu=1).run()
+    assert not list((store.root / "logs").glob(f"*/{quiet}.*"))  # no file made for nothing said
+    async with api_client(settings) as http:
+        for job_id, said in ((quiet, ""), (chatty, "PROGRESS 1.000 step 1")):
+            job = (await http.get(f"/jobs/{job_id}")).json()
+            assert job["state"] == "succeeded" and job["links"]["log"], job
+            log = await http.get(job["links"]["log"])
+            assert log.status_code == 200 and log.headers["content-type"].startswith("text/plain")
+            assert (said in log.text) if said else log.text == ""
 
 
 async def test_a_runner_that_dies_mid_job_is_restarted_and_the_job_retried(manager, make_worker, tmp_path):

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app import runner
+from app import runlog, runner
 
 # Async tests carry their own mark: a module-level `pytestmark` would also mark the sync tests,
 # which pytest-asyncio reports as a warning (an error under `filterwarnings = error`).
@@ -314,7 +314,7 @@ async def test_overlong_lines_do_not_crash_the_reader(tmp_path: Path) -> None:
     assert result.ok
     assert seen == [(0.5, "after")]
     assert (tmp_path / "logs" / "run.log").stat().st_size > 450_000
-    assert len(result.log_tail) <= runner.TAIL_BYTES
+    assert len(result.log_tail) <= runlog.TAIL_BYTES
 
 
 @pytest.mark.asyncio
@@ -423,8 +423,27 @@ async def test_a_quiet_run_needs_no_task_of_its_own(tmp_path: Path) -> None:
         loop.set_task_factory(previous)
     assert result.ok
     assert made == [], "the pipes, the exit and the cleanup need no task when nothing is printed"
-    log = (tmp_path / "logs" / "run.log").read_text()
-    assert log.startswith("[runner] started pid") and log.endswith("[runner] exit code 0\n")
+    assert not (tmp_path / "logs").exists(), "a quiet run that ended well makes no log file"
+    tail = result.log_tail  # the worker's lines are kept for the job's error, if it fails later
+    assert tail.startswith("[runner] started pid") and tail.endswith("[runner] exit code 0")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/bin/false"], ["[runner] started pid", "[runner] exit code 1"]),
+        (["sh", "-c", "echo said >&2"], ["[runner] started pid", "said", "[runner] exit code 0"]),
+    ],
+    ids=["quiet-but-failed", "printed"],
+)
+async def test_a_run_that_printed_or_failed_has_its_whole_log(
+    tmp_path: Path, argv: list[str], expected: list[str]
+) -> None:
+    await _run(_process(tmp_path, argv))
+    lines = (tmp_path / "logs" / "run.log").read_text().splitlines()
+    assert len(lines) == len(expected), lines
+    assert all(line.startswith(e) for line, e in zip(lines, expected, strict=True)), lines
 
 
 @pytest.mark.asyncio

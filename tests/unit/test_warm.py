@@ -129,7 +129,8 @@ async def test_one_process_answers_many_jobs_and_loads_once(tmp_path: Path, pool
     assert (tmp_path / "out5" / "out.txt").read_text() == f"job5:1 pid {pids.pop()} input in.png\n"
     assert jobs.progress == [(0.5, "step 1"), (1.0, "step 2")] * 5
     log = jobs.log(3)
-    assert "[modelkit] job job3:1 started" in log and "PROGRESS 0.500 step 1" in log and "done after" in log
+    assert log.startswith("[warm] job job3:1 sent to warm runner pid")
+    assert "PROGRESS 0.500 step 1" in log and "done after" in log
     assert "job job1:1" not in log  # each job's log holds only its own lines
     assert pool.reserved_mb(GPU0) == 1000 and pool.reserved_mb(1) == 0
 
@@ -380,8 +381,25 @@ async def test_the_kits_end_line_spares_the_stderr_wait(tmp_path: Path, pool: wa
         await jobs.run(warm_runner, steps=0)  # loaded and warm
         started = asyncio.get_running_loop().time()
         for _ in range(20):
-            assert (await jobs.run(warm_runner, steps=0)).ok
+            assert (await jobs.run(warm_runner, steps=0, junk=True)).ok
         took_s = asyncio.get_running_loop().time() - started
     # Without the end line each job waits warm._STDERR_SETTLE_S (20 ms) for stderr: 0.4 s at least.
     assert took_s < 20 * warm._STDERR_SETTLE_S, took_s
-    assert jobs.log(21).count(modelkit.stderr_end("job21:1").decode()) == 1  # stderr was all there
+    log = jobs.log(21)
+    assert "junk from print()" in log and "junk from fd 1" in log  # its stderr was all there
+    assert "[modelkit] job" not in log  # the end line is protocol: in no log
+
+
+@pytest.mark.asyncio
+async def test_a_quiet_job_that_ended_well_makes_no_log_file(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    jobs = Jobs(tmp_path)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as warm_runner:
+        quiet = await jobs.run(warm_runner, steps=0)
+        hung = await jobs.run(warm_runner, timeout_s=0.3, steps=0, hang=True)  # says nothing either
+    assert quiet.ok and "done after" in quiet.log_tail  # the worker's lines are in the tail ...
+    assert not (tmp_path / "logs" / "job1.log").exists()  # ... but made no file for a quiet success
+    log = jobs.log(2)  # a failure always has its log, printed or not
+    assert hung.outcome is warm.Outcome.TIMED_OUT
+    assert log.startswith("[warm] job job2:1 sent to warm runner pid") and "timed out after 0.3 s" in log
+    runner_log = (tmp_path / "runners" / "toy.log").read_text()
+    assert "ready: model" in runner_log and "[modelkit] job" not in runner_log
