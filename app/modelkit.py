@@ -345,8 +345,11 @@ def _run(
     try:
         job.output_dir.mkdir(parents=True, exist_ok=True)
         returned = handle(model, job)
-        outputs = sorted(p.name for p in job.output_dir.iterdir() if p.is_file() and p.name[0] != ".")
-        reply: Done | Failed = Done(job.id, tuple(outputs if returned is None else map(str, returned)))
+        if returned is None:  # every plain file it wrote
+            outputs = sorted(p.name for p in job.output_dir.iterdir() if p.is_file() and p.name[0] != ".")
+        else:
+            outputs = [str(name) for name in returned]
+        reply: Done | Failed = Done(job.id, tuple(outputs))
     except bad_input as exc:
         _say(f"job {job.id}: bad input: {exc}")
         reply = Failed(job.id, str(exc) or type(exc).__name__, bad_input=True)
