@@ -8,22 +8,25 @@ with Last-Event-ID when the connection drops, then downloads the results. Exit c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import httpx
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app import errors, retention
 
+if TYPE_CHECKING:
+    import httpx
+    from rich.console import Console
+
+# httpx and rich are imported by the commands that use them, not with this module: every
+# `gpujobs` process loads it (a worker too), and the two cost a worker about 0.15 s of CPU to start.
 jobs = typer.Typer(help="List, show, cancel and retry jobs.", no_args_is_help=True)
-err = Console(stderr=True)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
@@ -43,8 +46,18 @@ def register(cli: typer.Typer) -> None:
     cli.command()(prune)
 
 
+@functools.cache
+def stderr() -> Console:
+    """Where messages for people go."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def connect(url: str, key: str | None) -> httpx.Client:
     """An HTTP client for the API, sending the key."""
+    import httpx
+
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout = httpx.Timeout(30.0, read=60.0)  # streams send a keepalive every 15 s
     return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
@@ -52,12 +65,14 @@ def connect(url: str, key: str | None) -> httpx.Client:
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print an error and exit."""
-    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
+    stderr().print(f"[red]error:[/red] {message}", highlight=False, markup=True)
     raise typer.Exit(code)
 
 
 def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
     """One API call; its JSON answer, or exit 2 with the server's `detail`."""
+    import httpx
+
     try:
         response = http.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
@@ -128,7 +143,7 @@ def submit(
         if not (wait or out):
             show(job, as_json)
             return
-        err.print(f"job {job['id']} queued", highlight=False)
+        stderr().print(f"job {job['id']} queued", highlight=False)
         follow(http, job["id"])
         job = call(http, "GET", f"/jobs/{job['id']}")
         finish(http, job, out, as_json)
@@ -143,12 +158,14 @@ def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: b
         out.mkdir(parents=True, exist_ok=True)
         for file in job["files"]:
             path = download(http, file["url"], out / Path(file["name"]).name)
-            err.print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
+            stderr().print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
     show(job, as_json)
 
 
 def download(http: httpx.Client, link: str, path: Path) -> Path:
     """Save a signed link to `path` (written to a temporary name, then renamed)."""
+    import httpx
+
     partial = path.with_name(f".{path.name}.partial")
     try:
         with http.stream("GET", link) as response:
@@ -186,10 +203,13 @@ def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, dict[str, Any]]
 
 def follow(http: httpx.Client, job_id: str) -> None:
     """Show the job's state and progress until it ends, reconnecting with Last-Event-ID."""
+    import httpx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     last: str | None = None
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-        TimeElapsedColumn(), console=err, transient=False,
+        TimeElapsedColumn(), console=stderr(), transient=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("queued", total=1.0)
         for attempt in range(RECONNECTS):
@@ -210,7 +230,7 @@ def follow(http: httpx.Client, job_id: str) -> None:
                         if data["state"] in FINAL:
                             return
             except httpx.HTTPError as exc:
-                err.print(f"stream interrupted ({exc}); reconnecting", highlight=False)
+                stderr().print(f"stream interrupted ({exc}); reconnecting", highlight=False)
             time.sleep(min(0.5 * 2**attempt, 10))
     fail(f"lost the stream of job {job_id} {RECONNECTS} times")
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app import db, migrate, tables
@@ -51,18 +52,37 @@ async def empty_database(server_url: str) -> AsyncIterator[str]:
 
 async def test_upgrade_downgrade_and_no_difference(server_url):
     async with empty_database(server_url) as url:
+        engine = db.create_engine(url, pool_size=1)
+        assert await migrate.current(engine) is None  # never migrated: no alembic_version table
         await asyncio.to_thread(migrate.upgrade, url)
         expected = {"inputs", "jobs", "job_events", "workers", "api_keys", "alembic_version", "job_state"}
         assert expected <= await _table_names(url)
         assert await _diff(url) == []  # autogenerate finds nothing: models and migrations agree
-        engine = db.create_engine(url, pool_size=1)
         assert await migrate.current(engine) == migrate.head()
-        await engine.dispose()
 
         await asyncio.to_thread(migrate.downgrade, url, "base")
         assert await _table_names(url) == {"alembic_version"}
+        assert await migrate.current(engine) is None  # the table is there, empty
+        await engine.dispose()
         await asyncio.to_thread(migrate.upgrade, url)  # and back up again from base
         assert await _diff(url) == []
+
+
+def test_the_head_read_from_the_scripts_is_alembics(tmp_path, monkeypatch):
+    alembics = ScriptDirectory.from_config(migrate.alembic_config("")).get_current_head()
+    assert alembics is not None and migrate.head() == alembics
+
+    chain = {"b_second.py": ("'b'", '"a"'), "a_first.py": ('"a"', "None"), "c_third.py": ('"c"', "'b'")}
+    for name, (revision, parent) in chain.items():
+        (tmp_path / name).write_text(f"revision: str = {revision}\ndown_revision: str | None = {parent}\n")
+    monkeypatch.setattr(migrate, "VERSIONS", tmp_path)
+    monkeypatch.setattr(migrate, "_alembic_head", lambda: "asked alembic")
+    assert migrate.head() == "c"
+
+    (tmp_path / "d_merge.py").write_text('revision = "d"\ndown_revision = ("b", "c")\n')
+    assert migrate.head() == "asked alembic"  # a merge: read by Alembic, not by the pattern
+    (tmp_path / "d_merge.py").write_text('revision = "d"\ndown_revision = "b"\n')
+    assert migrate.head() == "asked alembic"  # two heads (c and d): Alembic says what is wrong
 
 
 async def _storage_of_input_data(url: str) -> str:
