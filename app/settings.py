@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     lease_s: float = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")
     heartbeat_interval_s: float = Field(5, gt=0, description="How often a worker renews its leases")
     poll_interval_s: float = Field(2, gt=0, description="Claim poll when no NOTIFY arrives (fallback)")
+    claim_gather_s: float = Field(
+        0.001,
+        ge=0,
+        le=1,
+        description="When a job ends while others still run, wait this long before claiming, so "
+        "slots freed together are filled by one claim (0 = claim at once)",
+    )
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
     worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")
     run_worker: bool = Field(True, description="`gpujobs serve` also runs a worker in the same process")

@@ -155,3 +155,20 @@ async def test_one_heartbeat_renews_every_lease_the_worker_holds(manager: JobMan
         renewed = text("SELECT id, lease_expires_at > now() + interval '30 seconds' FROM jobs")
         leases = dict((await conn.execute(renewed)).all())
     assert leases == {**{j.id: True for j in mine}, other.id: False}
+
+
+async def test_slots_freed_close_together_are_filled_by_one_claim(manager: JobManager, make_worker):
+    async def run(gather_s: float) -> tuple[Any, Any]:
+        # Two slots: the first claim takes the two priority-5 jobs, which end 0.3 s apart; the
+        # next two jobs wait for those slots.
+        first = [await enqueue(manager, priority=5, sleep=s, steps=1) for s in (0.2, 0.5)]
+        then = [await enqueue(manager, priority=0, steps=0) for _ in range(2)]
+        await make_worker(max_jobs_per_gpu=2, claim_gather_s=gather_s).run()
+        done = [await manager.get(i) for i in (*first, *then)]
+        assert all(j.state is JobState.succeeded for j in done), done
+        return done[2].started_at, done[3].started_at
+
+    apart = await run(0.0)
+    assert apart[0] != apart[1]  # claimed as each slot freed: two statements
+    together = await run(1.0)
+    assert together[0] == together[1]  # one statement (now() is its transaction's time) for both
