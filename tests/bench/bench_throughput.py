@@ -652,7 +652,10 @@ async def post_uploads(run: Run, api: bq.Child, base: str, picture: Picture, siz
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=120) as client:
 
         async def one(i: int) -> str | None:
-            response = await client.post("/jobs", content=UPLOAD_HEAD + picture.variant(i) + UPLOAD_TAIL)
+            try:
+                response = await client.post("/jobs", content=UPLOAD_HEAD + picture.variant(i) + UPLOAD_TAIL)
+            except httpx.TransportError as exc:  # counted and shown, not fatal to the whole bench
+                return f"{type(exc).__name__}: {exc}"
             return None if response.status_code == 201 else f"{response.status_code} {response.text[:200]}"
 
         return await measure(run, one, sizes, api.proc.pid)
