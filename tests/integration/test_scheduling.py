@@ -20,8 +20,8 @@ from tests.integration.test_worker import enqueue
 
 async def _starved_for(manager, make_worker, *, reserve_after_s: float, watch_s: float) -> float | None:
     """A big job behind a stream of small ones on one 10 GB GPU: seconds until it started (None: never)."""
-    for _ in range(3):
-        await enqueue(manager, vram_mb=3000, sleep=0.8, steps=1)
+    for sleep_s in (0.8, 0.95, 1.1):  # staggered like the feed: the GPU never frees all at once
+        await enqueue(manager, vram_mb=3000, sleep=sleep_s, steps=1)
     big = await enqueue(manager, vram_mb=8192, sleep=0.1, steps=1)
     submitted = time.monotonic()
     worker = make_worker([10_240], burst=False, reserve_after_s=reserve_after_s, backfill_min_samples=10_000)
