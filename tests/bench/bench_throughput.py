@@ -117,6 +117,7 @@ class Sizes:
     storage_parent: Path | None = None  # None: the temporary folder
     parts: frozenset[str] = PARTS  # which of queue, latency, uploads to run
     profile_dir: Path | None = None  # py-spy profiles of the workers go here (raw, one per worker)
+    settings: tuple[tuple[str, str], ...] = ()  # GPUJOBS_ settings for the workers and the API (--set)
 
 
 @dataclass(slots=True)
@@ -127,6 +128,7 @@ class Run:
     server_url: str
     storage: Path  # the workers' and the API's storage folders go below it
     profile_dir: Path | None = None
+    settings: tuple[tuple[str, str], ...] = ()
     figures: dict[str, float] = field(default_factory=dict)
 
     def add(self, section: str, measure: str, value: str) -> None:
@@ -222,6 +224,7 @@ def worker_env(run: Run, name: str) -> dict[str, str]:
         GPUJOBS_RETENTION_DAYS="0",
         GPUJOBS_LOG_LEVEL="WARNING",
     )
+    env.update(run.settings)
     return env
 
 
@@ -762,6 +765,8 @@ async def run_all(run: Run, sizes: Sizes, source: str) -> None:
         "workers' storage; database files",
         f"{filesystem(run.storage)}; {filesystem(run.bench.tmp)}",
     )
+    if run.settings:
+        run.add("0. machine", "settings given with --set", " ".join(f"{k}={v}" for k, v in run.settings))
     if "queue" in sizes.parts:
         await queues(run, sizes.jobs)
     if "latency" in sizes.parts:
@@ -801,7 +806,8 @@ async def bench_main(sizes: Sizes, tmp: Path, storage: Path) -> list[tuple[str, 
     with bq.postgres_server(tmp) as (server_url, source):
         async with bq.bench_database(server_url) as url:
             engine = db.create_engine(url, pool_size=8)
-            run = Run(bq.Bench(url, engine, tmp, models_file), server_url, storage, sizes.profile_dir)
+            bench = bq.Bench(url, engine, tmp, models_file)
+            run = Run(bench, server_url, storage, sizes.profile_dir, sizes.settings)
             try:
                 await run_all(run, sizes, source)
             finally:
@@ -827,13 +833,26 @@ def parse_args(argv: list[str] | None = None) -> Sizes:
         "--profile", type=Path, default=None, metavar="DIR",
         help="run each worker under py-spy (pip install py-spy); one raw flame file per worker in DIR",
     )  # fmt: skip
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="GPUJOBS_NAME=VALUE", dest="settings",
+        help="a setting for the workers and the API, e.g. GPUJOBS_CLAIM_GATHER_S=0 (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    settings = tuple(_setting(parser, text) for text in args.settings)
     parts = frozenset(args.only or PARTS)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        return Sizes(args.jobs or 200, 30, 96, 30, args.storage_dir, parts, args.profile)
-    return Sizes(args.jobs or 2000, 200, 640, 120, args.storage_dir, parts, args.profile)
+        return Sizes(args.jobs or 200, 30, 96, 30, args.storage_dir, parts, args.profile, settings)
+    return Sizes(args.jobs or 2000, 200, 640, 120, args.storage_dir, parts, args.profile, settings)
+
+
+def _setting(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
+    """`GPUJOBS_NAME=VALUE` as a pair; exits with a usage error for anything else."""
+    name, equals, value = text.partition("=")
+    if not equals or not name.startswith("GPUJOBS_"):
+        parser.error(f"--set wants GPUJOBS_NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def main(argv: list[str] | None = None) -> None:
