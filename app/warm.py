@@ -13,6 +13,7 @@ Progress reaches `on_progress` in order, never after `run_job()` returns. Use fr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -118,7 +119,8 @@ class WarmRunner:
         self._log = RunLog(launch.log_path, "warm", eager=True)
         self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
-        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._events: collections.deque[_Event] = collections.deque()
+        self._wakeup: asyncio.Future[None] | None = None  # what `_next` waits on: an event or stop()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._stop_reason: str | None = None
@@ -185,6 +187,7 @@ class WarmRunner:
         """Abort loading or the job (also one about to be sent) for `reason`; the runner is then ended."""
         self._stop_reason = self._stop_reason or reason
         self._stop.set()
+        self._wake()
 
     def clear_stop(self) -> None:
         """Forget a stop() that came after the last job had ended (the pool does this on acquire)."""
@@ -218,8 +221,9 @@ class WarmRunner:
                 self.state = RunnerState.IDLE  # out-of-turn lines from here on end the runner
         if outcome in (Outcome.DONE, Outcome.BAD_INPUT, Outcome.OOM):
             self.last_used_s, self.jobs_done = time.monotonic(), self.jobs_done + 1
-            with contextlib.suppress(TimeoutError):  # a runner without the kit: give stderr a moment
-                await asyncio.wait_for(self._stderr_ended.wait(), _STDERR_SETTLE_S)
+            if not self._stderr_ended.is_set():  # usually read already: the kit writes it first
+                with contextlib.suppress(TimeoutError):  # a runner without the kit: give stderr a moment
+                    await asyncio.wait_for(self._stderr_ended.wait(), _STDERR_SETTLE_S)
         else:
             await asyncio.shield(self._end(f"job {job}: {error}"))
         self._job = None
@@ -242,10 +246,12 @@ class WarmRunner:
     ) -> tuple[Outcome, str | None, tuple[str, ...]]:
         """Write the job line, then wait for its final reply, the deadline or a stop."""
         assert self._proc is not None and self._proc.stdin is not None
+        stdin = self._proc.stdin
         if not self._stop.is_set():
             with contextlib.suppress(ConnectionError, TimeoutError):  # EOF or the deadline shows next
-                self._proc.stdin.write(line)
-                await asyncio.wait_for(self._proc.stdin.drain(), deadline - time.monotonic())
+                stdin.write(line)
+                if stdin.transport.get_write_buffer_size() or stdin.is_closing():  # else all in the pipe
+                    await asyncio.wait_for(stdin.drain(), deadline - time.monotonic())
         event = await self._next(deadline)
         if event is Outcome.STOPPED:
             return event, self._stop_reason, ()
@@ -254,20 +260,25 @@ class WarmRunner:
         return _judge(event, job)
 
     async def _next(self, deadline: float) -> _Event | Outcome:
-        """The next event from stdout, or why there was none (the deadline, or stop())."""
+        """The next event from stdout, or why there was none (the deadline, or stop()).
+
+        It waits on one future that the reader or stop() completes: no task per event."""
         if self._stop.is_set():
             return Outcome.STOPPED
-        get = asyncio.create_task(self._events.get(), name=f"warm-next-{self.pid}")
-        stop = asyncio.create_task(self._stop.wait(), name=f"warm-stop-{self.pid}")
-        try:
-            timeout = max(deadline - time.monotonic(), 0.0)
-            await asyncio.wait({get, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            get.cancel()  # no-op when done; a pending get() loses nothing when cancelled
-        if get.done() and not get.cancelled():
-            return get.result()
+        if not self._events:
+            self._wakeup = wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait((wakeup,), timeout=max(deadline - time.monotonic(), 0.0))
+            finally:
+                self._wakeup = None
+        if self._events:
+            return self._events.popleft()
         return Outcome.STOPPED if self._stop.is_set() else Outcome.TIMED_OUT
+
+    def _wake(self) -> None:
+        """Let `_next` look again."""
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     async def _read_stdout(self, reader: asyncio.StreamReader) -> None:
         """Pass progress on, queue other events; after a protocol violation drain the pipe unparsed."""
@@ -289,7 +300,8 @@ class WarmRunner:
         if self.state is RunnerState.IDLE:
             self._end("exited while idle" if event is None else f"spoke out of turn: {event}")
         elif self.state in (RunnerState.STARTING, RunnerState.RUNNING):
-            self._events.put_nowait(event)
+            self._events.append(event)
+            self._wake()
 
     async def _read_stderr(self, reader: asyncio.StreamReader) -> None:
         """Copy stderr into the runner log and, during a job, the job log."""
