@@ -69,9 +69,10 @@ async def fetch_rows(engine: AsyncEngine, statement: TextClause, values: Mapping
     try:
         rows = await driver.fetch(compiled.string, *(values[k] for k in compiled.names))
     except BaseException as exc:
-        if not isinstance(exc, Exception):  # cancelled mid-statement: closed at once, not politely
-            driver.terminate()  # (a polite close can fail while the statement is in flight)
-        if is_unavailable(exc) or not isinstance(exc, Exception):
+        cut_off = not isinstance(exc, Exception)  # cancelled mid-statement
+        if cut_off:  # closed at once: a polite close can fail while the statement is in flight
+            driver.terminate()
+        if cut_off or is_unavailable(exc):
             await greenlet_spawn(pooled.invalidate, exc)
         raise
     finally:

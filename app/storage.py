@@ -192,10 +192,10 @@ class ResultStore:
             media_type, sha = result.media_type, result.sha256
         elif (match := LOG_NAME.match(name)) and 1 <= int(match.group(1)) <= job.attempt:
             path = log_file(self.root, job.id, int(match.group(1)))
-            if not path.exists():  # written by an earlier version: one folder per job
+            if not os.path.lexists(path):  # written by an earlier version: one folder per job
                 path = self.root / "logs" / str(job.id) / name
             media_type, sha = "text/plain; charset=utf-8", None
-            if not os.path.lexists(path):
+            if not os.path.lexists(path):  # nothing there, not even a link (refused below)
                 return None, media_type, sha
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")

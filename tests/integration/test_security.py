@@ -29,7 +29,7 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from app import auth, errors, links, registry
+from app import auth, errors, links, registry, storage
 from app.api import security
 from app.settings import Settings
 from tests.conftest import api_client, bearer, client_for, create_key, toy_model, worker_env
@@ -374,6 +374,10 @@ async def test_links_only_name_files_of_the_job_inside_storage(settings, make_wo
         (tmp_path / "elsewhere" / "out.txt").write_text("outside storage")
         folder.symlink_to(tmp_path / "elsewhere")
         assert (await http.get(job["files"][0]["url"])).status_code == 404
+        log = storage.log_file(store.root, uid, 1)
+        log.unlink()
+        log.symlink_to(tmp_path / "missing.log")  # a link, even one to nothing, is never served
+        assert (await http.get(job["links"]["log"])).status_code == 404
 
 
 async def test_link_signature_binds_job_name_and_expiry(settings):
