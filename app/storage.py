@@ -6,8 +6,8 @@ Layout (all below one root):
                                          (a worker's lanes are reused job after job, emptied between)
     results/<job id>/<attempt>/<name>    published outputs of the attempt that succeeded
     logs/<xy>/<job id>.attempt-<n>.log   stdout and stderr of each attempt (<xy>: the id's first
-                                         two hex digits, 256 folders made once, so a job makes no
-                                         folder for its log; logs/<job id>/attempt-<n>.log of
+                                         two hex digits, at most 256 folders, each made with the
+                                         first log in it; logs/<job id>/attempt-<n>.log of
                                          earlier versions are still served and pruned)
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
@@ -62,7 +62,7 @@ class ResultStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self._made: set[Path] = set()  # lanes, runner and log folders known to exist
+        self._made: set[Path] = set()  # lanes and runner folders known to exist
         self._inputs: dict[Path, str] = {}  # lane -> its input file, kept for the next job to overwrite
         for part in ("scratch", "results", "logs"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,8 @@ class ResultStore:
 
     def prepare(self, lane: Path, input_name: str, data: bytes, job_id: uuid.UUID, attempt: int) -> Path:
         """Everything an attempt needs on disk before its model starts: the input image in its
-        (otherwise empty) lane, the lane's `out/` folder, and the log's folder. Returns the log path.
+        (otherwise empty) lane and the lane's `out/` folder. Returns the path of the attempt's log,
+        which is made (with its folder, if missing) only once the model prints (app/runlog.py).
 
         Lanes are made once and emptied after each job (`clear_lane`) but for the input file, which
         the next job renames if need be, overwrites and cuts to its own length. So a job creates,
@@ -97,7 +98,7 @@ class ResultStore:
         finally:
             os.close(fd)
         self._inputs[lane] = input_name
-        return self.log_path(job_id, attempt)
+        return log_file(self.root, job_id, attempt)
 
     def clear_lane(self, lane: Path) -> bool:
         """Empty a lane for the next job, keeping its `out/` folder (emptied too) and its input
@@ -137,12 +138,8 @@ class ResultStore:
         return path
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
-        """Where an attempt's log goes (its folder is made)."""
-        path = log_file(self.root, job_id, attempt)
-        if path.parent not in self._made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._made.add(path.parent)
-        return path
+        """Where an attempt's log goes (nothing is made: see `prepare`)."""
+        return log_file(self.root, job_id, attempt)
 
     def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
         """Describe the declared outputs; OutputInvalid if one is missing, empty or too large."""
