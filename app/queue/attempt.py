@@ -83,11 +83,16 @@ class Attempt:
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
         pool: warmpool.WarmPool | None = None,
+        on_model_end: Callable[[Attempt], None] | None = None,
     ) -> None:
         self.job = job
         # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
         self.lane = lane
         self.lane_clean = False  # whether the lane was emptied, and may take another job
+        # Set once the model is done with the GPU (its process exited, or its warm runner answered):
+        # from then on only the outcome is written, and the worker may hand the GPU slot on.
+        self.model_ended = False
+        self._on_model_end = on_model_end
         self.spec = spec
         self._manager = manager
         self._store = store
@@ -128,6 +133,9 @@ class Attempt:
         log.info("job started", extra={"action": "job_started", **extra})
         try:
             outcome = await self._run_model()
+            self.model_ended = True
+            if self._on_model_end is not None:
+                self._on_model_end(self)
         except errors.LeaseLost:
             outcome = None
         except Exception as exc:

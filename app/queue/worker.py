@@ -113,7 +113,7 @@ class Worker:
         """The GPU snapshot stored on each heartbeat: NVML's reading plus what this worker reserved."""
         reserved: Counter[int] = Counter()
         count: Counter[int] = Counter()
-        for a, _ in self._running.values():
+        for a in self._on_gpus():
             reserved[a.gpu] += a.job.vram_mb
             count[a.gpu] += 1
         return [
@@ -224,9 +224,14 @@ class Worker:
                 # each (a statement costs PostgreSQL about 1 ms). An idle worker claims at once.
                 await asyncio.sleep(self._config.claim_gather_s)
 
+    def _on_gpus(self) -> list[attempt_.Attempt]:
+        """The attempts whose model still runs: those whose outcome is being written hold no GPU
+        slot (they stay in `_running` for the heartbeat, the reaper and shutdown)."""
+        return [a for a, _ in self._running.values() if not a.model_ended]
+
     def in_hand(self) -> list[planner_.InHand]:
-        """The jobs running now, as the planner needs them."""
-        return [planner_.InHand(a.job, a.gpu, a.started_s) for a, _ in self._running.values()]
+        """The jobs running on the GPUs now, as the planner needs them."""
+        return [planner_.InHand(a.job, a.gpu, a.started_s) for a in self._on_gpus()]
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
@@ -261,6 +266,7 @@ class Worker:
             image=image,
             pool=self.pool,
             lane=lane,
+            on_model_end=self._model_ended,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
@@ -291,14 +297,26 @@ class Worker:
         sizes = {g.index: g.total_mb for g in self._inventory.snapshot()}
         return max(0, sizes.get(gpu_index or 0, 0) - self._config.scheduling.vram_buffer_mb)
 
+    def _model_ended(self, run: attempt_.Attempt) -> None:
+        """The model of `run` is done with the GPU: its slot may take the next job while the
+        outcome is written (a write of a few ms that would otherwise leave the GPU idle)."""
+        if self._owns(run):
+            self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)
+            self._wake.set()
+
+    def _owns(self, run: attempt_.Attempt) -> bool:
+        """Whether `run` is still this worker's attempt of its job (a newer one may have replaced it)."""
+        entry = self._running.get(run.job.id)
+        return entry is not None and entry[0] is run
+
     def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
         job_id = run.job.id
         if run.lane_clean:
             self._free_lanes.append(run.lane)
-        entry = self._running.get(job_id)
-        if entry is not None and entry[1] is task:  # a newer attempt of the same job may have replaced it
+        if self._owns(run):
             del self._running[job_id]
-            self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
+            if not run.model_ended:  # else settled when the model ended
+                self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
         self._wake.set()  # room on a GPU: look for work

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,31 @@ async def test_four_gb_jobs_run_two_at_a_time_on_a_ten_gb_gpu(manager, make_work
     runs = trace(log)
     assert len(runs) == 6
     assert overlaps(runs) == 2
+
+
+async def test_a_gpu_slot_is_handed_on_while_the_last_outcome_is_written(manager, make_worker, tmp_path):
+    # One slot, two jobs; the first job's success takes a second to write. The second job's model
+    # must start meanwhile (the GPU is free once the first model exited), not after the write.
+    log = tmp_path / "trace.jsonl"
+    first = await enqueue(manager, priority=1, trace=str(log))
+    second = await enqueue(manager, priority=0, trace=str(log))
+    writes: dict[uuid.UUID, tuple[float, float]] = {}
+    succeed = manager.succeed
+
+    async def slow_succeed(job, results, detail):
+        began = time.time()
+        if job.id == first:
+            await asyncio.sleep(1.0)
+        await succeed(job, results, detail)
+        writes[job.id] = (began, time.time())
+
+    manager.succeed = slow_succeed
+    await make_worker(max_jobs_per_gpu=1).run()
+    runs = {r["job"].split(":")[0]: r for r in trace(log)}
+    assert [(await manager.get(i)).state for i in (first, second)] == [JobState.succeeded] * 2
+    assert overlaps(list(runs.values())) == 1  # the models themselves never shared the slot
+    assert runs[str(first)]["end"] <= writes[first][0]
+    assert runs[str(second)]["start"] < writes[first][1] - 0.5, (runs, writes)
 
 
 async def test_two_gpus_are_both_used_and_jobs_placed_tightly(manager, make_worker, tmp_path):
