@@ -49,8 +49,12 @@ class VramLearner:
         ratios, _ = (await self._observed()).get(spec.name, ([], 0))
         cap = None if self._config.above_declared else (spec.max_vram_mb or declared)
         learned = scheduler.learned_vram_mb(
-            declared, ratios, percentile=self._config.percentile, margin_mb=self._config.margin_mb,
-            min_samples=self._config.min_samples, cap_mb=cap,
+            declared,
+            ratios,
+            percentile=self._config.percentile,
+            margin_mb=self._config.margin_mb,
+            min_samples=self._config.min_samples,
+            cap_mb=cap,
         )
         return learned, declared
 
@@ -62,15 +66,26 @@ class VramLearner:
             probe = 1000  # the ratio the percentile gives, read off a 1000 MB declaration
             learned_ratio = (
                 scheduler.learned_vram_mb(
-                    probe, ratios, percentile=self._config.percentile, margin_mb=0,
-                    min_samples=self._config.min_samples, cap_mb=None,
+                    probe,
+                    ratios,
+                    percentile=self._config.percentile,
+                    margin_mb=0,
+                    min_samples=self._config.min_samples,
+                    cap_mb=None,
                 )
                 / probe
             )
         return {
-            "declared": {"base_mb": spec.base_mb, "mb_per_megapixel": spec.mb_per_megapixel,
-                         "max_mb": spec.max_vram_mb},
-            "observed": {"samples": len(ratios), "max_peak_mb": max_peak or None,
-                         "peak_to_declared_p": self._config.percentile, "ratio": learned_ratio},
+            "declared": {
+                "base_mb": spec.base_mb,
+                "mb_per_megapixel": spec.mb_per_megapixel,
+                "max_mb": spec.max_vram_mb,
+            },
+            "observed": {
+                "samples": len(ratios),
+                "max_peak_mb": max_peak or None,
+                "peak_to_declared_p": self._config.percentile,
+                "ratio": learned_ratio,
+            },
             "admits_on": "learned" if learned_ratio is not None else "declared",
         }

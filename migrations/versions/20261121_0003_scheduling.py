@@ -82,7 +82,6 @@ def upgrade() -> None:
     op.create_index("ix_jobs_input", "jobs", ["input_id"])
 
 
-
 def downgrade() -> None:
     op.drop_index("ix_jobs_input", table_name="jobs")
     op.drop_index("ix_jobs_scheduled", table_name="jobs", postgresql_where=SCHEDULED)

@@ -348,7 +348,9 @@ def test_specs_are_frozen(tiny: registry.ModelSpec) -> None:
 
 
 def test_persistent_model_fields_and_extends(write_file: WriteFile) -> None:
-    text = TINY + """
+    text = (
+        TINY
+        + """
 [models.tiny-warm]
 extends = "tiny"
 mode = "persistent"
@@ -356,6 +358,7 @@ serve_argv = ["{python}", "-m", "tiny", "--serve"]
 load_timeout_s = 30
 idle_vram_mb = 64
 """
+    )
     warm = registry.load_registry(write_file(text)).get("tiny-warm")
     assert warm.persistent and warm.load_timeout_s == 30 and warm.idle_vram_mb == 64
     assert warm.build_serve_argv(python="py") == ["py", "-m", "tiny", "--serve"]
@@ -377,7 +380,7 @@ idle_vram_mb = 64
     ],
 )
 def test_bad_persistent_fields_are_named(write_file: WriteFile, extra: str, field: str) -> None:
-    text = TINY.replace('[models.tiny]\n', f'[models.tiny]\n{extra}\n', 1)
+    text = TINY.replace("[models.tiny]\n", f"[models.tiny]\n{extra}\n", 1)
     with pytest.raises(errors.RegistryError) as caught:
         registry.load_registry(write_file(text))
     assert f"field '{field}'" in caught.value.message or field in caught.value.message
