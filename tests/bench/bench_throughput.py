@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -42,6 +43,7 @@ from app import auth, db, images, registry
 from app.queue import manager as manager_
 from tests import dbadmin
 from tests.bench import bench_queue as bq
+from tests.bench import rawhttp
 
 WORKER_SLOTS = 8  # jobs at a time per worker (ours: GPUJOBS_MAX_JOBS_PER_GPU; procrastinate: concurrency)
 UPLOAD_CLIENTS = 32
@@ -118,6 +120,7 @@ class Sizes:
     parts: frozenset[str] = PARTS  # which of queue, latency, uploads to run
     profile_dir: Path | None = None  # py-spy profiles of the workers go here (raw, one per worker)
     settings: tuple[tuple[str, str], ...] = ()  # GPUJOBS_ settings for the workers and the API (--set)
+    upload_client: str = "lean"  # what sends the uploads: "lean" (tests/bench/rawhttp.py) or "httpx"
 
 
 @dataclass(slots=True)
@@ -644,24 +647,48 @@ async def start_api(run: Run) -> tuple[bq.Child, str]:
 
 
 async def post_uploads(run: Run, api: bq.Child, base: str, picture: Picture, sizes: Sizes) -> Measured:
-    """POST /jobs with a distinct 1 MB PNG each, UPLOAD_CLIENTS at a time (one pooled connection each)."""
+    """POST /jobs with a distinct 1 MB PNG each, UPLOAD_CLIENTS at a time (one kept-alive connection
+    each), by the lean client (tests/bench/rawhttp.py) or, with --upload-client httpx, by httpx."""
     engine = db.create_engine(run.bench.url, pool_size=1)
     try:
         key = (await auth.KeyStore(engine).create("bench", role=auth.Role.user)).secret
     finally:
         await engine.dispose()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
-    limits = httpx.Limits(max_connections=UPLOAD_CLIENTS, max_keepalive_connections=UPLOAD_CLIENTS)
-    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=120) as client:
 
-        async def one(i: int) -> str | None:
-            try:
-                response = await client.post("/jobs", content=UPLOAD_HEAD + picture.variant(i) + UPLOAD_TAIL)
-            except httpx.TransportError as exc:  # counted and shown, not fatal to the whole bench
-                return f"{type(exc).__name__}: {exc}"
-            return None if response.status_code == 201 else f"{response.status_code} {response.text[:200]}"
+    def body(i: int) -> bytes:
+        return UPLOAD_HEAD + picture.variant(i) + UPLOAD_TAIL
 
-        return await measure(run, one, sizes, api.proc.pid)
+    if sizes.upload_client == "httpx":
+        limits = httpx.Limits(max_connections=UPLOAD_CLIENTS, max_keepalive_connections=UPLOAD_CLIENTS)
+        async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=120) as client:
+
+            async def by_httpx(i: int) -> str | None:
+                try:
+                    response = await client.post("/jobs", content=body(i))
+                except httpx.TransportError as exc:  # counted and shown, not fatal to the whole bench
+                    return f"{type(exc).__name__}: {exc}"
+                if response.status_code != 201:
+                    return f"{response.status_code} {response.text[:200]}"
+                return None
+
+            return await measure(run, by_httpx, sizes, api.proc.pid)
+    url = httpx.URL(base)
+    connections = rawhttp.Connections(url.host, url.port or 80)
+
+    async def by_lean_client(i: int) -> str | None:
+        data = body(i)
+        head = rawhttp.request_head("POST", f"{url.host}:{url.port}", "/jobs", headers, len(data))
+        try:
+            answer = await connections.send(head, data)
+        except (OSError, rawhttp.BadAnswer) as exc:  # counted and shown, as above
+            return f"{type(exc).__name__}: {exc}"
+        return None if answer.status == 201 else f"{answer.status} {answer.body[:200]!r}"
+
+    try:
+        return await measure(run, by_lean_client, sizes, api.proc.pid)
+    finally:
+        await connections.close()
 
 
 async def api_uploads(run: Run, picture: Picture, sizes: Sizes) -> tuple[Measured, int, int]:
@@ -837,14 +864,23 @@ def parse_args(argv: list[str] | None = None) -> Sizes:
         "--set", action="append", default=[], metavar="GPUJOBS_NAME=VALUE", dest="settings",
         help="a setting for the workers and the API, e.g. GPUJOBS_CLAIM_GATHER_S=0 (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--upload-client", choices=("lean", "httpx"), default="lean",
+        help="what sends the uploads: the lean HTTP/1.1 client (default) or httpx, as before",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     settings = tuple(_setting(parser, text) for text in args.settings)
     parts = frozenset(args.only or PARTS)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        return Sizes(args.jobs or 200, 30, 96, 30, args.storage_dir, parts, args.profile, settings)
-    return Sizes(args.jobs or 2000, 200, 640, 120, args.storage_dir, parts, args.profile, settings)
+        sizes = Sizes(args.jobs or 200, 30, 96, 30)
+    else:
+        sizes = Sizes(args.jobs or 2000, 200, 640, 120)
+    return dataclasses.replace(
+        sizes, storage_parent=args.storage_dir, parts=parts, profile_dir=args.profile, settings=settings,
+        upload_client=args.upload_client,
+    )  # fmt: skip
 
 
 def _setting(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
