@@ -32,6 +32,7 @@ SPAN = (
     "SELECT extract(epoch FROM max(at) FILTER (WHERE type IN ('succeeded', 'failed', 'aborted'))"
     " - min(at) FILTER (WHERE type = 'started')) FROM procrastinate_events"
 )
+FINISHES = "SELECT at FROM procrastinate_events WHERE type = 'succeeded'"  # see steady_sql
 RESET = "TRUNCATE procrastinate_events, procrastinate_jobs, procrastinate_workers CASCADE"
 
 
