@@ -16,11 +16,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from app import warm
 
 _LOG = logging.getLogger("gpujobs.warm")
+
+
+# How to start a runner, or a function that says it (see WarmPool.acquire).
+LaunchOf = warm.Launch | Callable[[], warm.Launch]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,15 +74,19 @@ class WarmPool:
         ]  # fmt: skip
         return sorted(found, key=lambda runner: runner.last_used_s, reverse=True)
 
-    async def acquire(self, key: RunnerKey, launch: warm.Launch, *, hold_mb: int) -> warm.WarmRunner:
-        """The most recently used idle runner of `key`, else a new one; in use until release()."""
+    async def acquire(self, key: RunnerKey, launch: LaunchOf, *, hold_mb: int) -> warm.WarmRunner:
+        """The most recently used idle runner of `key`, else a new one; in use until release().
+
+        `launch` says how to start a runner, or is a function that says it: called only when one
+        must start (a job that finds an idle runner builds no environment or argv)."""
         self._prune()
         idle = self.idle(key)
         if idle:
             self._in_use.add(idle[0])
             idle[0].clear_stop()
             return idle[0]
-        runner = warm.WarmRunner(launch, kill_grace_s=self._grace)
+        how = launch if isinstance(launch, warm.Launch) else launch()
+        runner = warm.WarmRunner(how, kill_grace_s=self._grace)
         self._held[runner] = _Held(key, hold_mb)
         self._in_use.add(runner)
         try:
@@ -97,9 +105,7 @@ class WarmPool:
         self._prune()
 
     @contextlib.asynccontextmanager
-    async def use(
-        self, key: RunnerKey, launch: warm.Launch, *, hold_mb: int
-    ) -> AsyncIterator[warm.WarmRunner]:
+    async def use(self, key: RunnerKey, launch: LaunchOf, *, hold_mb: int) -> AsyncIterator[warm.WarmRunner]:
         """acquire() for the block, release() after it."""
         runner = await self.acquire(key, launch, hold_mb=hold_mb)
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -208,7 +209,7 @@ class Attempt:
         key = warmpool.RunnerKey(spec.name, job.gpu)
         try:
             runner = await self._pool.acquire(
-                key, self._launch(key), hold_mb=spec.idle_vram_mb or spec.base_mb
+                key, functools.partial(self._launch, key), hold_mb=spec.idle_vram_mb or spec.base_mb
             )
         except warm.StartFailed as exc:
             if spec.out_of_memory(None, str(exc)):

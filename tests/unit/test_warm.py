@@ -136,6 +136,23 @@ async def test_one_process_answers_many_jobs_and_loads_once(tmp_path: Path, pool
 
 
 @pytest.mark.asyncio
+async def test_how_to_start_a_runner_is_worked_out_only_when_one_starts(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    built: list[warm.Launch] = []
+
+    def launch() -> warm.Launch:
+        built.append(_toy(tmp_path))
+        return built[-1]
+
+    jobs = Jobs(tmp_path)
+    for _ in range(3):  # one after another: the first starts the runner, the others reuse it
+        async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
+            assert (await jobs.run(warm_runner)).ok
+    assert len(built) == 1 and _loads(tmp_path) == 1
+
+
+@pytest.mark.asyncio
 async def test_a_runner_that_dies_mid_job_is_replaced(tmp_path: Path, pool: warmpool.WarmPool) -> None:
     jobs = Jobs(tmp_path)
     async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as first:
