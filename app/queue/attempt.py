@@ -29,6 +29,7 @@ T = TypeVar("T")
 EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
 PID_AFTER_S = 0.5
+RECORD_PID_WAIT_S = 5.0  # the most a run's end waits for its pid's statement to finish
 
 # Reasons a run is stopped from outside, and what the attempt then writes.
 CANCELED = "canceled"
@@ -293,10 +294,11 @@ class Attempt:
         task: a timer costs less).
         """
         side: list[asyncio.Task[None]] = []
+        recording: list[asyncio.Task[None]] = []
 
         def record_pid() -> None:
             if self._stop_reason is None:
-                side.append(asyncio.create_task(self._record_pid(pgid), name=f"pid:{self.job.id}"))
+                recording.append(asyncio.create_task(self._record_pid(pgid), name=f"pid:{self.job.id}"))
 
         timer = asyncio.get_running_loop().call_later(PID_AFTER_S, record_pid)
         if self._inventory is not None and not isinstance(self._inventory, gpu.VirtualInventory):
@@ -305,9 +307,13 @@ class Attempt:
             return await work
         finally:
             timer.cancel()
-            for task in side:
+            # A pid being recorded is one short statement, let it end: cut off, it would roll back
+            # its `started` event and leave a hole in the event ids, which the metrics then wait on.
+            if recording:
+                await asyncio.wait(recording, timeout=RECORD_PID_WAIT_S)
+            for task in (*side, *recording):
                 task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            await asyncio.gather(*side, *recording, return_exceptions=True)
 
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""

@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
+
 from app import images
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager, NewJob
@@ -141,6 +143,48 @@ async def test_a_gpu_slot_is_handed_on_while_the_last_outcome_is_written(manager
     assert overlaps(list(runs.values())) == 1  # the models themselves never shared the slot
     assert runs[str(first)]["end"] <= writes[first][0]
     assert runs[str(second)]["start"] < writes[first][1] - 0.5, (runs, writes)
+
+
+async def test_a_job_whose_outcome_is_being_written_keeps_its_lease(manager, make_worker):
+    # Its slot is handed on when the model ends, but the job stays the worker's until the outcome
+    # is written: a write slower than the lease must not let another worker's reaper take it back.
+    job_id = await enqueue(manager)
+    succeed = manager.succeed
+
+    async def slow_succeed(job, results, detail):
+        await asyncio.sleep(2.0)
+        await succeed(job, results, detail)
+
+    manager.succeed = slow_succeed
+    run = asyncio.create_task(make_worker(lease_s=1.0, heartbeat_interval_s=0.2).run())
+    taken = []
+    while not run.done():
+        taken += await manager.recover_expired(by_worker="test:other")
+        await asyncio.sleep(0.2)
+    await run
+    job = await manager.get(job_id)
+    assert taken == [] and job.state is JobState.succeeded and job.attempt == 1
+
+
+async def test_a_pid_being_recorded_when_the_run_ends_is_recorded(manager, make_worker, engine):
+    # The pid is recorded once a run lasts PID_AFTER_S (0.5 s). Here the statement is slow and the
+    # run ends first: the statement must be let finish, not cut off (rolled back, it left a hole
+    # in the event ids that held the metrics' counting back for 10 s).
+    job_id = await enqueue(manager, sleep=0.6)
+    set_pid = manager.set_pid
+
+    async def slow_set_pid(job, pid):
+        await asyncio.sleep(1.5)
+        return await set_pid(job, pid)
+
+    manager.set_pid = slow_set_pid
+    await make_worker().run()
+    job = await manager.get(job_id)
+    kinds = [e.kind for e in await manager.events(job_id)]
+    assert job.state is JobState.succeeded and "started" in kinds, kinds
+    async with engine.connect() as conn:
+        ids = (await conn.execute(text("SELECT id FROM job_events ORDER BY id"))).scalars().all()
+    assert ids == list(range(ids[0], ids[0] + len(ids)))  # no hole
 
 
 async def test_two_gpus_are_both_used_and_jobs_placed_tightly(manager, make_worker, tmp_path):
