@@ -348,7 +348,7 @@ class ModelProcess:
         self._exited, self._stopped, self._pipes_closed = (loop.create_future() for _ in range(3))
         if self._stop_reason is not None:
             self._stopped.set_result(None)
-        _LOG.info("model started", extra={"action": "model_started", "pid": popen.pid})
+        _LOG.debug("model started", extra={"action": "model_started", "pid": popen.pid})  # also in its log
         self._log.note(f"started pid {popen.pid}: {' '.join(self._argv)}")
         self._pipes = [_Pipe(stdout, parse=self._on_progress is not None), _Pipe(stderr, parse=False)]
         for pipe in self._pipes:

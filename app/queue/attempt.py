@@ -139,6 +139,7 @@ class Attempt:
             if self._on_model_end is not None:
                 self._on_model_end(self)
         except errors.LeaseLost:
+            log.warning("lease lost while the model ran", extra={"action": "lease_lost", **extra})
             outcome = None
         except Exception as exc:
             if db.is_unavailable(exc):  # nothing can be written; the lease runs out, the job comes back
@@ -152,7 +153,8 @@ class Attempt:
         if outcome is not None:
             await asyncio.shield(self._persist(outcome))
         self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
-        log.info("job attempt ended", extra={"action": "job_ended", **extra})
+        # The outcome's own line (job_succeeded, job_failed, lease_lost...) said how it ended.
+        log.debug("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""
@@ -355,10 +357,16 @@ class Attempt:
             )
             return None
         if reason == SHUTDOWN:
-            return lambda: self._manager.release(self.job, reason=SHUTDOWN)
+            return self._hand_back
         if reason == CANCELED:
             return self._failure("canceled while running", retryable=False)
         return self._failure(f"stopped: {reason}", retryable=True)
+
+    async def _hand_back(self) -> None:
+        """The worker is stopping: the job goes back to the queue, no attempt spent."""
+        await self._manager.release(self.job, reason=SHUTDOWN)
+        extra = {"action": "job_released", "job_id": str(self.job.id)}
+        log.info("job handed back: worker shutting down", extra=extra)
 
     def _out_of_memory(self, what: str) -> Callable[[], Awaitable[Any]]:
         """Queue again with a larger estimate (no attempt spent), or fail once that cannot help."""
