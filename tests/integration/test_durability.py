@@ -285,7 +285,7 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
         server.stop()
 
 
-async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_worker):
+async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_worker, tmp_path):
     quick = await enqueue(manager, sleep=0.8, steps=1)
     slow = await enqueue(manager, sleep=30, steps=30)
     worker = spawn_worker("graceful", shutdown_grace_s=1.5)
@@ -299,6 +299,9 @@ async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_
     assert job.max_attempts == 4  # ...without spending an attempt
     assert (await kinds(manager, slow))[-1] == "released"
     assert model_pid is not None and not alive(model_pid)  # its model was stopped
+    [log] = tmp_path.glob("worker-graceful-*.log")
+    [handed_back] = [line for line in log.read_text().splitlines() if "job handed back" in line]
+    assert f"job_id={slow}" in handed_back
 
 
 def model_processes(job_id: uuid.UUID) -> list[int]:
