@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import resource
 import shutil
 import tempfile
 import time
@@ -32,18 +31,13 @@ from tests.bench import bench_queue as bq
 STATEMENT = text("SELECT CAST(:n AS integer) + 1 AS next")
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def _timed(name: str, count: int, one: Callable[[int], Awaitable[object]]) -> None:
     for n in range(min(count, 200)):  # warm: connections made, statements prepared
         await one(n)
-    cpu, wall = _cpu_s(), time.perf_counter()
+    cpu, wall = bq.own_cpu_s(), time.perf_counter()
     for n in range(count):
         await one(n)
-    cpu_us, wall_us = (_cpu_s() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
+    cpu_us, wall_us = (bq.own_cpu_s() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
     print(f"{name:<28} {cpu_us:6.1f} us CPU, {wall_us:6.1f} us wall per statement")
 
 

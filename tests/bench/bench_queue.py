@@ -314,6 +314,20 @@ async def end_to_end(bench: Bench, jobs: int, n_workers: int) -> None:
 # -- 2. wake-up latency -----------------------------------------------------------------------
 
 
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of one live process, all its threads (0 when unreadable)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
 def percentiles(values: list[float]) -> str:
     """p50 / p90 / p99 / max."""
     q = statistics.quantiles(values, n=100, method="inclusive")

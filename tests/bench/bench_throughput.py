@@ -563,14 +563,6 @@ class Measured:
         return f"bench {per_item_ms(self.cpu.own_s, count)}{api} / PostgreSQL {postgres}"
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds of one live process, all its threads (0 when unreadable)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
-
-
 async def measure(
     run: Run, one: Callable[[int], Awaitable[str | None]], sizes: Sizes, api_pid: int = 0
 ) -> Measured:
@@ -588,7 +580,7 @@ async def measure(
     deadline = time.perf_counter() + sizes.upload_timeout_s
 
     def mark() -> None:
-        marks.append((time.perf_counter(), Cpu.now(run), process_cpu_s(api_pid)))
+        marks.append((time.perf_counter(), Cpu.now(run), bq.process_cpu_s(api_pid)))
 
     async def client() -> None:
         for i in todo:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from app import modelkit, runner, warm
+from tests.bench import bench_queue as bq
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = """
@@ -29,17 +29,6 @@ sys.path.insert(0, {root!r})
 from app import modelkit
 sys.exit(modelkit.serve(lambda: None, lambda model, job: [], name="noop"))
 """
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 async def one_round(tmp: Path, jobs: int) -> tuple[float, float, float]:
@@ -60,7 +49,7 @@ async def one_round(tmp: Path, jobs: int) -> tuple[float, float, float]:
         """No progress is reported."""
 
     try:
-        wall, mine, theirs = time.perf_counter(), own_cpu_s(), process_cpu_s(pid)
+        wall, mine, theirs = time.perf_counter(), bq.own_cpu_s(), bq.process_cpu_s(pid)
         for i in range(jobs):
             request = modelkit.Request(f"job{i}:1", tmp / "in.png", tmp / "out", {})
             result = await warm_runner.run_job(
@@ -68,8 +57,8 @@ async def one_round(tmp: Path, jobs: int) -> tuple[float, float, float]:
             )
             if not result.ok:
                 raise RuntimeError(f"job {i}: {result}")
-        wall, mine = time.perf_counter() - wall, own_cpu_s() - mine
-        theirs = process_cpu_s(pid) - theirs
+        wall, mine = time.perf_counter() - wall, bq.own_cpu_s() - mine
+        theirs = bq.process_cpu_s(pid) - theirs
     finally:
         await warm_runner.close()
     return wall * 1e6 / jobs, mine * 1e6 / jobs, theirs * 1e6 / jobs
