@@ -42,11 +42,6 @@ class RunLog:
         if eager:
             self._open()
 
-    @property
-    def made(self) -> bool:
-        """Whether the file was made (or tried)."""
-        return self._waiting is None
-
     def write(self, data: bytes) -> None:
         """The model's output: the file is made now if it was not."""
         if not data:

@@ -135,9 +135,6 @@ class Attempt:
         log.info("job started", extra={"action": "job_started", **extra})
         try:
             outcome = await self._run_model()
-            self.model_ended = True
-            if self._on_model_end is not None:
-                self._on_model_end(self)
         except errors.LeaseLost:
             log.warning("lease lost while the model ran", extra={"action": "lease_lost", **extra})
             outcome = None
@@ -150,6 +147,10 @@ class Attempt:
                     "attempt failed inside the worker", extra={"action": "attempt_crashed", **extra}
                 )
                 outcome = self._failure(f"internal error in the worker: {exc!r}", retryable=True)
+        else:  # the model is done: its slot may go on while the outcome is written
+            self.model_ended = True
+            if self._on_model_end is not None:
+                self._on_model_end(self)
         if outcome is not None:
             await asyncio.shield(self._persist(outcome))
         self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
