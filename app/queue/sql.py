@@ -107,7 +107,9 @@ ENQUEUE = text(
 # enough MB and a free slot left by those placed before it, or is skipped (left queued). `:gpu_ids`
 # / `:gpu_budgets` / `:gpu_slots` are parallel arrays; `:budget` is the largest budget.
 # `:max_megapixels` (parallel to `:models`) and `:min_priority` narrow the claim for backfill and
-# reservations.
+# reservations. The placed rows are updated through their ids as an array (`id = ANY(ARRAY(...))`,
+# read by primary key): joined to `placed` alone, whose size the planner guesses at hundreds of
+# rows, the update read the whole `jobs` table, finished jobs and all, on every claim.
 CLAIM = text(
     f"""
     WITH RECURSIVE candidate AS MATERIALIZED (
@@ -158,7 +160,7 @@ CLAIM = text(
             pid = NULL, progress = 0, progress_message = NULL,
             lease_expires_at = now() + make_interval(secs => :lease_s), started_at = now()
         FROM placed
-        WHERE j.id = placed.id AND placed.slot IS NOT NULL
+        WHERE j.id = ANY(ARRAY(SELECT id FROM placed WHERE slot IS NOT NULL)) AND j.id = placed.id
         RETURNING j.*, placed.rank
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
