@@ -138,6 +138,14 @@ class JobRow(Base):
             "finished_at",
             postgresql_where=text("expired_at IS NULL AND state IN ('succeeded', 'failed', 'canceled')"),
         ),
+        # Recent finished jobs: admin stats, run-time estimates (newest first, never the whole table).
+        Index("ix_jobs_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
+        # Recent recorded VRAM peaks, for learned estimates.
+        Index(
+            "ix_jobs_peaks",
+            "finished_at",
+            postgresql_where=text("state = 'succeeded' AND vram_peak_mb IS NOT NULL AND declared_vram_mb > 0"),
+        ),
         Index(
             "uq_jobs_idempotency",
             "owner",

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.util import greenlet_spawn
 
 from app import db, errors
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
+from tests import plans
 from tests.integration.test_durability import running
 from tests.integration.test_worker import enqueue
 
@@ -35,45 +34,6 @@ async def test_a_batch_is_taken_best_first_in_one_statement(manager: JobManager,
     assert [c.job.id for c in rest] == [ids[3], ids[1]]
 
 
-FINISHED_BESIDE = text(
-    """
-    INSERT INTO jobs (owner, model, input_id, megapixels, priority, vram_mb, declared_vram_mb,
-                      max_attempts, attempt, state, started_at, finished_at)
-    SELECT owner, model, input_id, megapixels, 0, vram_mb, vram_mb, 1, 1, 'succeeded', now(), now()
-    FROM jobs, generate_series(1, :count)
-    """
-)
-
-
-def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """A JSON plan node and every node below it."""
-    return [node, *(n for child in node.get("Plans", []) for n in plan_nodes(child))]
-
-
-async def plans_of(engine: Any, statement: Any, values: Any, plan_cache_mode: str) -> list[dict[str, Any]]:
-    """Run `statement` as `db.fetch_rows` does (a prepared statement on a pooled driver connection)
-    inside a transaction that is rolled back, and return the plans auto_explain reported for it."""
-    compiled = db._driver_sql(statement, engine.dialect)
-    notices: list[str] = []
-    pooled = await engine.raw_connection()
-    driver = pooled.driver_connection
-    driver.add_log_listener(lambda _conn, message: notices.append(message.message))
-    transaction = driver.transaction()
-    await transaction.start()
-    try:
-        await driver.execute(
-            "LOAD 'auto_explain'; SET LOCAL auto_explain.log_min_duration = 0;"
-            " SET LOCAL auto_explain.log_analyze = on; SET LOCAL auto_explain.log_format = json;"
-            f" SET LOCAL auto_explain.log_level = notice; SET LOCAL plan_cache_mode = {plan_cache_mode}"
-        )
-        await driver.fetch(compiled.string, *(values[k] for k in compiled.names))
-    finally:
-        await transaction.rollback()
-        await greenlet_spawn(pooled.invalidate)  # auto_explain stays loaded in that session
-    reports = [json.loads(n[n.index("{") :]) for n in notices if "Query Text" in n]
-    return [r["Plan"] for r in reports if r["Query Text"] == compiled.string]
-
-
 async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, engine, monkeypatch):
     """A claim reads its candidates and the rows it takes by index, never the whole table. The
     plan once joined the taken rows to `jobs` by a sequential scan: 5 ms per claim beside 12,000
@@ -81,7 +41,7 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
     for the claim's values and on the generic plan a prepared statement may switch to."""
     await enqueue(manager)
     async with engine.begin() as conn:
-        await conn.execute(FINISHED_BESIDE, {"count": 10_000})
+        await conn.execute(plans.FINISHED_BESIDE, {"count": 10_000})
         await conn.execute(text("ANALYZE jobs"))
     for _ in range(7):
         await enqueue(manager)
@@ -92,7 +52,7 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
         seen: list[dict[str, Any]] = []
 
         async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
-            seen.extend(await plans_of(engine, statement, values, mode))
+            seen.extend(await plans.prepared_plans(engine, statement, values, mode))
             return []
 
         monkeypatch.setattr(db, "fetch_rows", explained)
@@ -104,9 +64,10 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
         return plan
 
     for mode in ("force_custom_plan", "force_generic_plan"):
-        on_jobs = [n for n in plan_nodes(await claim_plan(mode)) if n.get("Relation Name") == "jobs"]
-        assert "Seq Scan" not in {n["Node Type"] for n in on_jobs}, (mode, on_jobs)
-        assert [n["Actual Rows"] for n in on_jobs if n["Node Type"] == "ModifyTable"] == [8]
+        plan = await claim_plan(mode)
+        assert "Seq Scan" not in plans.scans_of(plan, "jobs"), (mode, plan)
+        updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
+        assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [8], (mode, plan)
     assert len(await manager.claim(**many)) == 8  # what the plans showed was rolled back
 
 

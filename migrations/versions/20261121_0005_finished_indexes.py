@@ -1,0 +1,39 @@
+"""Indexes for the statements that read finished jobs, so their cost stays flat as history grows.
+
+The admin stats (jobs finished in the last hour), the workers' run-time estimates (the last
+5,000 successes) and the API's learned VRAM estimates (the last 5,000 recorded peaks) each read
+the whole `jobs` table before, every finished job ever kept: on a table of 200,000 finished jobs
+the two estimates, which every worker and API process refreshes every 30 seconds, took tens of
+milliseconds each, paid by the claim or the upload that found them stale.
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-11-21 18:00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0005"
+down_revision: str | None = "0004"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_index("ix_jobs_finished", "jobs", ["finished_at"], postgresql_where=sa.text("finished_at IS NOT NULL"))
+    op.create_index(
+        "ix_jobs_peaks",
+        "jobs",
+        ["finished_at"],
+        postgresql_where=sa.text("state = 'succeeded' AND vram_peak_mb IS NOT NULL AND declared_vram_mb > 0"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_index("ix_jobs_peaks", table_name="jobs")
+    op.drop_index("ix_jobs_finished", table_name="jobs")
