@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The app's bytecode is written once here: where PYTHONDONTWRITEBYTECODE is set (as in many
+# containers), every worker and warm runner would otherwise compile its sources at each start.
 setup: $(STAMP)
+	@$(BIN)/python -m compileall -q app
 
 # The browser tests (tests/browser) drive Debian's chromium with Playwright; no browser is ever
 # downloaded. Installing it needs apt and root: without them those tests skip and say why.
