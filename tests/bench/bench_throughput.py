@@ -221,6 +221,7 @@ class Drained:
     finished: bool
     cpu: Cpu
     steady_per_s: float  # successes per second between the 10th and 90th percentile finish times
+    output: str = ""  # the last lines of a worker's output, when the queue was not drained
 
     def per_s(self, seconds: float) -> float:
         """Jobs succeeded per second over `seconds`."""
@@ -296,7 +297,7 @@ async def drain(run: Run, queue: Queue, workers: int, start: Callable[[int], bq.
         started, cpu = time.perf_counter(), Cpu.now(run)
         children = [start(i) for i in range(workers)]
         done = f"SELECT ({queue.ended}) >= {jobs}"
-        finished = await bq.wait_for(engine, done, timeout_s=max(120.0, jobs / 5))
+        finished = await bq.wait_for(engine, done, timeout_s=max(120.0, jobs / 5), workers=children)
         wall_s = time.perf_counter() - started
         codes = await bq.reap_workers(run.bench, children, timeout_s=30)
         used = cpu.since(run)
@@ -307,16 +308,18 @@ async def drain(run: Run, queue: Queue, workers: int, start: Callable[[int], bq.
     finally:
         if engine is not run.bench.engine:
             await engine.dispose()
+    output = "" if finished else children[0].tail()
     return Drained(
-        int(counts.ok), int(counts.bad), wall_s, float(span or 0), codes, finished, used, float(steady or 0)
-    )
+        int(counts.ok), int(counts.bad), wall_s, float(span or 0), codes, finished, used, float(steady or 0),
+        output,
+    )  # fmt: skip
 
 
 def report(run: Run, section: str, drained: Drained, enqueue_per_s: float) -> None:
     """The lines of one drained queue."""
     run.add(section, "enqueue (bulk, before the workers start)", f"{enqueue_per_s:,.0f} jobs/s")
     if not drained.finished:
-        run.add(section, "TIMED OUT", f"{drained.ok} succeeded")
+        run.add(section, bq.NOT_DRAINED, f"{drained.ok} succeeded; {drained.output}")
     run.add(section, "jobs/s, first start to last finish", f"{drained.per_s(drained.span_s):.0f}")
     run.add(section, "jobs/s, wall (incl. worker start)", f"{drained.per_s(drained.wall_s):.0f}")
     run.add(section, "jobs/s, steady (10th to 90th percentile of finishes)", f"{drained.steady_per_s:.0f}")
@@ -915,6 +918,7 @@ def _setting(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmarks and print the table."""
     sizes = parse_args(argv)
+    bq.compile_app()
     tmp = Path(tempfile.mkdtemp(prefix="gpujobs-bench-"))
     storage = tmp / "storage"
     if sizes.storage_parent is not None:
