@@ -2,9 +2,11 @@
 
 The admin stats (jobs finished in the last hour), the workers' run-time estimates (the last
 5,000 successes) and the API's learned VRAM estimates (the last 5,000 recorded peaks) each read
-the whole `jobs` table before, every finished job ever kept: on a table of 200,000 finished jobs
-the two estimates, which every worker and API process refreshes every 30 seconds, took tens of
-milliseconds each, paid by the claim or the upload that found them stale.
+the whole `jobs` table before, every finished job ever kept. Beside 200,000 finished jobs
+(PostgreSQL 15 on the 2-core VM, best of 5): run-time estimates 88 ms, VRAM estimates 75 ms,
+stats of the last hour 44 ms before; 5.5, 3.9 and 3.5 ms with these indexes. Every worker and
+API process refreshes the estimates every 30 seconds, and the claim or the upload that finds
+them stale waits for that read.
 
 Revision ID: 0005
 Revises: 0004
