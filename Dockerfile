@@ -8,8 +8,8 @@ COPY app ./app
 COPY migrations ./migrations
 # Bytecode compiled as root: the gpujobs user cannot write app/__pycache__, and without it each
 # worker and warm runner start would compile the sources again.
-RUN pip install --no-cache-dir -e . && python -m compileall -q app && useradd --create-home gpujobs && mkdir -p storage \
-    && chown gpujobs storage
+RUN pip install --no-cache-dir -e . && python -m compileall -q app \
+    && useradd --create-home gpujobs && mkdir -p storage && chown gpujobs storage
 USER gpujobs
 ENV GPUJOBS_STORAGE_DIR=/srv/gpujobs/storage GPUJOBS_HOST=0.0.0.0
 EXPOSE 8000
