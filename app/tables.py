@@ -144,7 +144,9 @@ class JobRow(Base):
         Index(
             "ix_jobs_peaks",
             "finished_at",
-            postgresql_where=text("state = 'succeeded' AND vram_peak_mb IS NOT NULL AND declared_vram_mb > 0"),
+            postgresql_where=text(
+                "state = 'succeeded' AND vram_peak_mb IS NOT NULL AND declared_vram_mb > 0"
+            ),
         ),
         Index(
             "uq_jobs_idempotency",

@@ -400,9 +400,25 @@ class JobManager:
             rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, {"host": host, "worker_id": worker_id})).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
-    async def recover_expired(self, *, by_worker: str, in_hand: Sequence[uuid.UUID] = ()) -> list[TakenBack]:
-        """Queue again (or fail) running jobs whose lease ran out, except those `by_worker` runs."""
-        values = {"by_worker": by_worker, "reason": "lease expired", "in_hand": list(in_hand)}
+    async def recover_expired(
+        self,
+        *,
+        by_worker: str,
+        in_hand: Sequence[uuid.UUID] = (),
+        host: str | None = None,
+        cleared: Sequence[uuid.UUID] = (),
+    ) -> list[TakenBack]:
+        """Queue again (or fail) running jobs whose lease ran out, except those `by_worker` runs.
+
+        With `host`, a job on that host is taken only if it is in `cleared`: its leftover
+        processes were looked for (and killed) after its lease ran out (`leftovers_on_host`)."""
+        values = {
+            "by_worker": by_worker,
+            "reason": "lease expired",
+            "in_hand": list(in_hand),
+            "host": host,
+            "cleared": list(cleared),
+        }
         return await self._take_back(sql.RECOVER_EXPIRED, values)
 
     async def requeue_own(self, *, worker_id: str) -> list[TakenBack]:

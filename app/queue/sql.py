@@ -403,9 +403,16 @@ _TAKE_BACK = f"""
 
 # Expired leases, except the jobs the calling worker is running right now: after a database
 # outage their leases may have lapsed, but their worker is alive and will renew or finish them.
+# Of the jobs on the caller's own host (`:host`; NULL: no such rule) only those in `:cleared`
+# are taken: the ones whose leftover processes it has just looked for and killed. A lease that
+# ran out after that look waits for the next round, so the old run is gone before a new attempt
+# of the job can start.
 RECOVER_EXPIRED = text(
     _TAKE_BACK.format(
-        where="lease_expires_at < now() AND NOT (id = ANY(CAST(:in_hand AS uuid[])))", channel=QUEUED_CHANNEL
+        where="lease_expires_at < now() AND NOT (id = ANY(CAST(:in_hand AS uuid[])))"
+        " AND (CAST(:host AS text) IS NULL OR host IS DISTINCT FROM CAST(:host AS text)"
+        " OR id = ANY(CAST(:cleared AS uuid[])))",
+        channel=QUEUED_CHANNEL,
     )
 )
 

@@ -362,11 +362,13 @@ class Worker:
 
     async def reap(self) -> int:
         """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
-        await self._kill_leftovers()
         if await self._manager.promote_due():
             self._wake.set()
         await self._manager.age_queued(step_s=self._config.age_step_s, max_boost=self._config.age_max_boost)
-        taken = await self._manager.recover_expired(by_worker=self.id, in_hand=list(self._running))
+        cleared = await self._kill_leftovers()
+        taken = await self._manager.recover_expired(
+            by_worker=self.id, in_hand=list(self._running), host=self.host, cleared=cleared
+        )
         for t in taken:
             log.warning(
                 "took back a job whose lease expired",
@@ -382,11 +384,15 @@ class Worker:
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
 
-    async def _kill_leftovers(self, *, worker_id: str | None = None) -> None:
-        """Kill model processes on this host of jobs about to be taken back, before they are."""
+    async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
+        """Kill model processes on this host of jobs about to be taken back, before they are;
+        returns the jobs so cleared (only those may be taken back from this host)."""
+        cleared = []
         for leftover in await self._manager.leftovers_on_host(host=self.host, worker_id=worker_id):
             if leftover.id not in self._running:
                 await leftovers.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
+                cleared.append(leftover.id)
+        return cleared
 
     async def _listen_loop(self) -> None:
         """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 import uuid
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -95,6 +97,46 @@ async def test_kill_9_and_restart_requeues_at_once(manager, spawn_worker):
     assert any(e.kind == "recovered" and e.detail["reason"] == "worker restarted" for e in history)
     done = await until(manager, job_id, lambda j: j.state.final)
     assert done.state is JobState.succeeded
+
+
+async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next_round(
+    manager, make_worker, engine
+):
+    """A reaper kills a dead run's leftover processes, then takes its job back. A lease that ran
+    out between those two steps was taken back with its run still alive, and the new attempt
+    overlapped the old one (seen by the chaos bench). Such a job now waits for the next round."""
+    job_id = await enqueue(manager)
+    reaper = make_worker(burst=False)
+    [claimed] = await manager.claim(
+        worker_id="test:dead", host=reaper.host, models=["toy"], budgets={0: 24_576}, lease_s=60
+    )
+    env = {**os.environ, "GPUJOBS_JOB": f"{job_id}:{claimed.job.attempt}"}
+    # The dead worker's model, in its own session as the worker starts them.
+    run = await asyncio.create_subprocess_exec("sleep", "60", env=env, start_new_session=True)
+    try:
+        await manager.set_pid(claimed.job, run.pid)
+        looked = manager.leftovers_on_host
+
+        async def lease_runs_out_just_after(**kwargs: Any) -> Any:
+            found = await looked(**kwargs)
+            async with engine.begin() as conn:
+                await conn.execute(EXPIRE_LEASE, {"id": job_id})
+            return found
+
+        manager.leftovers_on_host = lease_runs_out_just_after
+        assert await reaper.reap() == 0  # expired, but not looked at: left for the next round
+        del manager.leftovers_on_host
+        assert (await manager.get(job_id)).state is JobState.running and run.returncode is None
+        assert await reaper.reap() == 1  # looked at, killed, taken back
+        assert await asyncio.wait_for(run.wait(), 5) is not None
+        assert (await manager.get(job_id)).state is JobState.queued
+    finally:
+        if run.returncode is None:
+            run.kill()
+            await run.wait()
+
+
+EXPIRE_LEASE = text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :id")
 
 
 async def test_paused_worker_cannot_overwrite_the_newer_attempt(manager, spawn_worker, store, tmp_path):
