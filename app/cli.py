@@ -38,17 +38,37 @@ def _settings() -> Settings:
 
 @contextlib.contextmanager
 def database(settings: Settings) -> Iterator[Settings]:
-    """Settings with a database URL: the configured one, or the embedded server (migrated)."""
+    """Settings with a database URL: the configured one, or the embedded server (migrated), which
+    is stopped on the way out, SIGTERM included."""
     if settings.database_url:
         yield settings
         return
     server = pgserver.EmbeddedPostgres(settings.storage_dir / "pgdata")
-    url = server.start()
+    with _exit_on_sigterm():
+        url = server.start()
+        try:
+            migrate.upgrade(url)
+            yield settings.model_copy(update={"database_url": url})
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """Make SIGTERM end the process through Python (SystemExit 143), so `finally` blocks run.
+
+    uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the
+    signal again; with the default handler the process died right there, and the embedded
+    PostgreSQL it had started kept running (`docker stop`, systemd and `kill` all send SIGTERM)."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
     try:
-        migrate.upgrade(url)
-        yield settings.model_copy(update={"database_url": url})
+        yield
     finally:
-        server.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def _check_schema(url: str) -> None:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import asyncpg
+import httpx
 
 from app import db, pgserver
 
@@ -35,3 +41,64 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
     finally:
         server.stop()
     assert not (data / "postmaster.pid").exists()  # the last one out stopped it
+
+
+def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
+    """`gpujobs serve` with no database URL starts the embedded server and, on SIGTERM (docker stop,
+    systemd, kill), shuts down and stops that server. uvicorn re-raises the signal after its
+    graceful shutdown; with the default handler the process died there and left the server up."""
+    storage = tmp_path / "storage"
+    port = _free_port()
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+        "GPUJOBS_STORAGE_DIR": str(storage),
+        "GPUJOBS_GPUS": "24GiB",
+        "GPUJOBS_LOG_LEVEL": "WARNING",
+    }
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", "--port", str(port)], env=env, stdout=out, stderr=out
+        )
+    postmaster = None
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}/healthz"):
+            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        pid_file = storage / "pgdata" / "postmaster.pid"
+        postmaster = int(pid_file.read_text().split()[0])
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
+        deadline = time.monotonic() + 10
+        while _alive(postmaster):
+            assert time.monotonic() < deadline, "the embedded PostgreSQL outlived serve"
+            time.sleep(0.1)
+        assert not pid_file.exists()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        if postmaster is not None and _alive(postmaster):  # a failed run leaves no server behind
+            os.kill(postmaster, signal.SIGQUIT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
