@@ -22,6 +22,14 @@ FINISHED_BESIDE = text(
     """
 )
 
+# Stored images beside the test's own (one-byte stand-ins), as a service keeps them for its jobs.
+INPUTS_BESIDE = text(
+    """
+    INSERT INTO inputs (sha256, media_type, width, height, bytes, data)
+    SELECT md5(g::text), 'image/png', 1, 1, 1, '\\x00'::bytea FROM generate_series(1, :count) AS g
+    """
+)
+
 
 def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     """A JSON plan node and every node below it."""

@@ -42,7 +42,8 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
     await enqueue(manager)
     async with engine.begin() as conn:
         await conn.execute(plans.FINISHED_BESIDE, {"count": 10_000})
-        await conn.execute(text("ANALYZE jobs"))
+        await conn.execute(plans.INPUTS_BESIDE, {"count": 10_000})
+        await conn.execute(text("ANALYZE jobs, inputs"))
     for _ in range(7):
         await enqueue(manager)
     # A worker of several models on a large GPU probes many (model, size class) pairs.
@@ -66,6 +67,7 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
     for mode in ("force_custom_plan", "force_generic_plan"):
         plan = await claim_plan(mode)
         assert "Seq Scan" not in plans.scans_of(plan, "jobs"), (mode, plan)
+        assert "Seq Scan" not in plans.scans_of(plan, "inputs"), (mode, plan)  # images by key too
         updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
         assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [8], (mode, plan)
     assert len(await manager.claim(**many)) == 8  # what the plans showed was rolled back
