@@ -27,7 +27,9 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.create_index("ix_jobs_finished", "jobs", ["finished_at"], postgresql_where=sa.text("finished_at IS NOT NULL"))
+    op.create_index(
+        "ix_jobs_finished", "jobs", ["finished_at"], postgresql_where=sa.text("finished_at IS NOT NULL")
+    )
     op.create_index(
         "ix_jobs_peaks",
         "jobs",
