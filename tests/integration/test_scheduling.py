@@ -9,6 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
+from sqlalchemy import text
+
 from app import scheduler
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -65,6 +67,30 @@ async def test_age_raises_effective_priority(manager, make_worker, tmp_path):
     order = [line.split('"job": "')[1].split(":")[0] for line in log.read_text().splitlines()]
     assert order == [str(old), str(new)]  # 0 + 6 outranks 5
     assert await manager.age_queued(step_s=0.2, max_boost=3) == 0  # the boost is bounded
+
+
+async def test_a_worker_ages_the_queue_at_most_every_quarter_step(manager, make_worker, engine):
+    """Aging reads every queued job, so a worker runs it at most every quarter of a step, not on
+    every reap round; a boost then lands at most a quarter step late."""
+    job = await enqueue(manager)
+    worker = make_worker(burst=False, age_step_s=4.0, age_max_boost=10)
+
+    async def waited(seconds: float) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE jobs SET created_at = now() - make_interval(secs => :s) WHERE id = :id"),
+                {"s": seconds, "id": job},
+            )
+
+    await waited(8.5)
+    await worker.reap()
+    assert (await manager.get(job)).age_boost == 2
+    await waited(20.5)
+    await worker.reap()  # a moment later: not aged again yet
+    assert (await manager.get(job)).age_boost == 2
+    await asyncio.sleep(1.1)
+    await worker.reap()
+    assert (await manager.get(job)).age_boost == 5
 
 
 async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_worker):
