@@ -178,6 +178,7 @@ class Attempt:
             {
                 "HOME": str(scratch),
                 "GPUJOBS_JOB": f"{job.id}:{job.attempt}",
+                "GPUJOBS_WORKER": self._config.worker_id,  # a restart finds its runs by it
                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             },
         )

@@ -37,6 +37,35 @@ def find_models(job_id: object) -> set[int]:
     return groups
 
 
+def find_worker_models(worker_id: str) -> set[int]:
+    """Process groups on this host of model processes and warm runners started by `worker_id` (a
+    previous life of this worker), found in /proc by their GPUJOBS_WORKER / GPUJOBS_RUNNER marker,
+    whatever became of their jobs since."""
+    run = f"GPUJOBS_WORKER={worker_id}".encode()
+    warm = f"GPUJOBS_RUNNER={worker_id}:".encode()
+    groups = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                variables = Path(entry.path, "environ").read_bytes().split(b"\0")
+                if run in variables or any(v.startswith(warm) for v in variables):
+                    groups.add(os.getpgid(int(entry.name)))
+    return groups
+
+
+async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
+    """Kill what a previous life of `worker_id` left running on this host; how many groups."""
+    killed = 0
+    for pgid in await asyncio.to_thread(find_worker_models, worker_id):
+        try:
+            if await runner.kill_process_group(pgid, grace_s=grace_s):
+                killed += 1
+        except ValueError:  # our own group or init's: not a leftover model
+            continue
+        log.warning("killed leftover model process", extra={"action": "orphan_killed", "pid": pgid})
+    return killed
+
+
 async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
     """Kill the model process groups of a job taken back from a dead worker on this host."""
     if taken.host != host:

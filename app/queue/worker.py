@@ -165,6 +165,8 @@ class Worker:
             gpus=self.gpu_report(gpus),
         )
         await self._kill_leftovers(worker_id=self.id)
+        # Runs of a previous life whose jobs were meanwhile taken back, maybe by another host.
+        await leftovers.kill_worker_models(self.id, grace_s=self._config.kill_grace_s)
         for taken in await self._manager.requeue_own(worker_id=self.id):
             log.warning(
                 "took back a job from this worker's previous run",

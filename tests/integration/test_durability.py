@@ -139,6 +139,37 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
 EXPIRE_LEASE = text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :id")
 
 
+async def test_a_restarted_worker_kills_runs_of_its_past_whose_jobs_went_elsewhere(
+    manager, spawn_worker, engine
+):
+    """A worker is killed; its job's lease runs out and a worker on another host takes the job.
+    Nothing in the database points at the old run any more, but it still holds this host's GPU:
+    when the worker restarts it finds its past runs by their GPUJOBS_WORKER marker and kills them."""
+    job_id = await enqueue(manager, sleep=30, steps=1)
+    first = spawn_worker("gone", lease_s=60)
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    orphan = job.pid
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    async with engine.begin() as conn:
+        await conn.execute(EXPIRE_LEASE, {"id": job_id})
+    assert [t.id for t in await manager.recover_expired(by_worker="test:elsewhere")] == [job_id]
+    [moved] = await manager.claim(
+        worker_id="test:elsewhere", host="elsewhere", models=["toy"], budgets={0: 24_576}, lease_s=60
+    )
+    assert moved.job.id == job_id and alive(orphan)
+    try:
+        spawn_worker("gone", lease_s=60)  # the same identity restarts on this host
+        deadline = time.monotonic() + 20
+        while alive(orphan):
+            assert time.monotonic() < deadline, "the restarted worker left its past run alive"
+            await asyncio.sleep(0.05)
+    finally:
+        if alive(orphan):  # a failed run leaves no model behind
+            os.killpg(orphan, signal.SIGKILL)
+    assert (await manager.get(job_id)).attempt == 2  # the job itself stays where it went
+
+
 async def test_paused_worker_cannot_overwrite_the_newer_attempt(manager, spawn_worker, store, tmp_path):
     log = tmp_path / "trace.jsonl"
     job_id = await enqueue(manager, sleep=1.0, steps=1, trace=str(log))
