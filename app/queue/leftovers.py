@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from app import runner
@@ -28,13 +29,7 @@ def find_models(job_id: object) -> set[int]:
     """Process groups on this host of model processes started for `job_id`, found in /proc by the
     GPUJOBS_JOB marker in their environment (for runs that ended before their pid was recorded)."""
     marker = f"GPUJOBS_JOB={job_id}:".encode()
-    groups = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if marker in Path(entry.path, "environ").read_bytes():
-                    groups.add(os.getpgid(int(entry.name)))
-    return groups
+    return _groups_where(lambda environ: marker in environ)
 
 
 def find_worker_models(worker_id: str) -> set[int]:
@@ -43,12 +38,22 @@ def find_worker_models(worker_id: str) -> set[int]:
     whatever became of their jobs since."""
     run = f"GPUJOBS_WORKER={worker_id}".encode()
     warm = f"GPUJOBS_RUNNER={worker_id}:".encode()
+
+    def started_by(environ: bytes) -> bool:
+        variables = environ.split(b"\0")
+        return run in variables or any(v.startswith(warm) for v in variables)
+
+    return _groups_where(started_by)
+
+
+def _groups_where(marked: Callable[[bytes], bool]) -> set[int]:
+    """Process groups of the processes on this host whose environment (`/proc/<pid>/environ`, the
+    ones we may read) passes `marked`."""
     groups = set()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                variables = Path(entry.path, "environ").read_bytes().split(b"\0")
-                if run in variables or any(v.startswith(warm) for v in variables):
+                if marked(Path(entry.path, "environ").read_bytes()):
                     groups.add(os.getpgid(int(entry.name)))
     return groups
 
