@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
@@ -401,6 +402,13 @@ def png_bytes(
 def png() -> Callable[..., bytes]:
     """Factory of small PNG images."""
     return png_bytes
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def worker_env(settings: Settings, name: str, **overrides: Any) -> dict[str, str]:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import asyncpg
 import httpx
 
 from app import db, pgserver
+from tests.conftest import free_port
+from tests.integration.test_durability import alive
 
 
 async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
@@ -48,7 +48,7 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
     systemd, kill), shuts down and stops that server. uvicorn re-raises the signal after its
     graceful shutdown; with the default handler the process died there and left the server up."""
     storage = tmp_path / "storage"
-    port = _free_port()
+    port = free_port()
     env = {
         "PATH": os.environ.get("PATH", ""),
         "HOME": str(tmp_path),
@@ -72,7 +72,7 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
         deadline = time.monotonic() + 10
-        while _alive(postmaster):
+        while alive(postmaster):
             assert time.monotonic() < deadline, "the embedded PostgreSQL outlived serve"
             time.sleep(0.1)
         assert not pid_file.exists()
@@ -80,25 +80,12 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
         if serve.poll() is None:
             serve.kill()
             serve.wait()
-        if postmaster is not None and _alive(postmaster):  # a failed run leaves no server behind
+        if postmaster is not None and alive(postmaster):  # a failed run leaves no server behind
             os.kill(postmaster, signal.SIGQUIT)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.TransportError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
         return False

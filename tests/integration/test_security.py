@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from sqlalchemy import text
 from app import auth, errors, links, registry, storage
 from app.api import security
 from app.settings import Settings
-from tests.conftest import api_client, bearer, client_for, create_key, toy_model, worker_env
+from tests.conftest import api_client, bearer, client_for, create_key, free_port, toy_model, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -527,16 +526,10 @@ async def test_anonymous_upload_is_refused_before_the_body_is_read(settings):
         assert response.status_code == 401
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def served(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, int]]:
     """`gpujobs serve --no-worker` in its own process; yields (base URL, pid)."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     env = worker_env(settings, "serve", link_secret=settings.link_secret, log_level="WARNING")
     process = subprocess.Popen(
