@@ -79,6 +79,9 @@ class JobRow(Base):
     vram_peak_mb: Mapped[int | None] = mapped_column(Integer)  # largest GPU memory seen (NVML)
     # Added to priority as the job waits (bounded), so the claim orders by priority + age_boost.
     age_boost: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    # The time the current boost counts from (NULL: created_at; 'infinity' once at the most): the
+    # next boost is due one step after it.
+    boost_base_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)
     abnormal_runs: Mapped[int] = mapped_column(Integer, server_default="0")  # signals, lost workers
     oom_retries: Mapped[int] = mapped_column(Integer, server_default="0")
     state: Mapped[JobState] = mapped_column(job_state, server_default=JobState.queued.value)
@@ -113,6 +116,12 @@ class JobRow(Base):
             "vram_class",
             text("(priority + age_boost) DESC"),
             "created_at",
+            postgresql_where=text("state = 'queued'"),
+        ),
+        # Aging: queued jobs by the time their boost counts from, so a pass reads only those due.
+        Index(
+            "ix_jobs_boost_due",
+            text("COALESCE(boost_base_at, created_at)"),
             postgresql_where=text("state = 'queued'"),
         ),
         # Retention: is an input still used by another job?

@@ -361,11 +361,16 @@ class JobManager:
         async with self._auto.connect() as conn:
             return int((await conn.execute(sql.PROMOTE_DUE)).one().promoted)
 
-    async def age_queued(self, *, step_s: float, max_boost: int) -> int:
-        """Raise the effective priority of jobs that have waited; returns how many changed."""
-        async with self._auto.connect() as conn:
-            result = await conn.execute(sql.AGE_QUEUED, {"step_s": step_s, "max_boost": max_boost})
-        return int(result.rowcount)
+    async def age_queued(self, *, step_s: float, max_boost: int, chunk: int = 1000) -> int:
+        """Raise the effective priority of jobs that have waited, `chunk` jobs per statement (each
+        its own transaction, so no lock is held for long); returns how many were raised."""
+        values = {"step_s": step_s, "max_boost": max_boost, "chunk": chunk}
+        raised = 0
+        while True:
+            row = await db.fetch_row(self._engine, sql.AGE_QUEUED, values)
+            raised += int(row["raised"])
+            if row["seen"] < chunk:
+                return raised
 
     async def heartbeat(
         self,

@@ -329,14 +329,38 @@ PROMOTE_DUE = text(
     """
 )
 
-# Aging: a queued job's effective priority grows by one every :step_s it waits, up to :max_boost.
-# Each job is written at most :max_boost times; the claim index orders by priority + age_boost.
+# Aging: a queued job's effective priority grows by one every :step_s it waits, up to :max_boost;
+# the claim index orders by priority + age_boost. One chunk of the jobs whose next boost is due
+# (one step after `boost_base_at`, their creation until the first), oldest due first: the index
+# ix_jobs_boost_due finds them without reading the rest of the queue, and rows a claim holds are
+# skipped, not waited for (and a claim never waits for more than a chunk). A boost is only raised;
+# a job at the most gets 'infinity' and is not read again. `seen` = the chunk's size.
 AGE_QUEUED = text(
     """
-    UPDATE jobs
-    SET age_boost = LEAST(:max_boost, floor(extract(epoch FROM now() - created_at) / :step_s))
-    WHERE state = 'queued'
-      AND age_boost < LEAST(:max_boost, floor(extract(epoch FROM now() - created_at) / :step_s))
+    WITH due AS (
+        SELECT id, age_boost AS was,
+               CAST(LEAST(CAST(:max_boost AS integer),
+                          floor(extract(epoch FROM now() - created_at) / CAST(:step_s AS float8)))
+                    AS integer) AS boost
+        FROM jobs
+        WHERE state = 'queued'
+          AND COALESCE(boost_base_at, created_at)
+              <= now() - make_interval(secs => CAST(:step_s AS float8))
+        ORDER BY COALESCE(boost_base_at, created_at)
+        LIMIT :chunk
+        FOR UPDATE SKIP LOCKED
+    ), aged AS (
+        UPDATE jobs AS j
+        SET age_boost = GREATEST(due.was, due.boost),
+            boost_base_at = CASE
+                WHEN due.boost >= CAST(:max_boost AS integer) THEN CAST('infinity' AS timestamptz)
+                ELSE j.created_at + due.boost * make_interval(secs => CAST(:step_s AS float8))
+            END
+        FROM due
+        WHERE j.id = ANY(ARRAY(SELECT id FROM due)) AND j.id = due.id  -- by key, whatever the guess
+        RETURNING due.boost > due.was AS raised
+    )
+    SELECT count(*) AS seen, count(*) FILTER (WHERE raised) AS raised FROM aged
     """
 )
 

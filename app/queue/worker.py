@@ -13,10 +13,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import socket
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
@@ -99,7 +97,6 @@ class Worker:
         self._lanes_made = 0
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._aged_at = -math.inf  # monotonic time of the last aging statement
         self.claimed = 0
 
     @property
@@ -390,14 +387,12 @@ class Worker:
         return len(taken)
 
     async def _age_queued(self) -> None:
-        """Raise the age boost of waiting jobs, at most every quarter step (a boost lands at most
-        that late). The statement reads every queued job (53-68 ms beside 100,000 of them on
-        PostgreSQL 15), so it is not repeated on every reap round."""
-        now = time.monotonic()
-        if self._config.age_max_boost <= 0 or now - self._aged_at < self._config.age_step_s / 4:
-            return
-        await self._manager.age_queued(step_s=self._config.age_step_s, max_boost=self._config.age_max_boost)
-        self._aged_at = now
+        """Raise the age boost of waiting jobs whose next boost is due (a boost lands at most one
+        reap round late). Only the jobs due are read (ix_jobs_boost_due): with none due the pass is
+        one index probe, however long the queue."""
+        config = self._config
+        if config.age_max_boost > 0:
+            await self._manager.age_queued(step_s=config.age_step_s, max_boost=config.age_max_boost)
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;

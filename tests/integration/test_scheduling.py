@@ -11,9 +11,11 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from app import scheduler
+from app import db, scheduler
+from app.queue import sql
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
+from tests import plans
 from tests.conftest import api_client, png_bytes
 from tests.fakes import FakeInventory
 from tests.integration.test_durability import kinds, running, until
@@ -69,28 +71,80 @@ async def test_age_raises_effective_priority(manager, make_worker, tmp_path):
     assert await manager.age_queued(step_s=0.2, max_boost=3) == 0  # the boost is bounded
 
 
-async def test_a_worker_ages_the_queue_at_most_every_quarter_step(manager, make_worker, engine):
-    """Aging reads every queued job, so a worker runs it at most every quarter of a step, not on
-    every reap round; a boost then lands at most a quarter step late."""
+async def _waited(engine, seconds: float, *jobs: uuid.UUID) -> None:
+    """Make `jobs` look as if `seconds` more had passed: their creation and boost base move back."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET created_at = created_at - make_interval(secs => :s),"
+                " boost_base_at = boost_base_at - make_interval(secs => :s) WHERE id = ANY(:ids)"
+            ),
+            {"s": seconds, "ids": list(jobs)},
+        )
+
+
+async def test_a_worker_raises_a_due_boost_on_its_next_reap_round(manager, make_worker, engine):
     job = await enqueue(manager)
     worker = make_worker(burst=False, age_step_s=4.0, age_max_boost=10)
-
-    async def waited(seconds: float) -> None:
-        async with engine.begin() as conn:
-            await conn.execute(
-                text("UPDATE jobs SET created_at = now() - make_interval(secs => :s) WHERE id = :id"),
-                {"s": seconds, "id": job},
-            )
-
-    await waited(8.5)
+    await _waited(engine, 8.5, job)
     await worker.reap()
     assert (await manager.get(job)).age_boost == 2
-    await waited(20.5)
-    await worker.reap()  # a moment later: not aged again yet
+    await _waited(engine, 3.0, job)  # 11.5 s: the third point is due at 12 s
+    await worker.reap()
     assert (await manager.get(job)).age_boost == 2
-    await asyncio.sleep(1.1)
+    await _waited(engine, 9.0, job)  # 20.5 s
     await worker.reap()
     assert (await manager.get(job)).age_boost == 5
+
+
+async def test_aging_reads_only_the_jobs_due(manager, engine):
+    """The pass finds due jobs through ix_jobs_boost_due, with custom and generic plans: 20,000
+    queued jobs not yet due are not read (before, every pass read every queued job)."""
+    due = await enqueue(manager)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO jobs (owner, model, input_id, megapixels, vram_mb, declared_vram_mb,"
+                " max_attempts) SELECT owner, model, input_id, megapixels, vram_mb, vram_mb, 3"
+                " FROM jobs, generate_series(1, 20000)"
+            )
+        )
+        await conn.execute(text("ANALYZE jobs"))
+    await _waited(engine, 130, due)
+    values = {"step_s": 60, "max_boost": 10, "chunk": 1000}
+    for mode in ("force_custom_plan", "force_generic_plan"):  # a prepared statement may go generic
+        [plan] = await plans.prepared_plans(engine, sql.AGE_QUEUED, values, mode)
+        assert "Seq Scan" not in plans.scans_of(plan, "jobs"), (mode, plan)
+        assert plans.rows_read(plan, "jobs") <= 10, (mode, plan)
+    assert await manager.age_queued(step_s=60, max_boost=10) == 1
+    assert (await manager.get(due)).age_boost == 2
+
+
+async def test_aging_goes_chunk_by_chunk_and_skips_jobs_a_claim_holds(manager, engine):
+    """Each chunk is its own statement, and a row another transaction holds (a claim taking it) is
+    skipped, not waited for; the next pass raises it."""
+    jobs = [await enqueue(manager) for _ in range(5)]
+    await _waited(engine, 125, *jobs)
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": jobs[0]})
+        raised = await asyncio.wait_for(manager.age_queued(step_s=60, max_boost=10, chunk=2), timeout=5)
+        assert raised == 4
+        await holder.rollback()
+    assert [(await manager.get(j)).age_boost for j in jobs] == [0, 2, 2, 2, 2]
+    assert await manager.age_queued(step_s=60, max_boost=10, chunk=2) == 1
+    assert (await manager.get(jobs[0])).age_boost == 2
+
+
+async def test_a_job_at_the_most_is_not_read_again(manager, engine):
+    job = await enqueue(manager)
+    await _waited(engine, 1000, job)
+    assert await manager.age_queued(step_s=60, max_boost=3) == 1
+    async with engine.connect() as conn:
+        base = await conn.scalar(text("SELECT boost_base_at::text FROM jobs WHERE id = :id"), {"id": job})
+    assert base == "infinity"
+    row = await db.fetch_row(engine, sql.AGE_QUEUED, {"step_s": 60, "max_boost": 3, "chunk": 1000})
+    assert (row["seen"], row["raised"]) == (0, 0)
+    assert (await manager.get(job)).age_boost == 3
 
 
 async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_worker):
