@@ -780,6 +780,7 @@ def report(f: Figures) -> list[str]:
         f"{'succeeded':<44} {f.states['succeeded']}",
         f"{'failed':<44} {f.states['failed']}",
         f"{'canceled':<44} {f.states['canceled']}",
+        f"{'quarantined (lost its worker too often)':<44} {f.states['quarantined']}",
         f"{'still queued or running (LOST)':<44} {f.lost}"
         + (f" (queued {f.states['queued']}, running {f.states['running']})" if f.lost else ""),
         f"{'run twice (>1 succeeded event) (MUST BE 0)':<44} {len(f.run_twice)}",
