@@ -332,9 +332,10 @@ PROMOTE_DUE = text(
 # Aging: a queued job's effective priority grows by one every :step_s it waits, up to :max_boost;
 # the claim index orders by priority + age_boost. One chunk of the jobs whose next boost is due
 # (one step after `boost_base_at`, their creation until the first), oldest due first: the index
-# ix_jobs_boost_due finds them without reading the rest of the queue, and rows a claim holds are
-# skipped, not waited for (and a claim never waits for more than a chunk). A boost is only raised;
-# a job at the most gets 'infinity' and is not read again. `seen` = the chunk's size.
+# ix_jobs_boost_due finds them without reading the rest of the queue. Rows a claim holds are
+# skipped, not waited for; a claim in turn skips only the chunk being written (about 50 ms for
+# 1,000). A boost is only raised; a job at the most gets 'infinity' and is not read again.
+# `seen` = the chunk's size.
 AGE_QUEUED = text(
     """
     WITH due AS (
