@@ -60,15 +60,8 @@ def _groups_where(marked: Callable[[bytes], bool]) -> set[int]:
 
 async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
     """Kill what a previous life of `worker_id` left running on this host; how many groups."""
-    killed = 0
-    for pgid in await asyncio.to_thread(find_worker_models, worker_id):
-        try:
-            if await runner.kill_process_group(pgid, grace_s=grace_s):
-                killed += 1
-        except ValueError:  # our own group or init's: not a leftover model
-            continue
-        log.warning("killed leftover model process", extra={"action": "orphan_killed", "pid": pgid})
-    return killed
+    groups = await asyncio.to_thread(find_worker_models, worker_id)
+    return await _kill_groups(groups, grace_s=grace_s)
 
 
 async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
@@ -79,14 +72,18 @@ async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float)
         groups = {taken.pid}
     else:
         groups = await asyncio.to_thread(find_models, taken.id)
-    killed = False
+    return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0
+
+
+async def _kill_groups(groups: set[int], *, grace_s: float, **log_extra: str) -> int:
+    """Kill these leftover process groups (TERM, then KILL after `grace_s`); how many were alive."""
+    killed = 0
     for pgid in groups:
         try:
-            killed = await runner.kill_process_group(pgid, grace_s=grace_s) or killed
+            killed += await runner.kill_process_group(pgid, grace_s=grace_s)
         except ValueError:  # our own group or init's: not a leftover model
             continue
         log.warning(
-            "killed leftover model process",
-            extra={"action": "orphan_killed", "pid": pgid, "job_id": str(taken.id)},
+            "killed leftover model process", extra={"action": "orphan_killed", "pid": pgid, **log_extra}
         )
     return killed
