@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -409,6 +411,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until_serving(
+    process: subprocess.Popen[bytes], base: str, log: Path, *, timeout_s: float = 60
+) -> None:
+    """Wait for a `gpujobs serve` process to answer `/healthz`; fail with its log if it exits or
+    takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
 
 
 def worker_env(settings: Settings, name: str, **overrides: Any) -> dict[str, str]:

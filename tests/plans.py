@@ -22,6 +22,15 @@ FINISHED_BESIDE = text(
     """
 )
 
+# Queued jobs beside the test's own: copies of every job in the table, created now.
+QUEUED_BESIDE = text(
+    """
+    INSERT INTO jobs (owner, model, input_id, megapixels, vram_mb, declared_vram_mb, max_attempts)
+    SELECT owner, model, input_id, megapixels, vram_mb, vram_mb, 3
+    FROM jobs, generate_series(1, :count)
+    """
+)
+
 # Stored images beside the test's own (one-byte stand-ins), as a service keeps them for its jobs.
 INPUTS_BESIDE = text(
     """

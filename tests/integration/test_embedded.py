@@ -10,10 +10,9 @@ import sys
 import time
 
 import asyncpg
-import httpx
 
 from app import db, pgserver
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until_serving
 from tests.integration.test_durability import alive
 
 
@@ -63,10 +62,7 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
         )
     postmaster = None
     try:
-        deadline = time.monotonic() + 60
-        while not _answers(f"http://127.0.0.1:{port}/healthz"):
-            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_until_serving(serve, f"http://127.0.0.1:{port}", log)
         pid_file = storage / "pgdata" / "postmaster.pid"
         postmaster = int(pid_file.read_text().split()[0])
         serve.send_signal(signal.SIGTERM)
@@ -82,10 +78,3 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
             serve.wait()
         if postmaster is not None and alive(postmaster):  # a failed run leaves no server behind
             os.kill(postmaster, signal.SIGQUIT)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False

@@ -102,13 +102,7 @@ async def test_aging_reads_only_the_jobs_due(manager, engine):
     queued jobs not yet due are not read (before, every pass read every queued job)."""
     due = await enqueue(manager)
     async with engine.begin() as conn:
-        await conn.execute(
-            text(
-                "INSERT INTO jobs (owner, model, input_id, megapixels, vram_mb, declared_vram_mb,"
-                " max_attempts) SELECT owner, model, input_id, megapixels, vram_mb, vram_mb, 3"
-                " FROM jobs, generate_series(1, 20000)"
-            )
-        )
+        await conn.execute(plans.QUEUED_BESIDE, {"count": 20_000})
         await conn.execute(text("ANALYZE jobs"))
     await _waited(engine, 130, due)
     values = {"step_s": 60, "max_boost": 10, "chunk": 1000}

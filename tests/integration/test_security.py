@@ -31,7 +31,16 @@ from sqlalchemy import text
 from app import auth, errors, links, registry, storage
 from app.api import security
 from app.settings import Settings
-from tests.conftest import api_client, bearer, client_for, create_key, free_port, toy_model, worker_env
+from tests.conftest import (
+    api_client,
+    bearer,
+    client_for,
+    create_key,
+    free_port,
+    toy_model,
+    wait_until_serving,
+    worker_env,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -539,15 +548,7 @@ def served(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, int]]:
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-        time.sleep(0.1)
+    wait_until_serving(process, base, tmp_path / "serve.log")
     try:
         yield base, process.pid
     finally:
