@@ -26,14 +26,18 @@ import queue
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Final, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:  # the worker's side only: a runner does not pay asyncio's import (about 70 ms of CPU)
+# A runner imports this module before its model, so it keeps to light imports: asyncio only for the
+# type checker (the worker has it), `traceback` only on an error, and the messages are NamedTuples
+# (dataclasses, with the `inspect` it imports, cost a runner's start 15-20 ms of CPU on 2 cores).
+if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from typing import Any, BinaryIO, Final, TypeAlias, TypeVar
+
+    M = TypeVar("M")
 
 MAX_LINE_BYTES: Final = 1024 * 1024  # both directions; a longer line is a protocol error
 EXIT_LOAD_FAILED: Final = 3  # load() raised
@@ -45,8 +49,6 @@ OOM_MARKERS: Final = (
     "CUDNN_STATUS_ALLOC_FAILED", "out of memory on device",
 )  # fmt: skip
 
-M = TypeVar("M")
-
 
 class ProtocolError(ValueError):
     """A line that is not a valid protocol message."""
@@ -56,8 +58,7 @@ class BadInput(Exception):
     """The job's input or params cannot be processed; retrying will not help."""
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """Worker -> runner: one job."""
 
     job: str
@@ -71,16 +72,14 @@ class Request:
         return _line({**message, "params": dict(self.params)})
 
 
-@dataclass(frozen=True, slots=True)
-class Ready:
+class Ready(NamedTuple):
     """Runner -> worker: the model is loaded."""
 
     model: str
     pid: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Progress:
+class Progress(NamedTuple):
     """Runner -> worker: how far the job is (fraction in [0, 1])."""
 
     job: str
@@ -88,16 +87,14 @@ class Progress:
     message: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Done:
+class Done(NamedTuple):
     """Runner -> worker: the job succeeded; its files are in the output folder."""
 
     job: str
     outputs: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Failed:
+class Failed(NamedTuple):
     """Runner -> worker: the job failed (`protocol`: its request line was malformed)."""
 
     job: str | None
@@ -221,15 +218,18 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
+class Job(NamedTuple):
     """One job as the model author sees it: read `input`, write into `output_dir`, report progress."""
 
     id: str
     input: Path
     output_dir: Path
     params: Mapping[str, Any]
-    send: Callable[[Reply], None] = field(repr=False, compare=False)
+    send: Callable[[Reply], None]
+
+    def __repr__(self) -> str:  # `send` left out
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields[:-1])
+        return f"Job({shown})"
 
     def progress(self, fraction: float, message: str = "") -> None:
         """Report how far the job is (0..1, clamped; NaN is ignored) with a short message."""
@@ -314,7 +314,7 @@ def serve(
     try:
         model = load()
     except Exception:
-        traceback.print_exc()
+        _print_exc()
         _say(f"loading {name} failed")
         return EXIT_LOAD_FAILED
     _say(f"loaded {name} in {time.monotonic() - started:.2f} s")
@@ -354,13 +354,20 @@ def _run(
         _say(f"job {job.id}: bad input: {exc}")
         reply = Failed(job.id, str(exc) or type(exc).__name__, bad_input=True)
     except Exception as exc:
-        traceback.print_exc()
+        _print_exc()
         reply = Failed(job.id, f"{type(exc).__name__}: {exc}", oom=is_oom(exc))
     _free_gpu_cache()
     sys.stdout.flush()
     sys.stderr.flush()
     print(stderr_end(job.id).decode(), end="", file=sys.stderr, flush=True)
     return reply
+
+
+def _print_exc() -> None:
+    """The exception being handled, with its traceback, on stderr."""
+    import traceback
+
+    traceback.print_exc()
 
 
 def _job_of(line: bytes) -> str | None:
