@@ -209,19 +209,9 @@ class Cpu:
 
 
 def postgres_cpu_s(data_dir: Path) -> float | None:
-    """CPU seconds of the embedded server: the postmaster with its reaped backends, and live children."""
+    """CPU seconds of the embedded server: the postmaster with its reaped backends, and live ones."""
     with contextlib.suppress(OSError, ValueError, IndexError):
-        postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
-        ticks = 0
-        for entry in Path("/proc").iterdir():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                if entry.name.isdigit():
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    if int(entry.name) == postmaster:  # utime, stime, cutime, cstime
-                        ticks += sum(int(f) for f in fields[11:15])
-                    elif int(fields[1]) == postmaster:
-                        ticks += int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return process_tree([int((data_dir / "postmaster.pid").read_text().split()[0])])[0]
     return None
 
 
