@@ -385,17 +385,27 @@ async def drain_standing(run: Run, queue: Queue, workers: int, jobs: int) -> tup
             used, (tree_end_s, after) = cpu.since(run), process_tree(pids)
             used = dataclasses.replace(used, children_s=used.children_s + tree_end_s - tree_s)
         finally:
-            for child in children:
-                if not child.poll():
-                    child.proc.send_signal(signal.SIGTERM)
+            stop_workers(children)
             codes = await bq.reap_workers(run.bench, children, timeout_s=30)
         drained = await read_out(engine, queue, wall_s, codes, finished, used, children[0].tail())
         return dataclasses.replace(drained, processes=(before, after)), enqueue_per_s
 
 
-def process_tree(roots: Sequence[int]) -> tuple[float, int]:
-    """(CPU seconds, processes) of live processes and all their descendants; the CPU includes the
-    children each has reaped (a warm runner that ended counts in its worker's)."""
+def stop_workers(children: Sequence[bq.Child]) -> None:
+    """SIGTERM each standing worker still running. Under --profile our workers' child is py-spy:
+    the worker it started gets the signal, and py-spy writes its profile once that has ended."""
+    _, started_by = process_table()
+    for child in children:
+        if not child.poll():
+            profiled = Path(str(child.proc.args[0])).name == "py-spy"  # type: ignore[index]
+            for pid in started_by.get(child.proc.pid, []) if profiled else [child.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+
+def process_table() -> tuple[dict[int, int], dict[int, list[int]]]:
+    """From /proc: each live process's CPU ticks (with the children it reaped), and each one's
+    children."""
     ticks: dict[int, int] = {}
     children: dict[int, list[int]] = collections.defaultdict(list)
     for entry in Path("/proc").iterdir():
@@ -404,6 +414,13 @@ def process_tree(roots: Sequence[int]) -> tuple[float, int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
                 ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
                 children[int(fields[1])].append(int(entry.name))
+    return ticks, children
+
+
+def process_tree(roots: Sequence[int]) -> tuple[float, int]:
+    """(CPU seconds, processes) of live processes and all their descendants; the CPU includes the
+    children each has reaped (a warm runner that ended counts in its worker's)."""
+    ticks, children = process_table()
     total, count, todo = 0, 0, list(roots)
     while todo:
         pid = todo.pop()
