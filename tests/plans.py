@@ -69,6 +69,12 @@ async def prepared_plans(engine: Any, statement: Any, values: Any, plan_cache_mo
     with `plan_cache_mode`, inside a transaction rolled back, and return the plans auto_explain
     reported for it: a generic plan (`force_generic_plan`) is what a prepared statement may
     switch to after a few runs, and EXPLAIN with values never shows it."""
+    return [report["Plan"] for report in await prepared_reports(engine, statement, values, plan_cache_mode)]
+
+
+async def prepared_reports(engine: Any, statement: Any, values: Any, plan_cache_mode: str) -> list[Any]:
+    """As `prepared_plans`, but auto_explain's whole reports: the plan, and beside it "JIT" when
+    the statement was JIT-compiled."""
     compiled = db._driver_sql(statement, engine.dialect)
     notices: list[str] = []
     pooled = await engine.raw_connection()
@@ -87,4 +93,4 @@ async def prepared_plans(engine: Any, statement: Any, values: Any, plan_cache_mo
         await transaction.rollback()
         await greenlet_spawn(pooled.invalidate)  # auto_explain stays loaded in that session
     reports = [json.loads(n[n.index("{") :]) for n in notices if "Query Text" in n]
-    return [r["Plan"] for r in reports if r["Query Text"] == compiled.string]
+    return [r for r in reports if r["Query Text"] == compiled.string]

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import numpy as np
 from PIL import Image
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
 import app
 from app import db, images, migrate, pgserver, registry, settings
@@ -378,12 +378,15 @@ ClaimOnce = Callable[[int], Awaitable[int | None]]  # claimer number -> claimed 
 @dataclass(frozen=True, slots=True)
 class ClaimCase:
     """A queue shape: fitting jobs, behind `blocked` older, higher-priority jobs of `blocked_mb`
-    that may run only after `delay_s`."""
+    that may run only after `delay_s`. The claimer takes up to `limit` jobs a claim (a worker takes as
+    many as it has free slots) and also serves `idle_models` models with nothing queued."""
 
     label: str
     blocked_mb: int
     blocked: int
     delay_s: float = 0
+    idle_models: int = 0
+    limit: int = 1
 
 
 async def fill_queue(engine: AsyncEngine, case: ClaimCase, fitting: int, *, naive: bool = False) -> None:
@@ -403,8 +406,8 @@ async def fill_queue(engine: AsyncEngine, case: ClaimCase, fitting: int, *, naiv
         await (await conn.execution_options(isolation_level="AUTOCOMMIT")).execute(text("ANALYZE jobs"))
 
 
-def manager_claim(engine: AsyncEngine, models: list[str]) -> ClaimOnce:
-    """The real claim: JobManager.claim on one GPU of BUDGET_MB."""
+def manager_claim(engine: AsyncEngine, models: list[str], limit: int = 1) -> ClaimOnce:
+    """The real claim: JobManager.claim of up to `limit` jobs on one GPU of BUDGET_MB."""
     manager = manager_.JobManager(engine)
 
     async def once(claimer: int) -> int | None:
@@ -414,8 +417,10 @@ def manager_claim(engine: AsyncEngine, models: list[str]) -> ClaimOnce:
             models=models,
             budgets={0: BUDGET_MB},
             lease_s=60,
+            limit=limit,
+            slots={0: limit},
         )
-        return jobs[0].job.vram_mb if jobs else None
+        return max(c.job.vram_mb for c in jobs) if jobs else None
 
     return once
 
@@ -482,7 +487,9 @@ async def server_ms(engine: AsyncEngine, claim: ClaimOnce) -> float:
         event.remove(engine.sync_engine, "before_cursor_execute", grab)
     statement, parameters = captured[-1]
     times: list[float] = []
-    driver = await asyncpg.connect(db.asyncpg_dsn(engine.url.render_as_string(hide_password=False)))
+    pooled = await engine.raw_connection()  # the service's own settings (jit off among them)
+    driver = pooled.driver_connection
+    assert driver is not None
     try:
         for _ in range(5):
             explaining = driver.transaction()
@@ -492,7 +499,7 @@ async def server_ms(engine: AsyncEngine, claim: ClaimOnce) -> float:
             top = (json.loads(plan) if isinstance(plan, str) else plan)[0]
             times.append(top["Planning Time"] + top["Execution Time"])
     finally:
-        await driver.close()
+        await greenlet_spawn(pooled.close)
     return min(times)
 
 
@@ -503,12 +510,17 @@ CLAIM_CASES = (
     ClaimCase("c) + 10,000 ahead at 26000 MB", 26_000, 10_000),
     ClaimCase("d) + 10,000 ahead at 28000 MB", 28_000, 10_000),
     ClaimCase("e) + 10,000 ahead at 1000 MB, retry in 1 h", 1000, 10_000, delay_s=3600),
+    ClaimCase("f) as b), 8 jobs a claim, 9 more models served", 40_000, 10_000, idle_models=9, limit=8),
 )
 
 
 async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce], case: ClaimCase) -> str:
     """One queue shape: best claims/s with 1 and 4 claimers, and server-side ms per claim."""
-    claim = make(bench.engine, list(registry.load_registry(bench.models_file).models))
+    models = list(registry.load_registry(bench.models_file).models)
+    models += [f"idle-{i}" for i in range(case.idle_models)]
+    if make is naive_claim and case.limit > 1:
+        return "n/a (it takes one job a claim)"
+    claim = make(bench.engine, models) if case.limit == 1 else manager_claim(bench.engine, models, case.limit)
     rates, misfits = [], 0
     for claimers in (1, 4):
         await fill_queue(bench.engine, case, sizes.fitting_jobs, naive=make is naive_claim)

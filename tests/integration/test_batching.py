@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from app import db, errors
@@ -71,6 +72,37 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
         updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
         assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [8], (mode, plan)
     assert len(await manager.claim(**many)) == 8  # what the plans showed was rolled back
+
+
+async def test_a_claim_is_never_jit_compiled(manager: JobManager, engine, monkeypatch):
+    """The claim's plan is estimated dear: the placement is a recursive walk, and a worker of several
+    models on a large GPU probes hundreds of (model, size class) pairs. Past `jit_above_cost`,
+    PostgreSQL compiled it with LLVM on every run: 30-40 ms against 1-2 ms of work (a claim of 8
+    of 20,000 jobs, 10 models on 80 GB, PostgreSQL 15). The service's connections turn JIT off.
+    Only where the server can JIT (the Debian and Docker builds can; the embedded one cannot)."""
+    async with engine.begin() as conn:
+        assert await conn.scalar(text("SHOW jit")) == "off"
+        await conn.execute(text("SET LOCAL jit = on"))  # pg_jit_available() is false while jit is off
+        if not await conn.scalar(text("SELECT pg_jit_available()")):
+            pytest.skip("this PostgreSQL has no JIT")
+        jit_above_cost = float(await conn.scalar(text("SHOW jit_above_cost")))
+    await enqueue(manager)
+    async with engine.begin() as conn:  # a deep queue: the planner's row estimates grow with it
+        await conn.execute(plans.QUEUED_BESIDE, {"count": 20_000})
+        await conn.execute(text("ANALYZE jobs"))
+    many = {**CLAIM, "models": ["toy", *(f"other-{i}" for i in range(9))], "budgets": {0: 80_000}, "limit": 8}
+    reports: list[dict[str, Any]] = []
+
+    async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
+        for mode in ("force_custom_plan", "force_generic_plan"):
+            reports.extend(await plans.prepared_reports(engine, statement, values, mode))
+        return []
+
+    monkeypatch.setattr(db, "fetch_rows", explained)
+    assert await manager.claim(**many) == []
+    assert len(reports) == 2, reports
+    assert max(r["Plan"]["Total Cost"] for r in reports) > jit_above_cost  # JIT would have compiled it
+    assert [r.get("JIT") for r in reports] == [None, None]
 
 
 async def test_placement_respects_each_gpus_megabytes_and_slots(manager: JobManager):
