@@ -518,9 +518,12 @@ async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce],
     """One queue shape: best claims/s with 1 and 4 claimers, and server-side ms per claim."""
     models = list(registry.load_registry(bench.models_file).models)
     models += [f"idle-{i}" for i in range(case.idle_models)]
-    if make is naive_claim and case.limit > 1:
+    if make is manager_claim:
+        claim = manager_claim(bench.engine, models, case.limit)
+    elif case.limit > 1:
         return "n/a (it takes one job a claim)"
-    claim = make(bench.engine, models) if case.limit == 1 else manager_claim(bench.engine, models, case.limit)
+    else:
+        claim = make(bench.engine, models)
     rates, misfits = [], 0
     for claimers in (1, 4):
         await fill_queue(bench.engine, case, sizes.fitting_jobs, naive=make is naive_claim)
