@@ -22,7 +22,7 @@ import io
 import json
 import math
 import os
-import queue
+import select
 import sys
 import threading
 import time
@@ -238,13 +238,13 @@ class Job(NamedTuple):
 
 
 class _Channel:
-    """The protocol's private ends of stdin and stdout; a thread reads requests as they come."""
+    """The protocol's private ends of stdin and stdout; a thread watches for the worker's end."""
 
     def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
         self._reader, self._writer = reader, writer
         self._lock = threading.Lock()
-        self._lines: queue.Queue[bytes | None] = queue.Queue()
-        self.busy = False
+        self._busy = False
+        self._gone = False  # the worker's end of stdin is closed
 
     @classmethod
     def take_stdio(cls) -> _Channel:
@@ -266,22 +266,41 @@ class _Channel:
             self._writer.flush()
 
     def requests(self) -> Iterator[bytes]:
-        """Request lines until stdin closes (an overlong line comes back cut, for its error)."""
-        threading.Thread(target=self._read, name="modelkit-stdin", daemon=True).start()
-        while (line := self._lines.get()) is not None:
-            yield line
+        """Request lines until stdin closes (an overlong line comes back cut, for its error).
 
-    def _read(self) -> None:
-        """Queue lines; on EOF end the loop, or the whole process if a job is running."""
+        The lines are read here, on the caller's thread: a reader thread would cost two thread
+        wake-ups per job. The watch thread sleeps until the worker's end of the pipe closes.
+        """
+        threading.Thread(target=self._watch, name="modelkit-watch", daemon=True).start()
         while line := self._reader.readline(MAX_LINE_BYTES + 1):
             if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                 while (rest := self._reader.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
                     pass  # skip the rest of the overlong line
-            self._lines.put(line)
-        if self.busy:
+            yield line
+
+    def begin(self) -> bool:
+        """Mark a job as running; False if the worker is gone (a line it sent before it went)."""
+        self._busy = True
+        return not self._gone
+
+    def end(self) -> None:
+        """Mark the job as over."""
+        self._busy = False
+
+    def _watch(self) -> None:
+        """Wait for stdin's hang-up; a job running then is for nobody, so end the whole process.
+
+        Polled for no event at all, a pipe still reports its hang-up (and errors), never a request.
+        Between `begin`'s two steps and these two, one side always sees the other's flag.
+        """
+        poller = select.poll()
+        poller.register(self._reader.fileno(), 0)
+        while not poller.poll():
+            pass
+        self._gone = True
+        if self._busy:
             _say("stdin closed during a job: the worker is gone; exiting")
             os._exit(EXIT_ORPHANED)
-        self._lines.put(None)
 
 
 def stderr_end(job: str) -> bytes:
@@ -327,9 +346,11 @@ def serve(
             channel.send(Failed(_job_of(line), str(exc), protocol=True))
             continue
         job = Job(request.job, request.input, request.output_dir, request.params, channel.send)
-        channel.busy = True
+        if not channel.begin():
+            _say(f"job {job.id} came just before stdin closed: the worker is gone; not run")
+            break
         reply = _run(handle, model, job, (BadInput, *bad_input))
-        channel.busy = False
+        channel.end()
         channel.send(reply)
     _say("stdin closed; exiting")
     return 0

@@ -287,3 +287,20 @@ async def test_stdin_closing_mid_job_ends_the_process(tmp_path: Path) -> None:
     assert "the worker is gone" in err
     with pytest.raises(ProcessLookupError):
         os.kill(kit.proc.pid, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_job_sent_as_stdin_closes_is_never_left_running(tmp_path: Path) -> None:
+    """The worker wrote a job and went: the kit either skips the job or exits during it.
+
+    A reader thread that saw the end of stdin before the job began would let it run for nobody
+    (here: forever, since the job hangs). Five runners, to meet both orders of the race."""
+    for _ in range(5):
+        kit = await Kit.start(tmp_path)
+        assert isinstance(await kit.reply(), modelkit.Ready)
+        assert kit.proc.stdin is not None and kit.proc.stdout is not None
+        kit.proc.stdin.write(_line(_job("j:1", tmp_path, hang=True)))
+        code, err = await kit.finish()
+        assert code in (0, modelkit.EXIT_ORPHANED), err
+        replies = [modelkit.parse_reply(line) for line in (await kit.proc.stdout.read()).splitlines()]
+        assert not [r for r in replies if not isinstance(r, modelkit.Progress)], replies
