@@ -295,8 +295,7 @@ class _Channel:
         """
         poller = select.poll()
         poller.register(self._reader.fileno(), 0)
-        while not poller.poll():
-            pass
+        poller.poll()  # no timeout: it returns only with the hang-up (EINTR is retried by Python)
         self._gone = True
         if self._busy:
             _say("stdin closed during a job: the worker is gone; exiting")
