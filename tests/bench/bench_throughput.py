@@ -394,11 +394,14 @@ async def drain_standing(run: Run, queue: Queue, workers: int, jobs: int) -> tup
 def stop_workers(children: Sequence[bq.Child]) -> None:
     """SIGTERM each standing worker still running. Under --profile our workers' child is py-spy:
     the worker it started gets the signal, and py-spy writes its profile once that has ended."""
-    _, started_by = process_table()
+    started_by: dict[int, list[int]] | None = None  # read from /proc only under --profile
     for child in children:
         if not child.poll():
-            profiled = Path(str(child.proc.args[0])).name == "py-spy"  # type: ignore[index]
-            for pid in started_by.get(child.proc.pid, []) if profiled else [child.proc.pid]:
+            pids = [child.proc.pid]
+            if Path(str(child.proc.args[0])).name == "py-spy":  # type: ignore[index]
+                started_by = process_table()[1] if started_by is None else started_by
+                pids = started_by.get(child.proc.pid, [])
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
 
