@@ -31,8 +31,14 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
 
-def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    """The process's engine: asyncpg, pooled, connections checked before use."""
+def create_engine(
+    url: str, *, pool_size: int = 10, name: str = "gpujobs", generic_plans: bool = False
+) -> AsyncEngine:
+    """The process's engine: asyncpg, pooled; `name` shows in pg_stat_activity. With
+    `generic_plans`, prepared statements keep one plan per connection (see `create_claim_engine`)."""
+    server_settings = {"application_name": name, "jit": "off"}
+    if generic_plans:
+        server_settings["plan_cache_mode"] = "force_generic_plan"
     return create_async_engine(
         url,
         pool_size=pool_size,
@@ -43,8 +49,23 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         # JIT off: every statement here is short, and JIT compiled the claim whenever its estimated
         # cost passed jit_above_cost (a worker of several models, or the generic plan of its
         # prepared statement): 30-40 ms of LLVM per claim, for a statement that runs in 1-2 ms.
-        connect_args={"server_settings": {"application_name": "gpujobs", "jit": "off"}},
+        connect_args={"server_settings": server_settings},
     )
+
+
+def create_claim_engine(url: str) -> AsyncEngine:
+    """A worker's connection for its claims (`JobManager(claim_engine=...)`), one at a time.
+
+    The claim is one long statement (candidates per model and size class, the placement walk,
+    the update, events), and PostgreSQL planned it afresh on every run: a prepared statement
+    whose generic plan is estimated far dearer than the custom plans for its values is never
+    switched to the generic one. That planning was about a third of the server's CPU per job
+    (0.39-0.43 ms per job, 0.27-0.30 with a generic plan: claims of 4, `tests/bench`'s
+    eleventh round). The generic plan reads jobs and images by index as the custom ones do
+    (tests/integration/test_batching.py), so the claim's own connection forces it; the other
+    statements keep PostgreSQL's choice.
+    """
+    return create_engine(url, pool_size=1, name="gpujobs claims", generic_plans=True)
 
 
 async def fetch_row(engine: AsyncEngine, statement: TextClause, values: Mapping[str, Any]) -> Any:

@@ -109,8 +109,11 @@ def _parse_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
-    def __init__(self, engine: AsyncEngine, *, quarantine_after: int = 3) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, claim_engine: AsyncEngine | None = None, quarantine_after: int = 3
+    ) -> None:
         self._engine = engine
+        self._claim_engine = engine if claim_engine is None else claim_engine  # db.create_claim_engine
         # Every unit below but expire is one statement, atomic on its own: autocommit
         # saves the BEGIN and COMMIT round trips a transaction would add around it.
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -266,7 +269,7 @@ class JobManager:
             "warm_models": sorted({model for model, _ in warm}),
             "warm_pairs": sorted(f"{model}:{gpu}" for model, gpu in warm),
             "min_priority": min_priority,
-            "classes": classes_up_to(budget),
+            "max_class": vram_class(budget),
             "budget": budget,
             "limit": limit,
             "gpu_ids": gpu_ids,
@@ -276,7 +279,7 @@ class JobManager:
             "host": host,
             "lease_s": lease_s,
         }
-        rows = await db.fetch_rows(self._engine, sql.CLAIM, values)  # wide rows: the driver's fetch
+        rows = await db.fetch_rows(self._claim_engine, sql.CLAIM, values)  # wide rows: the driver's fetch
         return [
             Claimed(
                 Job.from_row(row),

@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.util import greenlet_spawn
 
 from app import db, errors
-from app.queue.jobs import JobState
+from app.queue import sql
+from app.queue.jobs import JobState, classes_up_to, vram_class
 from app.queue.manager import JobManager
 from tests import plans
-from tests.integration.test_durability import running
+from tests.integration.test_durability import running, until
 from tests.integration.test_worker import enqueue
 
 CLAIM = {"worker_id": "test:w", "host": "h", "models": ["toy"], "lease_s": 60}
@@ -103,6 +105,85 @@ async def test_a_claim_is_never_jit_compiled(manager: JobManager, engine, monkey
     assert len(reports) == 2, reports
     assert max(r["Plan"]["Total Cost"] for r in reports) > jit_above_cost  # JIT would have compiled it
     assert [r.get("JIT") for r in reports] == [None, None]
+
+
+async def test_a_claim_probes_only_the_size_classes_its_models_have_queued(
+    manager: JobManager, engine, monkeypatch
+):
+    """A worker on a large GPU may take jobs of ~100 size classes per model, nearly all empty. The
+    claim probes only the classes from each model's smallest queued one to its largest that fits
+    (two probes find them), so a model with nothing queued costs two probes, not one per class."""
+    for mb in (1000, 1000, 6000):  # two classes of one model
+        await enqueue(manager, vram_mb=mb)
+    many = {**CLAIM, "models": ["toy", "other", "third", "fourth"], "budgets": {0: 10**6}, "limit": 8}
+    assert len(classes_up_to(10**6)) == 96  # what the claim probed for each model before
+    seen: list[dict[str, Any]] = []
+
+    async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
+        for mode in ("force_custom_plan", "force_generic_plan"):
+            seen.extend(await plans.prepared_plans(engine, statement, values, mode))
+        return []
+
+    monkeypatch.setattr(db, "fetch_rows", explained)
+    assert await manager.claim(**many) == []
+    assert len(seen) == 2
+    for plan in seen:
+        probes = [n for n in plans.nodes(plan) if n.get("Index Name") == "ix_jobs_claim"]
+        loops = sum(n["Actual Loops"] for n in probes)
+        # 4 models x 2 probes for their span, then 1 probe per class from 1000 MB to 6000 MB
+        assert loops <= 4 * 2 + (vram_class(6000) - vram_class(1000) + 1), (loops, plan)
+        updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
+        assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [3]
+    monkeypatch.undo()
+    assert sorted(c.job.vram_mb for c in await manager.claim(**many)) == [1000, 1000, 6000]
+
+
+async def test_a_claim_over_the_budget_of_every_queued_class_takes_nothing(manager: JobManager):
+    await enqueue(manager, vram_mb=6000)
+    assert await manager.claim(**CLAIM, budgets={0: 5000}, limit=4) == []  # its class is above the span
+    small = await enqueue(manager, vram_mb=1000)
+    assert [c.job.id for c in await manager.claim(**CLAIM, budgets={0: 5000}, limit=4)] == [small]
+
+
+async def test_claims_on_the_claim_engine_keep_one_generic_plan(manager: JobManager, settings):
+    """PostgreSQL planned the claim afresh on every run (its generic plan is estimated far dearer
+    than a custom plan, so a prepared statement never switched), and that planning was a third of
+    the server's CPU per job. The worker's claim connection forces the generic plan."""
+    assert settings.database_url
+    claim_engine = db.create_claim_engine(settings.database_url)
+    claiming = JobManager(manager._engine, claim_engine=claim_engine)
+    try:
+        for _ in range(7):
+            await enqueue(manager)
+        for _ in range(7):
+            assert len(await claiming.claim(**CLAIM, budgets={0: 10**6}, limit=1)) == 1
+        pooled = await claim_engine.raw_connection()
+        try:
+            rows = await pooled.driver_connection.fetch(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+                db._driver_sql(sql.CLAIM, claim_engine.dialect).string,
+            )
+            assert await pooled.driver_connection.fetchval("SHOW application_name") == "gpujobs claims"
+        finally:
+            await greenlet_spawn(pooled.close)
+    finally:
+        await claim_engine.dispose()
+    assert [tuple(r) for r in rows] == [(7, 0)]
+
+
+async def test_a_worker_process_claims_on_its_own_connection(manager: JobManager, engine, spawn_worker):
+    """`gpujobs worker` claims through db.create_claim_engine (the connection named for it)."""
+    job_id = await enqueue(manager, sleep=30)
+    spawn_worker("claims")
+    await until(manager, job_id, lambda j: j.state is JobState.running)
+    async with engine.connect() as conn:
+        named = await conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'gpujobs claims'"
+            )
+        )
+    assert named == 1
 
 
 async def test_placement_respects_each_gpus_megabytes_and_slots(manager: JobManager):
