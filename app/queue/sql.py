@@ -105,7 +105,7 @@ ENQUEUE = text(
 # :limit heads from each, so queued jobs that fit nowhere are never walked past one by one. Only
 # the classes from a model's smallest queued one to its largest that fits (`:max_class`, of the
 # largest budget) are probed, found by two more probes: all classes up to the budget were 97 per
-# model on a 1 TiB GPU, 67 on 80 GB, nearly all of them empty, and probing them was about a fifth
+# model on a 1 TiB GPU, 67 on 80 GB, nearly all of them empty, and probing them was about a third
 # of the server's CPU per job (tests/bench/README.md, eleventh round). The
 # candidates are then placed in order (`placed`, a greedy walk): each takes the tightest GPU with
 # enough MB and a free slot left by those placed before it, or is skipped (left queued). `:gpu_ids`
