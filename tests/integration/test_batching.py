@@ -26,6 +26,24 @@ async def claimed_events(engine: Any) -> int:
         return int(await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'claimed'")))
 
 
+async def claim_plans(manager: JobManager, engine: Any, monkeypatch: Any, claim: dict[str, Any]) -> list[Any]:
+    """auto_explain's reports of `manager.claim(**claim)`, run as a worker runs it, under a custom
+    plan and then under the generic plan a prepared statement may use (tests/plans.py). Each run
+    is rolled back: the claim takes nothing."""
+    reports: list[Any] = []
+
+    async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
+        for mode in ("force_custom_plan", "force_generic_plan"):
+            reports.extend(await plans.prepared_reports(engine, statement, values, mode))
+        return []
+
+    with monkeypatch.context() as patched:
+        patched.setattr(db, "fetch_rows", explained)
+        assert await manager.claim(**claim) == []
+    assert len(reports) == 2, reports
+    return reports
+
+
 async def test_a_batch_is_taken_best_first_in_one_statement(manager: JobManager, engine):
     ids = {p: await enqueue(manager, priority=p, image=None, steps=p) for p in (1, 5, 3, 9, 7)}
     batch = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=3)
@@ -52,27 +70,12 @@ async def test_a_claim_does_not_read_the_jobs_already_done(manager: JobManager, 
     # A worker of several models on a large GPU probes many (model, size class) pairs.
     many = {**CLAIM, "models": ["toy", "other", "third", "fourth"], "budgets": {0: 10**6}, "limit": 8}
 
-    async def claim_plan(mode: str) -> dict[str, Any]:
-        seen: list[dict[str, Any]] = []
-
-        async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
-            seen.extend(await plans.prepared_plans(engine, statement, values, mode))
-            return []
-
-        monkeypatch.setattr(db, "fetch_rows", explained)
-        try:
-            assert await manager.claim(**many) == []
-        finally:
-            monkeypatch.undo()
-        [plan] = seen
-        return plan
-
-    for mode in ("force_custom_plan", "force_generic_plan"):
-        plan = await claim_plan(mode)
-        assert "Seq Scan" not in plans.scans_of(plan, "jobs"), (mode, plan)
-        assert "Seq Scan" not in plans.scans_of(plan, "inputs"), (mode, plan)  # images by key too
+    for report in await claim_plans(manager, engine, monkeypatch, many):
+        plan = report["Plan"]
+        assert "Seq Scan" not in plans.scans_of(plan, "jobs"), plan
+        assert "Seq Scan" not in plans.scans_of(plan, "inputs"), plan  # images by key too
         updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
-        assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [8], (mode, plan)
+        assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [8], plan
     assert len(await manager.claim(**many)) == 8  # what the plans showed was rolled back
 
 
@@ -93,16 +96,7 @@ async def test_a_claim_is_never_jit_compiled(manager: JobManager, engine, monkey
         await conn.execute(plans.QUEUED_BESIDE, {"count": 20_000})
         await conn.execute(text("ANALYZE jobs"))
     many = {**CLAIM, "models": ["toy", *(f"other-{i}" for i in range(9))], "budgets": {0: 80_000}, "limit": 8}
-    reports: list[dict[str, Any]] = []
-
-    async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
-        for mode in ("force_custom_plan", "force_generic_plan"):
-            reports.extend(await plans.prepared_reports(engine, statement, values, mode))
-        return []
-
-    monkeypatch.setattr(db, "fetch_rows", explained)
-    assert await manager.claim(**many) == []
-    assert len(reports) == 2, reports
+    reports = await claim_plans(manager, engine, monkeypatch, many)
     assert max(r["Plan"]["Total Cost"] for r in reports) > jit_above_cost  # JIT would have compiled it
     assert [r.get("JIT") for r in reports] == [None, None]
 
@@ -117,24 +111,14 @@ async def test_a_claim_probes_only_the_size_classes_its_models_have_queued(
         await enqueue(manager, vram_mb=mb)
     many = {**CLAIM, "models": ["toy", "other", "third", "fourth"], "budgets": {0: 10**6}, "limit": 8}
     assert len(classes_up_to(10**6)) == 96  # what the claim probed for each model before
-    seen: list[dict[str, Any]] = []
-
-    async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
-        for mode in ("force_custom_plan", "force_generic_plan"):
-            seen.extend(await plans.prepared_plans(engine, statement, values, mode))
-        return []
-
-    monkeypatch.setattr(db, "fetch_rows", explained)
-    assert await manager.claim(**many) == []
-    assert len(seen) == 2
-    for plan in seen:
+    for report in await claim_plans(manager, engine, monkeypatch, many):
+        plan = report["Plan"]
         probes = [n for n in plans.nodes(plan) if n.get("Index Name") == "ix_jobs_claim"]
         loops = sum(n["Actual Loops"] for n in probes)
         # 4 models x 2 probes for their span, then 1 probe per class from 1000 MB to 6000 MB
         assert loops <= 4 * 2 + (vram_class(6000) - vram_class(1000) + 1), (loops, plan)
         updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
         assert [n["Actual Rows"] for n in updated if n["Relation Name"] == "jobs"] == [3]
-    monkeypatch.undo()
     assert sorted(c.job.vram_mb for c in await manager.claim(**many)) == [1000, 1000, 6000]
 
 
