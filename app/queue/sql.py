@@ -236,7 +236,10 @@ RUN_EVENT = text(
 )
 
 # Several attempts' successes at once (parallel arrays; `:results` and `:details` hold JSON text),
-# each fenced on its own; the ids that were still owned come back.
+# each fenced on its own; the ids that were still owned come back. The rows are read by key
+# (`j.id = ANY(:ids)`): joined to the unnest alone, whose size the generic plan guesses at 100, the
+# update read every running job through ix_jobs_worker (1,008 rows, 0.26 ms, for one success
+# beside 1,000 running jobs), fleet-wide, on every finish.
 SUCCEED = text(
     f"""
     WITH finished AS (
@@ -248,7 +251,8 @@ SUCCEED = text(
         SET state = 'succeeded', progress = 1, results = CAST(f.results AS jsonb), error = NULL,
             finished_at = now(), lease_expires_at = NULL
         FROM finished AS f
-        WHERE j.id = f.id AND j.attempt = f.attempt AND j.state = 'running'
+        WHERE j.id = ANY(CAST(:ids AS uuid[])) AND j.id = f.id AND j.attempt = f.attempt
+          AND j.state = 'running'
         RETURNING j.id, j.attempt, j.worker_id, j.state, j.progress, CAST(f.detail AS jsonb) AS detail
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,10 +27,10 @@ async def claimed_events(engine: Any) -> int:
         return int(await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'claimed'")))
 
 
-async def claim_plans(manager: JobManager, engine: Any, monkeypatch: Any, claim: dict[str, Any]) -> list[Any]:
-    """auto_explain's reports of `manager.claim(**claim)`, run as a worker runs it, under a custom
-    plan and then under the generic plan a prepared statement may use (tests/plans.py). Each run
-    is rolled back: the claim takes nothing."""
+async def both_plans(engine: Any, monkeypatch: Any, run: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """auto_explain's reports of the statement `run()` sends through `db.fetch_rows`, as the
+    service sends it: under a custom plan, then under the generic plan a prepared statement may use
+    (tests/plans.py). Each is rolled back, so `run()` sees no rows come back."""
     reports: list[Any] = []
 
     async def explained(_engine: Any, statement: Any, values: Any) -> list[Any]:
@@ -39,9 +40,18 @@ async def claim_plans(manager: JobManager, engine: Any, monkeypatch: Any, claim:
 
     with monkeypatch.context() as patched:
         patched.setattr(db, "fetch_rows", explained)
-        assert await manager.claim(**claim) == []
+        await run()
     assert len(reports) == 2, reports
     return reports
+
+
+async def claim_plans(manager: JobManager, engine: Any, monkeypatch: Any, claim: dict[str, Any]) -> list[Any]:
+    """`both_plans` of `manager.claim(**claim)`, which claims nothing there."""
+
+    async def run() -> None:
+        assert await manager.claim(**claim) == []
+
+    return await both_plans(engine, monkeypatch, run)
 
 
 async def test_a_batch_is_taken_best_first_in_one_statement(manager: JobManager, engine):
@@ -229,6 +239,30 @@ async def test_successes_reported_together_share_a_statement_and_are_fenced_each
     async with engine.connect() as conn:
         events = await conn.scalar(text("SELECT count(*) FROM job_events WHERE kind = 'succeeded'"))
     assert events == 9
+
+
+async def test_a_success_reads_only_its_own_jobs(manager: JobManager, engine, monkeypatch):
+    """The finish read every running job (ix_jobs_worker, whatever the worker) to update a few:
+    its generic plan guessed the ids' unnest at 100 rows. It reads its rows by key now."""
+    for _ in range(3):
+        await enqueue(manager)
+    async with engine.begin() as conn:
+        await conn.execute(plans.QUEUED_BESIDE, {"count": 400})
+    taken = []
+    while len(taken) < 1000:  # about a thousand jobs running, as on a fleet of GPU hosts
+        taken += await manager.claim(**CLAIM, budgets={0: 10**7}, limit=100)
+    async with engine.begin() as conn:
+        await conn.execute(text("ANALYZE jobs"))
+    job = taken[0].job
+
+    async def finish() -> None:
+        with pytest.raises(errors.LeaseLost):  # the explained success was rolled back
+            await manager.succeed(job, [], {})
+
+    for report in await both_plans(engine, monkeypatch, finish):
+        assert plans.rows_read(report["Plan"], "jobs") <= 2, report["Plan"]
+    await manager.succeed(job, [], {})
+    assert (await manager.get(job.id)).state is JobState.succeeded
 
 
 async def claim_statements(engine: Any) -> list[int]:
