@@ -139,11 +139,11 @@ async def _run_worker(settings: Settings, *, burst: bool) -> None:
 
     url = settings.database_url or ""
     await _check_schema(url)
-    engine, claim_engine = db.create_engine(url), db.create_claim_engine(url)
+    engine, queue_engine = db.create_engine(url), db.create_queue_engine(url)
     try:
         w = build_worker(
             settings,
-            manager=JobManager(engine, claim_engine=claim_engine, quarantine_after=settings.quarantine_after),
+            manager=JobManager(engine, queue_engine=queue_engine, quarantine_after=settings.quarantine_after),
             store=storage.ResultStore(settings.storage_dir),
             models=registry.load_registry(settings.models_file),
             listen_dsn=db.asyncpg_dsn(url),
@@ -154,7 +154,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> None:
             loop.add_signal_handler(sig, w.stop)
         await w.run()
     finally:
-        await claim_engine.dispose()
+        await queue_engine.dispose()
         await engine.dispose()
 
 

@@ -32,13 +32,14 @@ class Base(DeclarativeBase):
 
 
 def create_engine(
-    url: str, *, pool_size: int = 10, name: str = "gpujobs", generic_plans: bool = False
+    url: str, *, pool_size: int = 10, name: str = "gpujobs", fixed_plans: bool = False
 ) -> AsyncEngine:
     """The process's engine: asyncpg, pooled; `name` shows in pg_stat_activity. With
-    `generic_plans`, prepared statements keep one plan per connection (see `create_claim_engine`)."""
+    `fixed_plans`, each prepared statement keeps one generic plan per connection, made without
+    sequential scans (see `create_queue_engine`)."""
     server_settings = {"application_name": name, "jit": "off"}
-    if generic_plans:
-        server_settings["plan_cache_mode"] = "force_generic_plan"
+    if fixed_plans:
+        server_settings.update(plan_cache_mode="force_generic_plan", enable_seqscan="off")
     return create_async_engine(
         url,
         pool_size=pool_size,
@@ -53,19 +54,26 @@ def create_engine(
     )
 
 
-def create_claim_engine(url: str) -> AsyncEngine:
-    """A worker's connection for its claims (`JobManager(claim_engine=...)`), one at a time.
+def create_queue_engine(url: str) -> AsyncEngine:
+    """A worker's connections for its claims and its finishes (`JobManager(queue_engine=...)`):
+    one claim and one batch of successes at a time, so two connections.
 
-    The claim is one long statement (candidates per model and size class, the placement walk,
-    the update, events), and PostgreSQL planned it afresh on every run: a prepared statement
-    whose generic plan is estimated far dearer than the custom plans for its values is never
-    switched to the generic one. That planning was about a third of the server's CPU per job
-    (0.39-0.43 ms per job, 0.27-0.30 with a generic plan: claims of 4, `tests/bench`'s
-    eleventh round). The generic plan reads jobs and images by index as the custom ones do
-    (tests/integration/test_batching.py), so the claim's own connection forces it; the other
-    statements keep PostgreSQL's choice.
+    Their statements keep one generic plan per connection, made without sequential scans:
+    - PostgreSQL planned the claim afresh on every run. A prepared statement whose generic plan is
+      estimated far dearer than the custom plans for its values never switches to it, and the
+      claim's is (unnest of parameter arrays, a probe per model and size class, the placement
+      walk). That planning was about a third of the server's CPU per job (0.39-0.43 ms per job,
+      0.27-0.30 with a generic plan: claims of 4, tests/bench/README.md, eleventh round).
+    - A generic plan made while `jobs` was small (a new service, or after a purge) scanned the
+      table, and was kept as the table grew until the next ANALYZE invalidated it: a claim took
+      87-108 ms beside 20,000 jobs, a finish 38-69 ms beside 160,000. Both statements only ever
+      need their indexes; with sequential scans off, the plan made on a small table is the one a
+      large table needs.
+    The generic plans read jobs and images by index as the custom ones do
+    (tests/integration/test_batching.py checks both). Every other statement keeps PostgreSQL's
+    choice, on the main pool.
     """
-    return create_engine(url, pool_size=1, name="gpujobs claims", generic_plans=True)
+    return create_engine(url, pool_size=2, name="gpujobs queue", fixed_plans=True)
 
 
 async def fetch_row(engine: AsyncEngine, statement: TextClause, values: Mapping[str, Any]) -> Any:

@@ -67,10 +67,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     assert settings.database_url, "create_app needs a database URL (the CLI starts the embedded one)"
     engine = db.create_engine(settings.database_url)
     app.state.engine = engine
-    # The in-process worker claims on its own connection (db.create_claim_engine); the API never claims.
-    claim_engine = db.create_claim_engine(settings.database_url) if settings.run_worker else None
+    # The in-process worker claims and finishes on its own connections (db.create_queue_engine).
+    queue_engine = db.create_queue_engine(settings.database_url) if settings.run_worker else None
     manager = manager_.JobManager(
-        engine, claim_engine=claim_engine, quarantine_after=settings.quarantine_after
+        engine, queue_engine=queue_engine, quarantine_after=settings.quarantine_after
     )
     services = build_services(settings, manager, auth.KeyStore(engine))
     app.state.services = services
@@ -96,8 +96,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 await task
         await observers.stop()
-        if claim_engine is not None:
-            await claim_engine.dispose()
+        if queue_engine is not None:
+            await queue_engine.dispose()
         await engine.dispose()
 
 

@@ -110,10 +110,10 @@ class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
     def __init__(
-        self, engine: AsyncEngine, *, claim_engine: AsyncEngine | None = None, quarantine_after: int = 3
+        self, engine: AsyncEngine, *, queue_engine: AsyncEngine | None = None, quarantine_after: int = 3
     ) -> None:
         self._engine = engine
-        self._claim_engine = engine if claim_engine is None else claim_engine  # db.create_claim_engine
+        self._queue_engine = engine if queue_engine is None else queue_engine  # claims, successes
         # Every unit below but expire is one statement, atomic on its own: autocommit
         # saves the BEGIN and COMMIT round trips a transaction would add around it.
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -279,7 +279,7 @@ class JobManager:
             "host": host,
             "lease_s": lease_s,
         }
-        rows = await db.fetch_rows(self._claim_engine, sql.CLAIM, values)  # wide rows: the driver's fetch
+        rows = await db.fetch_rows(self._queue_engine, sql.CLAIM, values)  # wide rows: the driver's fetch
         return [
             Claimed(
                 Job.from_row(row),
@@ -327,7 +327,7 @@ class JobManager:
             "results": [results for _, results, _ in items],
             "details": [detail for _, _, detail in items],
         }
-        done = {row["id"] for row in await db.fetch_rows(self._engine, sql.SUCCEED, values)}
+        done = {row["id"] for row in await db.fetch_rows(self._queue_engine, sql.SUCCEED, values)}
         return [job.id in done for job, _, _ in items]
 
     async def fail(

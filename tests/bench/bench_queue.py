@@ -407,11 +407,12 @@ async def fill_queue(engine: AsyncEngine, case: ClaimCase, fitting: int, *, naiv
 
 
 def manager_claim(
-    engine: AsyncEngine, models: list[str], limit: int = 1, claim_engine: AsyncEngine | None = None
+    engine: AsyncEngine, models: list[str], limit: int = 1, queue_engine: AsyncEngine | None = None
 ) -> ClaimOnce:
     """The real claim: JobManager.claim of up to `limit` jobs on one GPU of BUDGET_MB, on
-    `claim_engine` as a worker claims (db.create_claim_engine: one generic plan per connection)."""
-    manager = manager_.JobManager(engine, claim_engine=claim_engine)
+    `queue_engine` as a worker claims (db.create_queue_engine: one generic plan per connection,
+    made without sequential scans)."""
+    manager = manager_.JobManager(engine, queue_engine=queue_engine)
 
     async def once(claimer: int) -> int | None:
         jobs = await manager.claim(
@@ -466,7 +467,7 @@ async def best_rate(claim: ClaimOnce, claimers: int, sizes: Sizes) -> tuple[floa
 
 async def server_ms(engine: AsyncEngine, claim: ClaimOnce) -> tuple[float, float]:
     """Best-of-5 planning + execution time of the claim's statement on the server (EXPLAIN ANALYZE),
-    and the planning time of that run (a worker's claim connection keeps one generic plan, so its
+    and the planning time of that run (a worker's queue connection keeps one generic plan, so its
     claims skip the planning; EXPLAIN with values always plans afresh).
 
     The statement is caught as the claim sends it: through SQLAlchemy (the naive claim) or straight
@@ -523,10 +524,10 @@ async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce],
     """One queue shape: best claims/s with 1 and 4 claimers, and server-side ms per claim."""
     models = list(registry.load_registry(bench.models_file).models)
     models += [f"idle-{i}" for i in range(case.idle_models)]
-    claim_engine = None
-    if make is manager_claim:  # each of the 4 claimers stands for a worker, with its claim connection
-        claim_engine = db.create_engine(bench.url, pool_size=4, name="gpujobs claims", generic_plans=True)
-        claim = manager_claim(bench.engine, models, case.limit, claim_engine)
+    queue_engine = None
+    if make is manager_claim:  # each of the 4 claimers stands for a worker, with its queue connection
+        queue_engine = db.create_engine(bench.url, pool_size=4, name="gpujobs queue", fixed_plans=True)
+        claim = manager_claim(bench.engine, models, case.limit, queue_engine)
     elif case.limit > 1:
         return "n/a (it takes one job a claim)"
     else:
@@ -540,8 +541,8 @@ async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce],
             misfits += wrong
         ms, planning_ms = await server_ms(bench.engine, claim)
     finally:
-        if claim_engine is not None:
-            await claim_engine.dispose()
+        if queue_engine is not None:
+            await queue_engine.dispose()
     bad = f" ({misfits} claimed jobs did not fit!)" if misfits else ""
     return f"{rates[0]:5.0f} / {rates[1]:5.0f} claims/s   {ms:5.2f} ms ({planning_ms:.2f} planning){bad}"
 

@@ -44,9 +44,9 @@ SPANS = text(
 async def drive(url: str, tmp: Path, model: str, jobs: int, profile: str | None) -> None:
     """Queue, drain with one in-process worker, print the figures."""
     models_file = bt.write_models(tmp)
-    engine, claim_engine = (
+    engine, queue_engine = (
         db.create_engine(url, pool_size=8),
-        db.create_claim_engine(url),
+        db.create_queue_engine(url),
     )  # as `gpujobs worker`
     run = bt.Run(bq.Bench(url, engine, tmp, models_file), url, tmp / "storage")
     await bt.bulk_enqueue(run, model, jobs)
@@ -56,7 +56,7 @@ async def drive(url: str, tmp: Path, model: str, jobs: int, profile: str | None)
     )  # fmt: skip
     worker = factory.build_worker(
         settings,
-        manager=manager_.JobManager(engine, claim_engine=claim_engine),
+        manager=manager_.JobManager(engine, queue_engine=queue_engine),
         store=storage.ResultStore(settings.storage_dir),
         models=registry.load_registry(models_file),
         listen_dsn=None,
@@ -74,7 +74,7 @@ async def drive(url: str, tmp: Path, model: str, jobs: int, profile: str | None)
     own2, children2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     async with engine.connect() as conn:
         spans, ok, claims, finishes = (await conn.execute(SPANS)).one()
-    await claim_engine.dispose()
+    await queue_engine.dispose()
     await engine.dispose()
     per_job = 1000 / max(ok, 1)
     models_s = children2.ru_utime + children2.ru_stime - children.ru_utime - children.ru_stime

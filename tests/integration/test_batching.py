@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -139,34 +141,84 @@ async def test_a_claim_over_the_budget_of_every_queued_class_takes_nothing(manag
     assert [c.job.id for c in await manager.claim(**CLAIM, budgets={0: 5000}, limit=4)] == [small]
 
 
-async def test_claims_on_the_claim_engine_keep_one_generic_plan(manager: JobManager, settings):
+@contextlib.asynccontextmanager
+async def queue_manager(manager: JobManager, url: str) -> AsyncIterator[tuple[JobManager, Any]]:
+    """A manager whose claims and successes go through db.create_queue_engine, as a worker's do,
+    with auto_explain loaded in its connection (used one statement at a time, so there is one):
+    the second item is the list auto_explain's reports of its statements are added to."""
+    queue_engine = db.create_queue_engine(url)
+    reports: list[Any] = []
+    pooled = await queue_engine.raw_connection()
+    driver = pooled.driver_connection
+    driver.add_log_listener(lambda _c, m: reports.append(json.loads(m.message[m.message.index("{") :])))
+    await driver.execute(
+        "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0; SET auto_explain.log_analyze = on;"
+        " SET auto_explain.log_format = json; SET auto_explain.log_level = notice"
+    )
+    await greenlet_spawn(pooled.close)
+    try:
+        yield JobManager(manager._engine, queue_engine=queue_engine), reports
+    finally:
+        await queue_engine.dispose()
+
+
+async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, settings):
     """PostgreSQL planned the claim afresh on every run (its generic plan is estimated far dearer
     than a custom plan, so a prepared statement never switched), and that planning was a third of
-    the server's CPU per job. The worker's claim connection forces the generic plan."""
+    the server's CPU per job. The worker's queue connection forces the generic plan."""
     assert settings.database_url
-    claim_engine = db.create_claim_engine(settings.database_url)
-    claiming = JobManager(manager._engine, claim_engine=claim_engine)
-    try:
+    async with queue_manager(manager, settings.database_url) as (queue, _):
         for _ in range(7):
             await enqueue(manager)
         for _ in range(7):
-            assert len(await claiming.claim(**CLAIM, budgets={0: 10**6}, limit=1)) == 1
-        pooled = await claim_engine.raw_connection()
+            [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+            await queue.succeed(claimed.job, [], {})
+        pooled = await queue._queue_engine.raw_connection()
         try:
-            rows = await pooled.driver_connection.fetch(
-                "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
-                db._driver_sql(sql.CLAIM, claim_engine.dialect).string,
-            )
-            assert await pooled.driver_connection.fetchval("SHOW application_name") == "gpujobs claims"
+            driver = pooled.driver_connection
+            assert await driver.fetchval("SHOW application_name") == "gpujobs queue"
+            counts = [
+                tuple(
+                    await driver.fetchrow(
+                        "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+                        db._driver_sql(statement, queue._queue_engine.dialect).string,
+                    )
+                )
+                for statement in (sql.CLAIM, sql.SUCCEED)
+            ]
         finally:
             await greenlet_spawn(pooled.close)
-    finally:
-        await claim_engine.dispose()
-    assert [tuple(r) for r in rows] == [(7, 0)]
+    assert counts == [(7, 0), (7, 0)]
+
+
+async def test_plans_made_while_the_table_was_small_still_read_by_index(
+    manager: JobManager, engine, settings
+):
+    """A generic plan is kept until an ANALYZE invalidates it. Made while `jobs` held a few rows, it
+    scanned the table, and kept scanning as the table grew: a claim took 87-108 ms beside 20,000
+    jobs, a success 38-69 ms beside 160,000. The queue connection makes its plans without
+    sequential scans, so the plan for a small table is one for a large table too."""
+    assert settings.database_url
+    async with queue_manager(manager, settings.database_url) as (queue, reports):
+        for _ in range(4):
+            await enqueue(manager)
+        async with engine.begin() as conn:
+            await conn.execute(text("ANALYZE jobs"))
+        [first] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)  # the plans are made now
+        await queue.succeed(first.job, [], {})
+        async with engine.begin() as conn:  # the table grows; no ANALYZE comes
+            await conn.execute(plans.FINISHED_BESIDE, {"count": 3000})
+        reports.clear()
+        [second] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+        await queue.succeed(second.job, [], {})
+    assert len(reports) == 2, reports
+    for report in reports:
+        assert "Seq Scan" not in plans.scans_of(report["Plan"], "jobs"), report["Plan"]
+        assert plans.rows_read(report["Plan"], "jobs") < 100, report["Plan"]
 
 
 async def test_a_worker_process_claims_on_its_own_connection(manager: JobManager, engine, spawn_worker):
-    """`gpujobs worker` claims through db.create_claim_engine (the connection named for it)."""
+    """`gpujobs worker` claims through db.create_queue_engine (the connection named for it)."""
     job_id = await enqueue(manager, sleep=30)
     spawn_worker("claims")
     await until(manager, job_id, lambda j: j.state is JobState.running)
@@ -174,7 +226,7 @@ async def test_a_worker_process_claims_on_its_own_connection(manager: JobManager
         named = await conn.scalar(
             text(
                 "SELECT count(*) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND application_name = 'gpujobs claims'"
+                " WHERE datname = current_database() AND application_name = 'gpujobs queue'"
             )
         )
     assert named == 1
