@@ -54,9 +54,10 @@ def create_engine(
     )
 
 
-def create_queue_engine(url: str) -> AsyncEngine:
+def create_queue_engine(url: str, *, pool_size: int = 2) -> AsyncEngine:
     """A worker's connections for its claims and its finishes (`JobManager(queue_engine=...)`):
-    one claim and one batch of successes at a time, so two connections.
+    one claim and one batch of successes at a time, so two connections (a benchmark standing for
+    several workers asks for more).
 
     Their statements keep one generic plan per connection, made without sequential scans:
     - PostgreSQL planned the claim afresh on every run. A prepared statement whose generic plan is
@@ -73,7 +74,7 @@ def create_queue_engine(url: str) -> AsyncEngine:
     (tests/integration/test_batching.py checks both). Every other statement keeps PostgreSQL's
     choice, on the main pool.
     """
-    return create_engine(url, pool_size=2, name="gpujobs queue", fixed_plans=True)
+    return create_engine(url, pool_size=pool_size, name="gpujobs queue", fixed_plans=True)
 
 
 async def fetch_row(engine: AsyncEngine, statement: TextClause, values: Mapping[str, Any]) -> Any:

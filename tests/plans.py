@@ -83,14 +83,21 @@ async def prepared_reports(engine: Any, statement: Any, values: Any, plan_cache_
     transaction = driver.transaction()
     await transaction.start()
     try:
-        await driver.execute(
-            "LOAD 'auto_explain'; SET LOCAL auto_explain.log_min_duration = 0;"
-            " SET LOCAL auto_explain.log_analyze = on; SET LOCAL auto_explain.log_format = json;"
-            f" SET LOCAL auto_explain.log_level = notice; SET LOCAL plan_cache_mode = {plan_cache_mode}"
-        )
+        await driver.execute(f"{auto_explain('LOCAL')}; SET LOCAL plan_cache_mode = {plan_cache_mode}")
         await driver.fetch(compiled.string, *(values[k] for k in compiled.names))
     finally:
         await transaction.rollback()
         await greenlet_spawn(pooled.invalidate)  # auto_explain stays loaded in that session
-    reports = [json.loads(n[n.index("{") :]) for n in notices if "Query Text" in n]
-    return [r for r in reports if r["Query Text"] == compiled.string]
+    return [r for r in explain_reports(notices) if r["Query Text"] == compiled.string]
+
+
+def auto_explain(scope: str = "SESSION") -> str:
+    """SQL that makes auto_explain report every statement's plan, run and timed, as a JSON notice
+    (`scope`: SESSION, or LOCAL for the transaction); `explain_reports` reads the notices."""
+    settings = ("log_min_duration = 0", "log_analyze = on", "log_format = json", "log_level = notice")
+    return "; ".join(["LOAD 'auto_explain'", *(f"SET {scope} auto_explain.{s}" for s in settings)])
+
+
+def explain_reports(notices: list[str]) -> list[Any]:
+    """auto_explain's reports among a connection's notices (each with its "Query Text" and "Plan")."""
+    return [json.loads(n[n.index("{") :]) for n in notices if "Query Text" in n]

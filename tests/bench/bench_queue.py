@@ -526,7 +526,7 @@ async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce],
     models += [f"idle-{i}" for i in range(case.idle_models)]
     queue_engine = None
     if make is manager_claim:  # each of the 4 claimers stands for a worker, with its queue connection
-        queue_engine = db.create_engine(bench.url, pool_size=4, name="gpujobs queue", fixed_plans=True)
+        queue_engine = db.create_queue_engine(bench.url, pool_size=4)
         claim = manager_claim(bench.engine, models, case.limit, queue_engine)
     elif case.limit > 1:
         return "n/a (it takes one job a claim)"

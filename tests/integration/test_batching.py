@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -142,22 +141,19 @@ async def test_a_claim_over_the_budget_of_every_queued_class_takes_nothing(manag
 
 
 @contextlib.asynccontextmanager
-async def queue_manager(manager: JobManager, url: str) -> AsyncIterator[tuple[JobManager, Any]]:
-    """A manager whose claims and successes go through db.create_queue_engine, as a worker's do,
-    with auto_explain loaded in its connection (used one statement at a time, so there is one):
-    the second item is the list auto_explain's reports of its statements are added to."""
+async def queue_manager(manager: JobManager, url: str) -> AsyncIterator[tuple[JobManager, Any, list[str]]]:
+    """A manager whose claims and successes go through db.create_queue_engine, as a worker's do;
+    with it, that engine and the notices of its connection (used one statement at a time, so there
+    is one), where auto_explain reports each statement (`plans.explain_reports`)."""
     queue_engine = db.create_queue_engine(url)
-    reports: list[Any] = []
+    notices: list[str] = []
     pooled = await queue_engine.raw_connection()
     driver = pooled.driver_connection
-    driver.add_log_listener(lambda _c, m: reports.append(json.loads(m.message[m.message.index("{") :])))
-    await driver.execute(
-        "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0; SET auto_explain.log_analyze = on;"
-        " SET auto_explain.log_format = json; SET auto_explain.log_level = notice"
-    )
+    driver.add_log_listener(lambda _conn, message: notices.append(message.message))
+    await driver.execute(plans.auto_explain())
     await greenlet_spawn(pooled.close)
     try:
-        yield JobManager(manager._engine, queue_engine=queue_engine), reports
+        yield JobManager(manager._engine, queue_engine=queue_engine), queue_engine, notices
     finally:
         await queue_engine.dispose()
 
@@ -167,13 +163,13 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
     than a custom plan, so a prepared statement never switched), and that planning was a third of
     the server's CPU per job. The worker's queue connection forces the generic plan."""
     assert settings.database_url
-    async with queue_manager(manager, settings.database_url) as (queue, _):
+    async with queue_manager(manager, settings.database_url) as (queue, queue_engine, _):
         for _ in range(7):
             await enqueue(manager)
         for _ in range(7):
             [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
             await queue.succeed(claimed.job, [], {})
-        pooled = await queue._queue_engine.raw_connection()
+        pooled = await queue_engine.raw_connection()
         try:
             driver = pooled.driver_connection
             assert await driver.fetchval("SHOW application_name") == "gpujobs queue"
@@ -181,7 +177,7 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
                 tuple(
                     await driver.fetchrow(
                         "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
-                        db._driver_sql(statement, queue._queue_engine.dialect).string,
+                        db._driver_sql(statement, queue_engine.dialect).string,
                     )
                 )
                 for statement in (sql.CLAIM, sql.SUCCEED)
@@ -199,7 +195,7 @@ async def test_plans_made_while_the_table_was_small_still_read_by_index(
     jobs, a success 38-69 ms beside 160,000. The queue connection makes its plans without
     sequential scans, so the plan for a small table is one for a large table too."""
     assert settings.database_url
-    async with queue_manager(manager, settings.database_url) as (queue, reports):
+    async with queue_manager(manager, settings.database_url) as (queue, _, notices):
         for _ in range(4):
             await enqueue(manager)
         async with engine.begin() as conn:
@@ -208,10 +204,11 @@ async def test_plans_made_while_the_table_was_small_still_read_by_index(
         await queue.succeed(first.job, [], {})
         async with engine.begin() as conn:  # the table grows; no ANALYZE comes
             await conn.execute(plans.FINISHED_BESIDE, {"count": 3000})
-        reports.clear()
+        notices.clear()
         [second] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
         await queue.succeed(second.job, [], {})
-    assert len(reports) == 2, reports
+    reports = plans.explain_reports(notices)
+    assert len(reports) == 2, notices
     for report in reports:
         assert "Seq Scan" not in plans.scans_of(report["Plan"], "jobs"), report["Plan"]
         assert plans.rows_read(report["Plan"], "jobs") < 100, report["Plan"]
