@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
 from app.queue import manager as manager_
-from app.queue.jobs import Job
+from app.queue.jobs import Job, JobState
 
 log = logging.getLogger("gpujobs.worker")
 T = TypeVar("T")
@@ -422,23 +422,33 @@ class Attempt:
         except storage.OutputInvalid as exc:
             return self._failure(f"bad output: {exc.message}", retryable=False)
         job = self.job
-        published = False
+        published = unsure = False
 
         async def write() -> None:
             # Publish once; a retry after a database outage repeats only the database write.
-            nonlocal published
+            nonlocal published, unsure
             if not published and files:
                 self._store.publish(job.id, job.attempt, out_dir, files)
             published = True
             try:
                 await self._manager.succeed(job, files, {"duration_s": round(duration_s, 3)})
             except Exception as exc:
-                if not db.is_unavailable(exc):  # lost to fencing, or broken: the files must not stay
+                if db.is_unavailable(exc):  # the write may have committed before the answer was lost
+                    unsure = True
+                    raise
+                # Lost to fencing, or broken: the files must not stay. Unless an earlier try did
+                # commit, and the job is ours and succeeded already.
+                if not (unsure and isinstance(exc, errors.LeaseLost) and await self._succeeded_already()):
                     self._store.unpublish(job.id, job.attempt)
-                raise
+                    raise
             log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
 
         return write
+
+    async def _succeeded_already(self) -> bool:
+        """Whether this attempt's success is in the database (written by a try whose answer was lost)."""
+        now = await self._manager.get(self.job.id)
+        return now.state is JobState.succeeded and now.attempt == self.job.attempt
 
     async def _persist(self, write: Callable[[], Awaitable[Any]]) -> None:
         """Make the final write, riding out a database outage; fencing decides if it still counts."""

@@ -166,6 +166,28 @@ async def test_a_job_whose_outcome_is_being_written_keeps_its_lease(manager, mak
     assert taken == [] and job.state is JobState.succeeded and job.attempt == 1
 
 
+async def test_a_success_whose_answer_was_lost_keeps_its_files(manager, make_worker, store):
+    """The connection can drop after the success committed and before its answer came back. The
+    write is tried again and finds the job no longer running; it is this attempt's success, so the
+    result files stay (they were deleted as a lost lease's)."""
+    job_id = await enqueue(manager)
+    succeed = manager.succeed
+    tries: list[uuid.UUID] = []
+
+    async def answer_lost(job, results, detail):
+        tries.append(job.id)
+        await succeed(job, results, detail)
+        if len(tries) == 1:
+            raise ConnectionResetError("the connection closed before the answer came")
+
+    manager.succeed = answer_lost
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.succeeded and tries == [job_id, job_id]
+    path, _, _ = store.resolve(job, "out.txt")
+    assert path.read_text() == f"done {job_id}:1\n"
+
+
 async def test_a_pid_being_recorded_when_the_run_ends_is_recorded(manager, make_worker, engine):
     # The pid is recorded once a run lasts PID_AFTER_S (0.5 s). Here the statement is slow and the
     # run ends first: the statement must be let finish, not cut off (rolled back, it left a hole
