@@ -52,7 +52,9 @@ class Settings(BaseSettings):
         ge=0,
         le=1,
         description="When a job ends while others still run, wait this long before claiming, so "
-        "slots freed together are filled by one claim (0 = claim at once)",
+        "slots freed together are filled by one claim; the ended jobs' successes wait for that claim "
+        "(5 ms longer at most) and are written in its statement (0 = claim at once; successes are then "
+        "written on their own)",
     )
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
     worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")
@@ -102,7 +104,11 @@ class Settings(BaseSettings):
         4, ge=0, description="Claims in a row that may prefer models with a warm runner (0 = never)"
     )
     claim_batch: int = Field(
-        16, ge=1, le=256, description="Most jobs a worker claims in one statement when several slots are free"
+        16,
+        ge=1,
+        le=256,
+        description="Most jobs a worker claims in one statement when several slots are free (a worker "
+        "with nothing running claims half of them, then the rest at once)",
     )
     quarantine_after: int = Field(
         3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"

@@ -6,7 +6,7 @@ import base64
 import json
 import math
 import uuid
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -104,6 +104,27 @@ def _parse_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
         return datetime.fromisoformat(at), uuid.UUID(job_id)
     except (ValueError, UnicodeDecodeError) as exc:
         raise errors.InvalidRequest("cursor: not a cursor from a previous page", field="cursor") from exc
+
+
+def _success_values(items: Sequence[tuple[Job, str, str]]) -> dict[str, Any]:
+    """SUCCEED's parameters for (job, results JSON, detail JSON) items: parallel arrays."""
+    return {
+        "ids": [job.id for job, _, _ in items],
+        "attempts": [job.attempt for job, _, _ in items],
+        "results": [results for _, results, _ in items],
+        "details": [detail for _, _, detail in items],
+    }
+
+
+def _claimed(rows: Iterable[Any]) -> list[Claimed]:
+    """Claimed jobs from CLAIM's rows, with their input images."""
+    return [
+        Claimed(
+            Job.from_row(row),
+            None if row["input_data"] is None else (str(row["input_media_type"]), bytes(row["input_data"])),
+        )
+        for row in rows
+    ]
 
 
 class JobManager:
@@ -256,10 +277,12 @@ class JobManager:
         `models` may map each model to the largest input (megapixels) to take (backfill), and
         `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
         jobs of equal effective priority, models with a warm runner (`warm` pairs) come first and
-        go to the GPU their runner is on.
+        go to the GPU their runner is on. Successes waiting to be written (`hold_successes`) go out
+        in the same statement.
         """
         gpu_ids = [g for g in budgets if (slots is None or slots.get(g, 0) > 0) and budgets[g] > 0]
         if not gpu_ids or not models or limit < 1:
+            self._successes.release()  # no statement goes out to carry them
             return []
         limits = dict(models) if isinstance(models, Mapping) else dict.fromkeys(models, math.inf)
         budget = max(budgets[g] for g in gpu_ids)
@@ -279,16 +302,24 @@ class JobManager:
             "host": host,
             "lease_s": lease_s,
         }
-        rows = await db.fetch_rows(self._queue_engine, sql.CLAIM, values)  # wide rows: the driver's fetch
-        return [
-            Claimed(
-                Job.from_row(row),
-                None
-                if row["input_data"] is None
-                else (str(row["input_media_type"]), bytes(row["input_data"])),
+
+        async def alone() -> list[Claimed]:
+            return _claimed(await db.fetch_rows(self._queue_engine, sql.CLAIM, values))  # wide rows
+
+        async def carrying(items: Sequence[tuple[Job, str, str]]) -> tuple[list[bool], list[Claimed]]:
+            rows = await db.fetch_rows(
+                self._queue_engine, sql.SUCCEED_AND_CLAIM, {**values, **_success_values(items)}
             )
-            for row in rows
-        ]
+            done = set(rows[0]["succeeded"])
+            return [job.id in done for job, _, _ in items], _claimed(r for r in rows if r["id"] is not None)
+
+        return await self._successes.carried_by(carrying, alone)
+
+    def hold_successes(self, seconds: float) -> None:
+        """Successes reported in the next `seconds` wait for this manager's next claim, which
+        writes them in its own statement (a worker whose job just ended is about to fill its
+        slot); if no claim comes by then, they are written on their own."""
+        self._successes.hold(seconds)
 
     async def _fenced(self, statement: Any, job: Job, values: Mapping[str, Any]) -> Any:
         async with self._auto.connect() as conn:
@@ -321,13 +352,8 @@ class JobManager:
 
     async def _succeed_many(self, items: Sequence[tuple[Job, str, str]]) -> list[bool]:
         """One SUCCEED statement for several attempts; whether each still owned its job."""
-        values = {
-            "ids": [job.id for job, _, _ in items],
-            "attempts": [job.attempt for job, _, _ in items],
-            "results": [results for _, results, _ in items],
-            "details": [detail for _, _, detail in items],
-        }
-        done = {row["id"] for row in await db.fetch_rows(self._queue_engine, sql.SUCCEED, values)}
+        rows = await db.fetch_rows(self._queue_engine, sql.SUCCEED, _success_values(items))
+        done = {row["id"] for row in rows}
         return [job.id in done for job, _, _ in items]
 
     async def fail(

@@ -33,6 +33,10 @@ from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
 
+# How much longer than the claim gather a success waits for the claim to carry it (the claim may
+# be behind another statement); past that it is written on its own.
+CARRY_MARGIN_S = 0.005
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -305,6 +309,10 @@ class Worker:
         if self._owns(run):
             self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)
             self._wake.set()
+            if self._config.claim_gather_s > 0 and not self._stopping.is_set():
+                # The claim that fills this slot comes after the gather: the success, written
+                # meanwhile, goes out in its statement (one round trip, one commit, not two).
+                self._manager.hold_successes(self._config.claim_gather_s + CARRY_MARGIN_S)
 
     def _owns(self, run: attempt_.Attempt) -> bool:
         """Whether `run` is still this worker's attempt of its job (a newer one may have replaced it)."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.util import greenlet_spawn
@@ -164,11 +166,14 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
     the server's CPU per job. The worker's queue connection forces the generic plan."""
     assert settings.database_url
     async with queue_manager(manager, settings.database_url) as (queue, queue_engine, _):
-        for _ in range(7):
+        for _ in range(14):
             await enqueue(manager)
         for _ in range(7):
             [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
             await queue.succeed(claimed.job, [], {})
+        for _ in range(7):  # each claim carries the success of the job before
+            await carried(queue, claimed.job)
+            [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
         pooled = await queue_engine.raw_connection()
         try:
             driver = pooled.driver_connection
@@ -180,11 +185,18 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
                         db._driver_sql(statement, queue_engine.dialect).string,
                     )
                 )
-                for statement in (sql.CLAIM, sql.SUCCEED)
+                for statement in (sql.CLAIM, sql.SUCCEED, sql.SUCCEED_AND_CLAIM)
             ]
         finally:
             await greenlet_spawn(pooled.close)
-    assert counts == [(7, 0), (7, 0)]
+    assert counts == [(7, 0), (7, 0), (7, 0)]
+
+
+async def carried(queue: JobManager, job: Any) -> None:
+    """Report `job`'s success for `queue`'s next claim to carry, and let that claim go first."""
+    queue.hold_successes(10.0)
+    asyncio.get_running_loop().create_task(queue.succeed(job, [], {}))
+    await asyncio.sleep(0)
 
 
 async def test_plans_made_while_the_table_was_small_still_read_by_index(
@@ -196,19 +208,25 @@ async def test_plans_made_while_the_table_was_small_still_read_by_index(
     sequential scans, so the plan for a small table is one for a large table too."""
     assert settings.database_url
     async with queue_manager(manager, settings.database_url) as (queue, _, notices):
-        for _ in range(4):
+        for _ in range(6):
             await enqueue(manager)
         async with engine.begin() as conn:
             await conn.execute(text("ANALYZE jobs"))
-        [first] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)  # the plans are made now
-        await queue.succeed(first.job, [], {})
+
+        async def claim_succeed_and_claim() -> None:  # each statement once
+            [first] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+            await queue.succeed(first.job, [], {})
+            [second] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+            await carried(queue, second.job)
+            assert len(await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)) == 1
+
+        await claim_succeed_and_claim()  # the plans are made now
         async with engine.begin() as conn:  # the table grows; no ANALYZE comes
-            await conn.execute(plans.FINISHED_BESIDE, {"count": 3000})
+            await conn.execute(plans.FINISHED_BESIDE, {"count": 2000})
         notices.clear()
-        [second] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
-        await queue.succeed(second.job, [], {})
+        await claim_succeed_and_claim()
     reports = plans.explain_reports(notices)
-    assert len(reports) == 2, notices
+    assert len(reports) == 4, notices
     for report in reports:
         assert "Seq Scan" not in plans.scans_of(report["Plan"], "jobs"), report["Plan"]
         assert plans.rows_read(report["Plan"], "jobs") < 100, report["Plan"]
@@ -290,6 +308,83 @@ async def test_successes_reported_together_share_a_statement_and_are_fenced_each
     assert events == 9
 
 
+async def test_a_claim_carries_the_successes_waiting_for_it(manager: JobManager, engine, settings):
+    """A worker ends jobs and fills their slots in the same moments: successes reported while its
+    claim is due go out in the claim's statement. Each is fenced as it is alone and writes its event
+    and NOTIFY, and the claim takes its jobs as ever."""
+    for _ in range(5):
+        await enqueue(manager)
+    ended = [c.job for c in await manager.claim(**CLAIM, budgets={0: 50_000}, limit=3)]
+    async with engine.begin() as conn:  # a newer attempt runs elsewhere: this one's success is refused
+        await conn.execute(text("UPDATE jobs SET attempt = attempt + 1 WHERE id = :id"), {"id": ended[2].id})
+    heard: list[dict[str, Any]] = []
+    listener = await asyncpg.connect(db.asyncpg_dsn(settings.database_url))
+    try:
+        await listener.add_listener(sql.JOB_CHANNEL, lambda *args: heard.append(json.loads(args[3])))
+        manager.hold_successes(10.0)
+        finishing = [asyncio.create_task(manager.succeed(job, [], {"duration_s": 0.1})) for job in ended]
+        await asyncio.sleep(0.05)
+        assert not any(task.done() for task in finishing)  # held for the claim
+        taken = await manager.claim(**CLAIM, budgets={0: 50_000}, limit=2)
+        outcomes = await asyncio.gather(*finishing, return_exceptions=True)
+        await until_true(lambda: len(heard) >= 4)
+    finally:
+        await listener.close()
+    assert outcomes[:2] == [None, None] and isinstance(outcomes[2], errors.LeaseLost)
+    assert (manager._successes.statements, manager._successes.carried) == (0, 3)
+    assert len(taken) == 2 and {c.job.id for c in taken}.isdisjoint(job.id for job in ended)
+    assert all(c.input is not None and c.job.state is JobState.running for c in taken)
+    states = [(await manager.get(job.id)).state for job in ended]
+    assert states == [JobState.succeeded, JobState.succeeded, JobState.running]
+    async with engine.connect() as conn:
+        events = dict((await conn.execute(text("SELECT kind, count(*) FROM job_events GROUP BY kind"))).all())
+    assert (events["succeeded"], events["claimed"]) == (2, 5)
+    told = Counter((note["kind"], note["state"]) for note in heard)
+    assert told == {("succeeded", "succeeded"): 2, ("claimed", "running"): 2}
+
+
+async def until_true(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_successes_ride_a_claim_that_finds_nothing(manager: JobManager):
+    await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 50_000})
+    manager.hold_successes(10.0)
+    finishing = asyncio.create_task(manager.succeed(claimed.job, [], {}))
+    await asyncio.sleep(0)
+    assert await manager.claim(**CLAIM, budgets={0: 50_000}) == []  # the queue is empty
+    await finishing
+    assert (await manager.get(claimed.job.id)).state is JobState.succeeded
+    assert (manager._successes.statements, manager._successes.carried) == (0, 1)
+
+
+async def test_held_successes_go_out_on_their_own_when_no_claim_is_sent(manager: JobManager):
+    """No room on any GPU: no claim statement goes out, so the successes held for it are written
+    at once, not when the hold runs out."""
+    for _ in range(2):
+        await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 50_000})
+    manager.hold_successes(10.0)
+    finishing = asyncio.create_task(manager.succeed(claimed.job, [], {}))
+    await asyncio.sleep(0)
+    assert await manager.claim(**CLAIM, budgets={0: 0}) == []
+    await asyncio.wait_for(finishing, 2.0)
+    assert (manager._successes.statements, manager._successes.carried) == (1, 0)
+
+
+async def test_a_worker_writes_its_successes_in_its_claims(manager: JobManager, make_worker):
+    """A job's success waits (the claim gather and a few ms at most) for the claim that fills its
+    slot, and rides it. Without the wait, most were written on their own: 0 or 1 of 6 rode."""
+    ids = [await enqueue(manager, steps=0) for _ in range(6)]
+    await make_worker(max_jobs_per_gpu=2, claim_gather_s=0.02).run()
+    assert {(await manager.get(i)).state for i in ids} == {JobState.succeeded}
+    assert manager._successes.carried >= 5, (manager._successes.carried, manager._successes.statements)
+
+
 async def test_a_success_reads_only_its_own_jobs(manager: JobManager, engine, monkeypatch):
     """The finish read every running job (ix_jobs_worker, whatever the worker) to update a few:
     its generic plan guessed the ids' unnest at 100 rows. It reads its rows by key now."""
@@ -321,18 +416,32 @@ async def claim_statements(engine: Any) -> list[int]:
         return [int(n) for (n,) in rows]
 
 
-async def test_a_worker_with_free_slots_claims_them_in_one_statement(manager, engine, make_worker):
+async def test_an_idle_worker_claims_half_its_free_slots_then_the_rest_at_once(manager, engine, make_worker):
+    """Two statements, not one: the halves end apart, so the worker does not wait with every slot
+    empty for one claim (jobs started together end together, round after round)."""
     for _ in range(6):
         await enqueue(manager, sleep=0.3)
     await make_worker(max_jobs_per_gpu=8).run()
-    assert await claim_statements(engine) == [6]
+    assert await claim_statements(engine) == [4, 2]
+    async with engine.connect() as conn:
+        gap = await conn.scalar(text("SELECT max(started_at) - min(started_at) FROM jobs"))
+    assert gap.total_seconds() < 0.2  # the second right after the first, not after a job ended
+
+
+async def test_a_busy_worker_claims_its_free_slots_in_one_statement(manager, engine, make_worker):
+    ids = [await enqueue(manager, priority=1, sleep=s) for s in (0.2, 0.2, 0.2, 0.2, 2.0)]
+    for _ in range(4):
+        await enqueue(manager)
+    await make_worker(max_jobs_per_gpu=5, claim_gather_s=0.3).run()
+    assert {(await manager.get(i)).state for i in ids} == {JobState.succeeded}
+    assert await claim_statements(engine) == [3, 2, 4]
 
 
 async def test_claim_batch_bounds_a_statement(manager: JobManager, engine, make_worker):
     for _ in range(6):
         await enqueue(manager, sleep=0.3)
     await make_worker(max_jobs_per_gpu=8, claim_batch=2).run()
-    assert await claim_statements(engine) == [2, 2, 2]
+    assert await claim_statements(engine) == [1, 2, 2, 1]  # idle: half of 2 first
 
 
 async def test_no_transaction_stays_open_while_models_run(manager: JobManager, make_worker, engine):
@@ -379,14 +488,15 @@ async def test_one_heartbeat_renews_every_lease_the_worker_holds(manager: JobMan
 
 async def test_slots_freed_close_together_are_filled_by_one_claim(manager: JobManager, make_worker):
     async def run(gather_s: float) -> tuple[Any, Any]:
-        # Two slots: the first claim takes the two priority-5 jobs, which end 0.3 s apart; the
-        # next two jobs wait for those slots.
-        first = [await enqueue(manager, priority=5, sleep=s, steps=1) for s in (0.2, 0.5)]
+        # Three slots: the priority-5 jobs start first; two end 0.3 s apart while the third
+        # runs on (a worker with every slot free claims half at a time); the next two jobs wait
+        # for those slots.
+        first = [await enqueue(manager, priority=5, sleep=s, steps=1) for s in (0.2, 0.5, 2.5)]
         then = [await enqueue(manager, priority=0, steps=0) for _ in range(2)]
-        await make_worker(max_jobs_per_gpu=2, claim_gather_s=gather_s).run()
+        await make_worker(max_jobs_per_gpu=3, claim_gather_s=gather_s).run()
         done = [await manager.get(i) for i in (*first, *then)]
         assert all(j.state is JobState.succeeded for j in done), done
-        return done[2].started_at, done[3].started_at
+        return done[3].started_at, done[4].started_at
 
     apart = await run(0.0)
     assert apart[0] != apart[1]  # claimed as each slot freed: two statements
