@@ -107,8 +107,7 @@ class Settings(BaseSettings):
         16,
         ge=1,
         le=256,
-        description="Most jobs a worker claims in one statement when several slots are free (a worker "
-        "with nothing running claims half of them, then the rest at once)",
+        description="Most jobs a worker claims in one statement when several slots are free",
     )
     quarantine_after: int = Field(
         3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"

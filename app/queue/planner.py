@@ -198,14 +198,6 @@ class Planner:
         limit = self._config.claim_batch
         if slots is not None:
             limit = min(limit, sum(slots[g] for g in open_))
-        if not running:
-            # Half now, the rest in the next statement, sent at once. Jobs started together end
-            # together; a worker whose slots all free at once claimed them all in one statement
-            # again, round after round, every slot idle for each claim (the success each claim
-            # carries made that round longer and the lockstep stick: 776-838 jobs/s in
-            # tests/bench/drive_worker, against 937-1,102 before). Halves offset by a claim keep
-            # one running while the other is claimed.
-            limit = (limit + 1) // 2
         jobs = await take(open_, models, limit=max(1, limit))
         if jobs or not held or self.reservation is None:
             return jobs
