@@ -104,10 +104,7 @@ class Settings(BaseSettings):
         4, ge=0, description="Claims in a row that may prefer models with a warm runner (0 = never)"
     )
     claim_batch: int = Field(
-        16,
-        ge=1,
-        le=256,
-        description="Most jobs a worker claims in one statement when several slots are free",
+        16, ge=1, le=256, description="Most jobs a worker claims in one statement when several slots are free"
     )
     quarantine_after: int = Field(
         3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"

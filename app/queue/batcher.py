@@ -61,9 +61,7 @@ class Batcher(Generic[Item, Answer]):
 
     def release(self) -> None:
         """End a hold: the waiting items go out on their own."""
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
+        self._end_hold()
         if self._pending:
             self._start()
 
@@ -77,27 +75,30 @@ class Batcher(Generic[Item, Answer]):
 
         The carried items get their answers, or the statement's error; a cancel mid-way gives them
         CarrierCancelled (the statement may have committed)."""
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
+        self._end_hold()
         if not self._pending:
             return await write_alone()
-        taken, self._pending = self._pending[: self._max_items], self._pending[self._max_items :]
+        taken = self._take()
         if self._pending:
             self._start()
         self.carried += len(taken)
         try:
             answers, result = await write_with([item for item, _ in taken])
         except BaseException as exc:
-            error = exc if isinstance(exc, Exception) else CarrierCancelled(UNKNOWN_OUTCOME)
-            for _, future in taken:
-                if not future.done():
-                    future.set_exception(error)
+            _fail(taken, exc if isinstance(exc, Exception) else CarrierCancelled(UNKNOWN_OUTCOME))
             raise
-        for (_, future), answer in zip(taken, answers, strict=True):
-            if not future.done():
-                future.set_result(answer)
+        _answer(taken, answers)
         return result
+
+    def _end_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+
+    def _take(self) -> list[tuple[Item, asyncio.Future[Answer]]]:
+        """The waiting items of the next statement (at most `max_items`), taken off the queue."""
+        batch, self._pending = self._pending[: self._max_items], self._pending[self._max_items :]
+        return batch
 
     def _start(self) -> None:
         if self._writer is None or self._writer.done():
@@ -105,20 +106,30 @@ class Batcher(Generic[Item, Answer]):
 
     async def _drain(self) -> None:
         while self._pending and self._hold is None:
-            batch, self._pending = self._pending[: self._max_items], self._pending[self._max_items :]
+            batch = self._take()
             self.statements += 1
             try:
                 answers = await self._write_many([item for item, _ in batch])
             except BaseException as exc:  # every caller of the batch gets it (and may retry)
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
+                _fail(batch, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     for _, future in self._pending:
                         future.cancel()
                     self._pending = []
                     raise
                 continue
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if not future.done():
-                    future.set_result(answer)
+            _answer(batch, answers)
+
+
+def _answer(batch: Sequence[tuple[object, asyncio.Future[Answer]]], answers: Sequence[Answer]) -> None:
+    """Each caller's answer (callers that gave up are skipped)."""
+    for (_, future), answer in zip(batch, answers, strict=True):
+        if not future.done():
+            future.set_result(answer)
+
+
+def _fail(batch: Sequence[tuple[object, asyncio.Future[Answer]]], error: BaseException) -> None:
+    """The same error for every caller of a statement."""
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(error)

@@ -168,12 +168,13 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
     async with queue_manager(manager, settings.database_url) as (queue, queue_engine, _):
         for _ in range(14):
             await enqueue(manager)
-        for _ in range(7):
+        for _ in range(6):
             [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
             await queue.succeed(claimed.job, [], {})
+        [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
         for _ in range(7):  # each claim carries the success of the job before
-            await carried(queue, claimed.job)
-            [claimed] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+            [claimed] = await claim_carrying(queue, claimed.job)
+        await queue.succeed(claimed.job, [], {})
         pooled = await queue_engine.raw_connection()
         try:
             driver = pooled.driver_connection
@@ -192,11 +193,14 @@ async def test_claims_and_successes_keep_one_generic_plan(manager: JobManager, s
     assert counts == [(7, 0), (7, 0), (7, 0)]
 
 
-async def carried(queue: JobManager, job: Any) -> None:
-    """Report `job`'s success for `queue`'s next claim to carry, and let that claim go first."""
+async def claim_carrying(queue: JobManager, job: Any) -> list[Any]:
+    """One claim of at most one job by `queue`, carrying `job`'s success (which must be written)."""
     queue.hold_successes(10.0)
-    asyncio.get_running_loop().create_task(queue.succeed(job, [], {}))
-    await asyncio.sleep(0)
+    finishing = asyncio.create_task(queue.succeed(job, [], {}))
+    await asyncio.sleep(0)  # reported, held for the claim
+    claimed = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
+    await finishing
+    return claimed
 
 
 async def test_plans_made_while_the_table_was_small_still_read_by_index(
@@ -217,8 +221,7 @@ async def test_plans_made_while_the_table_was_small_still_read_by_index(
             [first] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
             await queue.succeed(first.job, [], {})
             [second] = await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)
-            await carried(queue, second.job)
-            assert len(await queue.claim(**CLAIM, budgets={0: 10**6}, limit=1)) == 1
+            assert len(await claim_carrying(queue, second.job)) == 1
 
         await claim_succeed_and_claim()  # the plans are made now
         async with engine.begin() as conn:  # the table grows; no ANALYZE comes
