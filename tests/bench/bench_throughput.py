@@ -1,8 +1,8 @@
 """Throughput benchmarks: jobs/s against procrastinate, NOTIFY latency, uploads against PostgreSQL alone.
 
-Run on demand, never by pytest: `.venv/bin/python -m tests.bench.bench_throughput [--jobs N] [--quick]`.
-It prints numbers and asserts nothing. PostgreSQL is a fresh embedded server in a temporary folder,
-or the server in DATABASE_URL (then the databases `gpujobs_bench_<pid>` and
+Run on demand, never by pytest: `.venv/bin/python -m tests.bench.bench_throughput [--jobs N] [--quick]
+[--repeat N]`. It prints numbers and asserts nothing. PostgreSQL is a fresh embedded server in a
+temporary folder, or the server in DATABASE_URL (then the databases `gpujobs_bench_<pid>` and
 `gpujobs_bench_<pid>_procrastinate` are created there and dropped at the end). The procrastinate
 line needs the `bench` extra; without it that line is skipped with a message. See
 tests/bench/README.md for what each number means.
@@ -158,6 +158,7 @@ class Sizes:
     profile_dir: Path | None = None  # py-spy profiles of the workers go here (raw, one per worker)
     settings: tuple[tuple[str, str], ...] = ()  # GPUJOBS_ settings for the workers and the API (--set)
     upload_client: str = "lean"  # what sends the uploads: "lean" (tests/bench/rawhttp.py) or "httpx"
+    repeat: int = 1  # rounds of each queue part (--repeat): the targets are judged on their medians
 
 
 @dataclass(slots=True)
@@ -169,7 +170,12 @@ class Run:
     storage: Path  # the workers' and the API's storage folders go below it
     profile_dir: Path | None = None
     settings: tuple[tuple[str, str], ...] = ()
-    figures: dict[str, float] = field(default_factory=dict)
+    figures: dict[str, list[float]] = field(default_factory=dict)  # one value per round
+    round_label: str = ""  # ", round 2" in the section names while --repeat runs its rounds
+
+    def figure(self, key: str, value: float) -> None:
+        """One round's value of a figure the targets judge."""
+        self.figures.setdefault(key, []).append(value)
 
     def add(self, section: str, measure: str, value: str) -> None:
         """One line of the table."""
@@ -465,16 +471,16 @@ async def measure_queue(run: Run, queue: Queue, key: str, label: str, jobs: int,
     (standing workers, warmed first); its rates go into run.figures under `key`."""
     if standing:
         drained, enqueue_per_s = await drain_standing(run, queue, n_workers, jobs)
-        section = f"1b. {plural(n_workers)}, standing and warmed: {label}"
+        section = f"1b. {plural(n_workers)}, standing and warmed{run.round_label}: {label}"
         key = f"{key}/{n_workers}/standing"
     else:
         enqueue_per_s = await queue.enqueue(jobs)
         drained = await drain(run, queue, n_workers, jobs)
-        section = f"1. {plural(n_workers)}: {label}"
+        section = f"1. {plural(n_workers)}{run.round_label}: {label}"
         key = f"{key}/{n_workers}"
     report(run, section, drained, enqueue_per_s, standing=standing)
-    run.figures[key] = drained.per_s(drained.span_s)
-    run.figures[f"{key}/steady"] = drained.steady_per_s
+    run.figure(key, drained.per_s(drained.span_s))
+    run.figure(f"{key}/steady", drained.steady_per_s)
 
 
 async def ours(run: Run, model: str, label: str, jobs: int, n_workers: int, *, standing: bool) -> None:
@@ -492,15 +498,19 @@ async def ours(run: Run, model: str, label: str, jobs: int, n_workers: int, *, s
     await measure_queue(run, queue, model, f"gpujobs, {label}", jobs, n_workers, standing=standing)
 
 
-async def queues(run: Run, jobs: int, *, standing: bool) -> None:
+async def queues(run: Run, jobs: int, *, standing: bool, repeat: int = 1) -> None:
     """Both modes and the reference, side by side for 1 worker, then 4: close in time, since other
-    work on the machine drifts. Burst workers started after the jobs were queued, or standing ones."""
+    work on the machine drifts. Burst workers started after the jobs were queued, or standing ones.
+    With `repeat` > 1 the whole sequence runs that many times (each round's lines are named)."""
     async with reference_database(run) as reference_url:
-        for n_workers in (1, 4):
-            await ours(run, "noop", "oneshot /bin/true", jobs, n_workers, standing=standing)
-            await ours(run, "noop-warm", "persistent no-op", jobs, n_workers, standing=standing)
-            if reference_url is not None:
-                await reference(run, reference_url, jobs, n_workers, standing=standing)
+        for number in range(1, repeat + 1):
+            run.round_label = f", round {number}" if repeat > 1 else ""
+            for n_workers in (1, 4):
+                await ours(run, "noop", "oneshot /bin/true", jobs, n_workers, standing=standing)
+                await ours(run, "noop-warm", "persistent no-op", jobs, n_workers, standing=standing)
+                if reference_url is not None:
+                    await reference(run, reference_url, jobs, n_workers, standing=standing)
+        run.round_label = ""
 
 
 # -- 1. the reference: procrastinate ----------------------------------------------------------
@@ -906,39 +916,51 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     run.add(
         section, "API process RSS: idle / peak (VmHWM)", f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
     )
-    run.figures["upload ratio"] = api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0
-    run.figures["upload p99/p50"] = api.timed.ms(99) / api.timed.ms(50)
-    run.figures["pg p99/p50"] = pg.timed.ms(99) / pg.timed.ms(50)
+    run.figure("upload ratio", api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0)
+    run.figure("upload p99/p50", api.timed.ms(99) / api.timed.ms(50))
+    run.figure("pg p99/p50", pg.timed.ms(99) / pg.timed.ms(50))
 
 
 # -- 4. against the targets -------------------------------------------------------------------
 
 
+def ratios(ours: list[float], reference: list[float]) -> list[float]:
+    """Each round's ratio of our rate to the reference's (rounds ran side by side); none when
+    either side did not run."""
+    if not ours or not reference:
+        return []
+    return [a / b for a, b in zip(ours, reference, strict=True) if b]
+
+
+def judged(values: list[float], unit: str) -> str:
+    """A figure judged on its median; with several rounds, each round's value after it."""
+    median = f"{statistics.median(values):.2f}{unit}"
+    if len(values) < 2:
+        return median
+    return f"{median}, median of {len(values)} rounds ({', '.join(f'{v:.2f}' for v in values)})"
+
+
 def targets(run: Run) -> None:
-    """Each figure the issue sets a target for, next to its target."""
+    """Each figure the issue sets a target for, next to its target (medians of the rounds)."""
     section, f = "4. against the targets", run.figures
     for kind, words in (("", ""), ("/standing", ", standing and warmed")):
         for n in (1, 4):
-            reference = f.get(f"procrastinate/{n}{kind}")
-            if reference:
-                ratio = f.get(f"noop-warm/{n}{kind}", 0.0) / reference
+            if each := ratios(f.get(f"noop-warm/{n}{kind}", []), f.get(f"procrastinate/{n}{kind}", [])):
                 run.add(section, f"persistent / procrastinate jobs/s, {plural(n)}{words}",
-                        f"{ratio:.2f}x (target >= 2x)")  # fmt: skip
-            steady_reference = f.get(f"procrastinate/{n}{kind}/steady")
-            if steady_reference:
-                steady = f.get(f"noop-warm/{n}{kind}/steady", 0.0) / steady_reference
+                        f"{judged(each, 'x')} (target >= 2x)")  # fmt: skip
+            key = f"{n}{kind}/steady"
+            if steady := ratios(f.get(f"noop-warm/{key}", []), f.get(f"procrastinate/{key}", [])):
                 measure = "  the same, steady rates (10th to 90th percentile of finishes)"
-                run.add(section, measure, f"{steady:.2f}x")
-        oneshot = [f[key] for key in (f"noop/1{kind}", f"noop/4{kind}") if key in f]
+                run.add(section, measure, judged(steady, "x"))
+        oneshot = [statistics.median(f[key]) for key in (f"noop/1{kind}", f"noop/4{kind}") if key in f]
         if oneshot:
             best = f"{max(oneshot):.0f} (target about 1000)"
             run.add(section, f"oneshot /bin/true, best jobs/s{words}", best)
     if "upload ratio" in f:
-        run.add(
-            section, "POST /jobs rate / PostgreSQL's", f"{100 * f['upload ratio']:.0f} % (target >= 90 %)"
-        )
-        run.add(section, "POST /jobs p99 / p50", f"{f['upload p99/p50']:.2f}x (target <= 1.5x; "
-                f"PostgreSQL alone {f['pg p99/p50']:.2f}x)")  # fmt: skip
+        percent = 100 * f["upload ratio"][0]
+        run.add(section, "POST /jobs rate / PostgreSQL's", f"{percent:.0f} % (target >= 90 %)")
+        run.add(section, "POST /jobs p99 / p50", f"{f['upload p99/p50'][0]:.2f}x (target <= 1.5x; "
+                f"PostgreSQL alone {f['pg p99/p50'][0]:.2f}x)")  # fmt: skip
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -964,9 +986,9 @@ async def run_all(run: Run, sizes: Sizes, source: str) -> None:
     if run.settings:
         run.add("0. machine", "settings given with --set", " ".join(f"{k}={v}" for k, v in run.settings))
     if "queue" in sizes.parts:
-        await queues(run, sizes.jobs, standing=False)
+        await queues(run, sizes.jobs, standing=False, repeat=sizes.repeat)
     if "standing" in sizes.parts:
-        await queues(run, sizes.jobs, standing=True)
+        await queues(run, sizes.jobs, standing=True, repeat=sizes.repeat)
     if "latency" in sizes.parts:
         await latency(run, sizes.latency_jobs)
     if "uploads" in sizes.parts:
@@ -1036,10 +1058,16 @@ def parse_args(argv: list[str] | None = None) -> Sizes:
         help="a setting for the workers and the API, e.g. GPUJOBS_CLAIM_GATHER_S=0 (repeatable)",
     )  # fmt: skip
     parser.add_argument(
+        "--repeat", type=int, default=1, metavar="N",
+        help="run the queue parts N times in turn; the targets are judged on the rounds' medians",
+    )  # fmt: skip
+    parser.add_argument(
         "--upload-client", choices=("lean", "httpx"), default="lean",
         help="what sends the uploads: the lean HTTP/1.1 client (default) or httpx, as before",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat wants a count of 1 or more, got {args.repeat}")
     settings = tuple(_setting(parser, text) for text in args.settings)
     parts = frozenset(args.only or PARTS)
     if args.profile is not None:
@@ -1050,7 +1078,7 @@ def parse_args(argv: list[str] | None = None) -> Sizes:
         sizes = Sizes(args.jobs or 2000, 200, 640, 120)
     return dataclasses.replace(
         sizes, storage_parent=args.storage_dir, parts=parts, profile_dir=args.profile, settings=settings,
-        upload_client=args.upload_client,
+        upload_client=args.upload_client, repeat=args.repeat,
     )  # fmt: skip
 
 
