@@ -170,12 +170,13 @@ class Run:
     storage: Path  # the workers' and the API's storage folders go below it
     profile_dir: Path | None = None
     settings: tuple[tuple[str, str], ...] = ()
-    figures: dict[str, list[float]] = field(default_factory=dict)  # one value per round
+    figures: dict[str, dict[int, float]] = field(default_factory=dict)  # round -> value
+    round: int = 1  # the round being run (--repeat)
     round_label: str = ""  # ", round 2" in the section names while --repeat runs its rounds
 
     def figure(self, key: str, value: float) -> None:
-        """One round's value of a figure the targets judge."""
-        self.figures.setdefault(key, []).append(value)
+        """This round's value of a figure the targets judge."""
+        self.figures.setdefault(key, {})[self.round] = value
 
     def add(self, section: str, measure: str, value: str) -> None:
         """One line of the table."""
@@ -504,13 +505,13 @@ async def queues(run: Run, jobs: int, *, standing: bool, repeat: int = 1) -> Non
     With `repeat` > 1 the whole sequence runs that many times (each round's lines are named)."""
     async with reference_database(run) as reference_url:
         for number in range(1, repeat + 1):
-            run.round_label = f", round {number}" if repeat > 1 else ""
+            run.round, run.round_label = number, f", round {number}" if repeat > 1 else ""
             for n_workers in (1, 4):
                 await ours(run, "noop", "oneshot /bin/true", jobs, n_workers, standing=standing)
                 await ours(run, "noop-warm", "persistent no-op", jobs, n_workers, standing=standing)
                 if reference_url is not None:
                     await reference(run, reference_url, jobs, n_workers, standing=standing)
-        run.round_label = ""
+        run.round, run.round_label = 1, ""
 
 
 # -- 1. the reference: procrastinate ----------------------------------------------------------
@@ -924,12 +925,10 @@ async def uploads(run: Run, sizes: Sizes) -> None:
 # -- 4. against the targets -------------------------------------------------------------------
 
 
-def ratios(ours: list[float], reference: list[float]) -> list[float]:
-    """Each round's ratio of our rate to the reference's (rounds ran side by side); none when
-    either side did not run."""
-    if not ours or not reference:
-        return []
-    return [a / b for a, b in zip(ours, reference, strict=True) if b]
+def ratios(ours: dict[int, float], reference: dict[int, float]) -> list[float]:
+    """Each round's ratio of our rate to the reference's, in round order, for the rounds where
+    both sides ran (side by side)."""
+    return [ours[n] / reference[n] for n in sorted(ours.keys() & reference.keys()) if reference[n]]
 
 
 def judged(values: list[float], unit: str) -> str:
@@ -945,22 +944,24 @@ def targets(run: Run) -> None:
     section, f = "4. against the targets", run.figures
     for kind, words in (("", ""), ("/standing", ", standing and warmed")):
         for n in (1, 4):
-            if each := ratios(f.get(f"noop-warm/{n}{kind}", []), f.get(f"procrastinate/{n}{kind}", [])):
+            if each := ratios(f.get(f"noop-warm/{n}{kind}", {}), f.get(f"procrastinate/{n}{kind}", {})):
                 run.add(section, f"persistent / procrastinate jobs/s, {plural(n)}{words}",
                         f"{judged(each, 'x')} (target >= 2x)")  # fmt: skip
             key = f"{n}{kind}/steady"
-            if steady := ratios(f.get(f"noop-warm/{key}", []), f.get(f"procrastinate/{key}", [])):
+            if steady := ratios(f.get(f"noop-warm/{key}", {}), f.get(f"procrastinate/{key}", {})):
                 measure = "  the same, steady rates (10th to 90th percentile of finishes)"
                 run.add(section, measure, judged(steady, "x"))
-        oneshot = [statistics.median(f[key]) for key in (f"noop/1{kind}", f"noop/4{kind}") if key in f]
+        lines = (f"noop/1{kind}", f"noop/4{kind}")
+        oneshot = [statistics.median(f[key].values()) for key in lines if key in f]
         if oneshot:
             best = f"{max(oneshot):.0f} (target about 1000)"
             run.add(section, f"oneshot /bin/true, best jobs/s{words}", best)
     if "upload ratio" in f:
-        percent = 100 * f["upload ratio"][0]
-        run.add(section, "POST /jobs rate / PostgreSQL's", f"{percent:.0f} % (target >= 90 %)")
-        run.add(section, "POST /jobs p99 / p50", f"{f['upload p99/p50'][0]:.2f}x (target <= 1.5x; "
-                f"PostgreSQL alone {f['pg p99/p50'][0]:.2f}x)")  # fmt: skip
+        # Uploads run once per bench run: one value each.
+        percent, tail, pg_tail = (f[k][1] for k in ("upload ratio", "upload p99/p50", "pg p99/p50"))
+        run.add(section, "POST /jobs rate / PostgreSQL's", f"{100 * percent:.0f} % (target >= 90 %)")
+        run.add(section, "POST /jobs p99 / p50",
+                f"{tail:.2f}x (target <= 1.5x; PostgreSQL alone {pg_tail:.2f}x)")  # fmt: skip
 
 
 # -- the run ----------------------------------------------------------------------------------
