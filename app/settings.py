@@ -56,6 +56,14 @@ class Settings(BaseSettings):
         "(5 ms longer at most) and are written in its statement (0 = claim at once; successes are then "
         "written on their own)",
     )
+    claim_ahead_s: float = Field(
+        0.05,
+        ge=0,
+        le=60,
+        description="With a cap on jobs per GPU: a model whose recent runs took less than this has "
+        "its next jobs claimed while it runs, one per running job, to start as slots free (they hold "
+        "their VRAM and lease while they wait; 0 = claim only for free slots)",
+    )
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
     worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")
     run_worker: bool = Field(True, description="`gpujobs serve` also runs a worker in the same process")

@@ -85,6 +85,7 @@ class Attempt:
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
         pool: warmpool.WarmPool | None = None,
+        slot: asyncio.Semaphore | None = None,
         on_model_end: Callable[[Attempt], None] | None = None,
     ) -> None:
         self.job = job
@@ -94,6 +95,8 @@ class Attempt:
         # Set once the model is done with the GPU (its process exited, or its warm runner answered):
         # from then on only the outcome is written, and the worker may hand the GPU slot on.
         self.model_ended = False
+        self.model_started_s: float | None = None  # when it took its GPU slot and its model started
+        self._slot = slot  # its GPU's slots under max_jobs_per_gpu: a job claimed ahead waits for one
         self._on_model_end = on_model_end
         self.spec = spec
         self._manager = manager
@@ -134,7 +137,7 @@ class Attempt:
         extra = {"job_id": str(job.id), "attempt": job.attempt, "gpu": job.gpu}
         log.info("job started", extra={"action": "job_started", **extra})
         try:
-            outcome = await self._run_model()
+            outcome = await self._run_in_slot()
         except errors.LeaseLost:
             log.warning("lease lost while the model ran", extra={"action": "lease_lost", **extra})
             outcome = None
@@ -156,6 +159,15 @@ class Attempt:
         self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
         # The outcome's own line (job_succeeded, job_failed, lease_lost...) said how it ended.
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
+
+    async def _run_in_slot(self) -> Callable[[], Awaitable[Any]] | None:
+        """Take a slot on the GPU (a job claimed ahead waits until a running one ends), then run
+        the model. Stopped while it waited (cancel, lease lost, shutdown), it runs no model."""
+        async with self._slot or contextlib.nullcontext():
+            if self._stop_reason is not None:
+                return self._stopped_outcome(self._stop_reason)
+            self.model_started_s = time.monotonic()
+            return await self._run_model()
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""

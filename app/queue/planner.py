@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from app import gpu, registry, scheduler, warmpool
@@ -114,8 +114,11 @@ class Planner:
             held[entry.gpu] += entry.vram_mb
         return held
 
-    def rooms(self, running: Sequence[InHand]) -> list[scheduler.GpuRoom]:
-        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap).
+    def rooms(
+        self, running: Sequence[InHand], ahead: Mapping[int, int] | None = None
+    ) -> list[scheduler.GpuRoom]:
+        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap, raised on a
+        GPU by `ahead[gpu]` jobs claimed ahead: see `free_slots`).
 
         Idle warm runners count as free: a job that needs their memory evicts them (make_room).
         """
@@ -130,7 +133,7 @@ class Planner:
             held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
             free = gpu.available_mb(g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer)
             available = min(max(0, g.total_mb - buffer - reserved[g.index]), free + held)
-            if cap and count[g.index] >= cap:
+            if cap and count[g.index] >= cap + (ahead or {}).get(g.index, 0):
                 available = 0
             rooms.append(scheduler.GpuRoom(g.index, max(0, g.total_mb - buffer), available))
         return rooms
@@ -157,24 +160,38 @@ class Planner:
 
     # -- claiming -------------------------------------------------------------------------
 
-    def free_slots(self, running: Sequence[InHand]) -> dict[int, int] | None:
-        """Jobs each GPU may still start under `max_jobs_per_gpu` (None: no cap)."""
+    def free_slots(
+        self, running: Sequence[InHand], ahead: Mapping[int, int] | None = None
+    ) -> dict[int, int] | None:
+        """Jobs each GPU may still take under `max_jobs_per_gpu` (None: no cap). `ahead[gpu]` more
+        may be claimed ahead, to wait for a slot: the worker allows one per short job running there.
+        Their VRAM counts as taken from the claim on, so they fit beside the running jobs."""
         cap = self._config.max_jobs_per_gpu
         if not cap:
             return None
         count = Counter(r.gpu for r in running)
-        return {g.index: max(0, cap - count[g.index]) for g in self._inventory.snapshot()}
+        more = ahead or {}
+        return {
+            g.index: max(0, cap + more.get(g.index, 0) - count[g.index]) for g in self._inventory.snapshot()
+        }
 
     async def claim(
-        self, running: Sequence[InHand], *, worker_id: str, host: str, lease_s: float
+        self,
+        running: Sequence[InHand],
+        *,
+        worker_id: str,
+        host: str,
+        lease_s: float,
+        ahead: Mapping[int, int] | None = None,
     ) -> list[Claimed]:
-        """Claim the jobs this worker should start next (at most `claim_batch`), best first."""
-        rooms = self.rooms(running)
+        """Claim the jobs this worker should start next (at most `claim_batch`), best first;
+        `ahead`: jobs per GPU it may claim beyond the cap (see `free_slots`)."""
+        rooms = self.rooms(running, ahead)
         budgets = {r.index: r.available_mb for r in rooms if r.available_mb > 0}
         await self._refresh(rooms, running)
         open_, held = scheduler.split_budgets(budgets, self.reservation)
         models = list(self._models.models)
-        slots = self.free_slots(running)
+        slots = self.free_slots(running, ahead)
         warm = self._warm()
 
         async def take(

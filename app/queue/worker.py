@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
@@ -36,6 +38,8 @@ log = logging.getLogger("gpujobs.worker")
 # How much longer than the claim gather a success waits for the claim to carry it (the claim may
 # be behind another statement); past that it is written on its own.
 CARRY_MARGIN_S = 0.005
+# The weight of a model's latest run in the moving average of its runs' length (claim ahead).
+RUN_S_WEIGHT = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ class WorkerConfig:
     heartbeat_interval_s: float = 5.0
     poll_interval_s: float = 2.0
     claim_gather_s: float = 0.001  # after a job ends while others run: wait this long, then claim once
+    # With max_jobs_per_gpu: models whose runs take less than this get their next jobs claimed ahead.
+    claim_ahead_s: float = 0.05
     reap_interval_s: float = 5.0
     kill_grace_s: float = 5.0
     shutdown_grace_s: float = 30.0
@@ -102,6 +108,9 @@ class Worker:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self.claimed = 0
+        # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.
+        self._slots: dict[int, asyncio.Semaphore] = {}
+        self._run_s: dict[str, float] = {}  # model -> its recent runs' length (moving average)
 
     @property
     def id(self) -> str:
@@ -236,15 +245,32 @@ class Worker:
         return [a for a, _ in self._running.values() if not a.model_ended]
 
     def in_hand(self) -> list[planner_.InHand]:
-        """The jobs running on the GPUs now, as the planner needs them."""
+        """The jobs running on the GPUs now (or claimed ahead, about to), as the planner needs them."""
         return [planner_.InHand(a.job, a.gpu, a.started_s) for a in self._on_gpus()]
+
+    def ahead(self) -> dict[int, int]:
+        """Jobs each GPU may hold beyond its cap: one for each model run there now that should end
+        within about a claim's time (its model's recent runs were shorter than claim_ahead_s).
+        Claimed while those run, the next jobs are on hand when their slots free."""
+        limit = self._config.claim_ahead_s
+        if not limit or not self._config.scheduling.max_jobs_per_gpu:
+            return {}
+        ahead: Counter[int] = Counter()
+        for a in self._on_gpus():
+            if a.model_started_s is not None and self._run_s.get(a.job.model, math.inf) < limit:
+                ahead[a.gpu] += 1
+        return dict(ahead)
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
         started = 0
         while not self._stopping.is_set():
             batch = await self.planner.claim(
-                self.in_hand(), worker_id=self.id, host=self.host, lease_s=self._config.lease_s
+                self.in_hand(),
+                worker_id=self.id,
+                host=self.host,
+                lease_s=self._config.lease_s,
+                ahead=self.ahead(),
             )
             if not batch:
                 return started
@@ -252,6 +278,7 @@ class Worker:
                 await self._make_room(claimed.job)
                 self._start_attempt(claimed.job, claimed.input)
             started += len(batch)
+            await asyncio.sleep(0)  # the new attempts take their slots: the next claim sees them run
         return started
 
     def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
@@ -272,11 +299,21 @@ class Worker:
             image=image,
             pool=self.pool,
             lane=lane,
+            slot=self._slot(job.gpu),
             on_model_end=self._model_ended,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, run))
+
+    def _slot(self, gpu_index: int | None) -> asyncio.Semaphore | None:
+        """The slots of a GPU under max_jobs_per_gpu (None: no cap, so nothing is claimed ahead)."""
+        cap = self._config.scheduling.max_jobs_per_gpu
+        if not cap or gpu_index is None:
+            return None
+        if gpu_index not in self._slots:
+            self._slots[gpu_index] = asyncio.Semaphore(cap)
+        return self._slots[gpu_index]
 
     async def _make_room(self, job: Job) -> None:
         """Evict idle warm runners of other models (least recently used first) if `job` needs their memory."""
@@ -306,6 +343,12 @@ class Worker:
     def _model_ended(self, run: attempt_.Attempt) -> None:
         """The model of `run` is done with the GPU: its slot may take the next job while the
         outcome is written (a write of a few ms that would otherwise leave the GPU idle)."""
+        if run.model_started_s is not None:
+            took_s = time.monotonic() - run.model_started_s
+            before = self._run_s.get(run.job.model)
+            self._run_s[run.job.model] = (
+                took_s if before is None else before + RUN_S_WEIGHT * (took_s - before)
+            )
         if self._owns(run):
             self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)
             self._wake.set()

@@ -1,0 +1,100 @@
+"""Claiming ahead: jobs of a model whose runs are short are claimed while it runs, and wait for a
+GPU slot (WorkerConfig.claim_ahead_s, with max_jobs_per_gpu)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.integration.test_worker import enqueue, overlaps, trace
+
+RUNNING = text("SELECT count(*) FROM jobs WHERE state = 'running'")
+
+
+@contextlib.asynccontextmanager
+async def most_running(engine: Any) -> AsyncIterator[list[int]]:
+    """The most jobs seen in state running at once (polled every 10 ms) while the block runs."""
+    seen = [0]
+
+    async def poll() -> None:
+        async with engine.connect() as conn:
+            while True:
+                seen[0] = max(seen[0], (await conn.execute(RUNNING)).scalar_one())
+                await conn.rollback()  # each poll in a fresh snapshot
+                await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(poll())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def drain(manager: JobManager, make_worker: Any, engine: Any, log: Path, ahead_s: float) -> int:
+    """Eight toy jobs of about 0.3 s through a worker with 2 slots; the most held at once."""
+    ids = [await enqueue(manager, sleep=0.2, steps=1, trace=str(log)) for _ in range(8)]
+    async with most_running(engine) as seen:
+        await make_worker(max_jobs_per_gpu=2, claim_ahead_s=ahead_s).run()
+    assert [(await manager.get(i)).state for i in ids] == [JobState.succeeded] * len(ids)
+    assert overlaps(trace(log)) <= 2  # never more models at once than slots
+    return seen[0]
+
+
+async def test_short_jobs_are_claimed_ahead_and_wait_for_a_slot(manager, make_worker, engine, tmp_path):
+    # Runs of about 0.3 s count as short under a 10 s bound: once the first one ended, each job
+    # running has the next one claimed beside it, waiting for its slot.
+    assert await drain(manager, make_worker, engine, tmp_path / "ahead.jsonl", ahead_s=10.0) > 2
+
+
+async def test_without_claim_ahead_a_worker_holds_only_its_slots(manager, make_worker, engine, tmp_path):
+    assert await drain(manager, make_worker, engine, tmp_path / "slots.jsonl", ahead_s=0.0) <= 2
+
+
+async def test_long_runs_are_not_claimed_ahead(manager, make_worker, engine, tmp_path):
+    # The same jobs, but their runs are longer than the bound: nothing is claimed ahead.
+    assert await drain(manager, make_worker, engine, tmp_path / "long.jsonl", ahead_s=0.01) <= 2
+
+
+async def test_a_job_claimed_ahead_needs_its_vram_free_already(manager, make_worker, engine, tmp_path):
+    # 24 GB and 10 GB jobs: two fit beside each other, whatever the slots and the bound say.
+    log = tmp_path / "vram.jsonl"
+    ids = [await enqueue(manager, vram_mb=10_000, sleep=0.2, steps=1, trace=str(log)) for _ in range(6)]
+    async with most_running(engine) as seen:
+        await make_worker(max_jobs_per_gpu=4, claim_ahead_s=10.0).run()
+    assert [(await manager.get(i)).state for i in ids] == [JobState.succeeded] * len(ids)
+    assert seen[0] <= 2 and overlaps(trace(log)) <= 2
+
+
+async def until_running(manager: JobManager, job_id: uuid.UUID, worker: asyncio.Task[None]) -> None:
+    for _ in range(500):
+        if (await manager.get(job_id)).state is JobState.running:
+            return
+        assert not worker.done(), "the worker ended before the job was claimed"
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job {job_id} was never claimed")
+
+
+async def test_a_job_canceled_while_it_waits_runs_no_model(manager, make_worker, tmp_path):
+    log = tmp_path / "cancel.jsonl"
+    first = await enqueue(manager, priority=10, steps=0, trace=str(log))  # its run sets the model's length
+    long = await enqueue(manager, priority=5, sleep=3.0, steps=1, trace=str(log))
+    waiting = await enqueue(manager, priority=0, steps=0, trace=str(log))
+    worker = asyncio.create_task(make_worker(max_jobs_per_gpu=1, claim_ahead_s=30.0).run())
+    await until_running(manager, waiting, worker)  # claimed ahead while `long` holds the one slot
+    assert (await manager.get(long)).state is JobState.running
+    await manager.cancel(waiting, owner=None, by="tester")
+    await worker
+    states = {i: (await manager.get(i)).state for i in (first, long, waiting)}
+    assert states == {first: JobState.succeeded, long: JobState.succeeded, waiting: JobState.canceled}
+    ran = {r["job"].split(":")[0] for r in trace(log)}
+    assert ran == {str(first), str(long)}  # the canceled job's model never ran
