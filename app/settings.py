@@ -60,9 +60,9 @@ class Settings(BaseSettings):
         0.05,
         ge=0,
         le=60,
-        description="With a cap on jobs per GPU: a model whose recent runs took less than this has "
-        "its next jobs claimed while it runs, one per running job, to start as slots free (they hold "
-        "their VRAM and lease while they wait; 0 = claim only for free slots)",
+        description="With a cap on jobs per GPU: for each job in hand of a model whose recent runs "
+        "took less than this, one more job is claimed, to start as a slot frees (it holds its VRAM "
+        "and lease while it waits; 0 = claim only for free slots)",
     )
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
     worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")

@@ -164,7 +164,7 @@ class Planner:
         self, running: Sequence[InHand], ahead: Mapping[int, int] | None = None
     ) -> dict[int, int] | None:
         """Jobs each GPU may still take under `max_jobs_per_gpu` (None: no cap). `ahead[gpu]` more
-        may be claimed ahead, to wait for a slot: the worker allows one per short job running there.
+        may be claimed ahead, to wait for a slot: the worker allows one per short job it holds there.
         Their VRAM counts as taken from the claim on, so they fit beside the running jobs."""
         cap = self._config.max_jobs_per_gpu
         if not cap:

@@ -249,17 +249,21 @@ class Worker:
         return [planner_.InHand(a.job, a.gpu, a.started_s) for a in self._on_gpus()]
 
     def ahead(self) -> dict[int, int]:
-        """Jobs each GPU may hold beyond its cap: one for each model run there now that should end
-        within about a claim's time (its model's recent runs were shorter than claim_ahead_s).
-        Claimed while those run, the next jobs are on hand when their slots free."""
-        limit = self._config.claim_ahead_s
-        if not limit or not self._config.scheduling.max_jobs_per_gpu:
-            return {}
+        """Jobs each GPU may hold beyond its cap: one for each job in hand there (running, or
+        about to) whose model's recent runs were shorter than claim_ahead_s, at most the cap. So
+        the next jobs are on hand when those end, instead of a claim's round trip later."""
         ahead: Counter[int] = Counter()
         for a in self._on_gpus():
-            if a.model_started_s is not None and self._run_s.get(a.job.model, math.inf) < limit:
+            if self._short(a.job.model):
                 ahead[a.gpu] += 1
-        return dict(ahead)
+        cap = self._config.scheduling.max_jobs_per_gpu
+        return {g: min(n, cap) for g, n in ahead.items()}
+
+    def _short(self, model: str) -> bool:
+        """Whether jobs running `model` have the next ones claimed ahead (see `ahead`)."""
+        limit = self._config.claim_ahead_s
+        capped = self._config.scheduling.max_jobs_per_gpu > 0
+        return capped and limit > 0 and self._run_s.get(model, math.inf) < limit
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
@@ -278,7 +282,6 @@ class Worker:
                 await self._make_room(claimed.job)
                 self._start_attempt(claimed.job, claimed.input)
             started += len(batch)
-            await asyncio.sleep(0)  # the new attempts take their slots: the next claim sees them run
         return started
 
     def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
