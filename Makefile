@@ -36,8 +36,8 @@ run: setup
 test: setup browser
 	$(BIN)/python -m pytest
 	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
-		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) =="; \
-		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest; \
+		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) (less the browser and fuzz tests) =="; \
+		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest --ignore=tests/browser --ignore=tests/integration/test_fuzz.py; \
 	else echo "(no PostgreSQL at $(LOCAL_PG): the embedded server was the only one tested)"; fi
 
 lint: setup
