@@ -252,18 +252,14 @@ class Worker:
         """Jobs each GPU may hold beyond its cap: one for each job in hand there (running, or
         about to) whose model's recent runs were shorter than claim_ahead_s, at most the cap. So
         the next jobs are on hand when those end, instead of a claim's round trip later."""
+        cap, limit = self._config.scheduling.max_jobs_per_gpu, self._config.claim_ahead_s
+        if not cap or not limit:
+            return {}
         ahead: Counter[int] = Counter()
         for a in self._on_gpus():
-            if self._short(a.job.model):
+            if self._run_s.get(a.job.model, math.inf) < limit:
                 ahead[a.gpu] += 1
-        cap = self._config.scheduling.max_jobs_per_gpu
         return {g: min(n, cap) for g, n in ahead.items()}
-
-    def _short(self, model: str) -> bool:
-        """Whether jobs running `model` have the next ones claimed ahead (see `ahead`)."""
-        limit = self._config.claim_ahead_s
-        capped = self._config.scheduling.max_jobs_per_gpu > 0
-        return capped and limit > 0 and self._run_s.get(model, math.inf) < limit
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""

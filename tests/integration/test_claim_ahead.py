@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from sqlalchemy import text
 
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
+from tests.integration.test_durability import until
 from tests.integration.test_worker import enqueue, overlaps, trace
 
 RUNNING = text("SELECT count(*) FROM jobs WHERE state = 'running'")
@@ -75,22 +75,15 @@ async def test_a_job_claimed_ahead_needs_its_vram_free_already(manager, make_wor
     assert seen[0] <= 2 and overlaps(trace(log)) <= 2
 
 
-async def until_running(manager: JobManager, job_id: uuid.UUID, worker: asyncio.Task[None]) -> None:
-    for _ in range(500):
-        if (await manager.get(job_id)).state is JobState.running:
-            return
-        assert not worker.done(), "the worker ended before the job was claimed"
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"job {job_id} was never claimed")
-
-
 async def test_a_job_canceled_while_it_waits_runs_no_model(manager, make_worker, tmp_path):
     log = tmp_path / "cancel.jsonl"
     first = await enqueue(manager, priority=10, steps=0, trace=str(log))  # its run sets the model's length
     long = await enqueue(manager, priority=5, sleep=3.0, steps=1, trace=str(log))
     waiting = await enqueue(manager, priority=0, steps=0, trace=str(log))
     worker = asyncio.create_task(make_worker(max_jobs_per_gpu=1, claim_ahead_s=30.0).run())
-    await until_running(manager, waiting, worker)  # claimed ahead while `long` holds the one slot
+    # Claimed ahead while `long` holds the one slot.
+    await until(manager, waiting, lambda job: job.state is JobState.running, timeout_s=5)
+    assert not worker.done()
     assert (await manager.get(long)).state is JobState.running
     await manager.cancel(waiting, owner=None, by="tester")
     await worker
