@@ -5,74 +5,71 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
-
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
+from app.queue.worker import Worker
 from tests.integration.test_durability import until
 from tests.integration.test_worker import enqueue, overlaps, trace
 
-RUNNING = text("SELECT count(*) FROM jobs WHERE state = 'running'")
 
+async def most_in_hand(worker: Worker) -> int:
+    """Run `worker` to the end; the most jobs it held for its GPU slots at once (polled every 5 ms).
 
-@contextlib.asynccontextmanager
-async def most_running(engine: Any) -> AsyncIterator[list[int]]:
-    """The most jobs seen in state running at once (polled every 10 ms) while the block runs."""
-    seen = [0]
+    Held: claimed and not yet done with the model, so waiting for a slot or running. (The jobs
+    table cannot say: a job whose model ended stays `running` while its success is written, and
+    its slot has already gone to the next job.)"""
+    seen = 0
 
     async def poll() -> None:
-        async with engine.connect() as conn:
-            while True:
-                seen[0] = max(seen[0], (await conn.execute(RUNNING)).scalar_one())
-                await conn.rollback()  # each poll in a fresh snapshot
-                await asyncio.sleep(0.01)
+        nonlocal seen
+        while True:
+            seen = max(seen, len(worker.in_hand()))
+            await asyncio.sleep(0.005)
 
     task = asyncio.create_task(poll())
     try:
-        yield seen
+        await worker.run()
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    return seen
 
 
-async def drain(manager: JobManager, make_worker: Any, engine: Any, log: Path, ahead_s: float) -> int:
+async def drain(manager: JobManager, make_worker: Any, log: Path, ahead_s: float) -> int:
     """Eight toy jobs of about 0.3 s through a worker with 2 slots; the most held at once."""
     ids = [await enqueue(manager, sleep=0.2, steps=1, trace=str(log)) for _ in range(8)]
-    async with most_running(engine) as seen:
-        await make_worker(max_jobs_per_gpu=2, claim_ahead_s=ahead_s).run()
+    held = await most_in_hand(make_worker(max_jobs_per_gpu=2, claim_ahead_s=ahead_s))
     assert [(await manager.get(i)).state for i in ids] == [JobState.succeeded] * len(ids)
     assert overlaps(trace(log)) <= 2  # never more models at once than slots
-    return seen[0]
+    return held
 
 
-async def test_short_jobs_are_claimed_ahead_and_wait_for_a_slot(manager, make_worker, engine, tmp_path):
+async def test_short_jobs_are_claimed_ahead_and_wait_for_a_slot(manager, make_worker, tmp_path):
     # Runs of about 0.3 s count as short under a 10 s bound: once the first one ended, each job
     # running has the next one claimed beside it, waiting for its slot.
-    assert await drain(manager, make_worker, engine, tmp_path / "ahead.jsonl", ahead_s=10.0) > 2
+    assert await drain(manager, make_worker, tmp_path / "ahead.jsonl", ahead_s=10.0) > 2
 
 
-async def test_without_claim_ahead_a_worker_holds_only_its_slots(manager, make_worker, engine, tmp_path):
-    assert await drain(manager, make_worker, engine, tmp_path / "slots.jsonl", ahead_s=0.0) <= 2
+async def test_without_claim_ahead_a_worker_holds_only_its_slots(manager, make_worker, tmp_path):
+    assert await drain(manager, make_worker, tmp_path / "slots.jsonl", ahead_s=0.0) <= 2
 
 
-async def test_long_runs_are_not_claimed_ahead(manager, make_worker, engine, tmp_path):
+async def test_long_runs_are_not_claimed_ahead(manager, make_worker, tmp_path):
     # The same jobs, but their runs are longer than the bound: nothing is claimed ahead.
-    assert await drain(manager, make_worker, engine, tmp_path / "long.jsonl", ahead_s=0.01) <= 2
+    assert await drain(manager, make_worker, tmp_path / "long.jsonl", ahead_s=0.01) <= 2
 
 
-async def test_a_job_claimed_ahead_needs_its_vram_free_already(manager, make_worker, engine, tmp_path):
+async def test_a_job_claimed_ahead_needs_its_vram_free_already(manager, make_worker, tmp_path):
     # 24 GB and 10 GB jobs: two fit beside each other, whatever the slots and the bound say.
     log = tmp_path / "vram.jsonl"
     ids = [await enqueue(manager, vram_mb=10_000, sleep=0.2, steps=1, trace=str(log)) for _ in range(6)]
-    async with most_running(engine) as seen:
-        await make_worker(max_jobs_per_gpu=4, claim_ahead_s=10.0).run()
+    held = await most_in_hand(make_worker(max_jobs_per_gpu=4, claim_ahead_s=10.0))
     assert [(await manager.get(i)).state for i in ids] == [JobState.succeeded] * len(ids)
-    assert seen[0] <= 2 and overlaps(trace(log)) <= 2
+    assert held <= 2 and overlaps(trace(log)) <= 2
 
 
 async def test_a_job_canceled_while_it_waits_runs_no_model(manager, make_worker, tmp_path):
