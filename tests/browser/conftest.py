@@ -24,7 +24,7 @@ from PIL import Image
 
 from app.api.main import create_app
 from app.settings import Settings
-from tests.conftest import bearer, create_key, serving
+from tests.conftest import create_key, http_client, serving
 
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -145,7 +145,7 @@ class Site:
 
     def client(self, key: str) -> httpx.AsyncClient:
         """An HTTP client of the API with `key` (close it after use)."""
-        return httpx.AsyncClient(base_url=self.url, timeout=30, headers=bearer(key))
+        return http_client(self.url, key)
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def make_site(settings: Settings, open_context: Contexts) -> Callable[..., Any]:
         app = create_app(settings.model_copy(update={"run_worker": True, **overrides}))
         async with (
             serving(app) as url,
-            httpx.AsyncClient(base_url=url, timeout=30, headers=bearer(admin)) as http,
+            http_client(url, admin) as http,
         ):
             try:
                 yield Site(url, app, user, admin, http)

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
-from tests.conftest import api_client
+from tests.conftest import api_client, worker_name
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -75,7 +75,8 @@ async def test_kill_9_mid_job_completes_on_another_worker(manager, spawn_worker,
     assert not alive(orphan)  # ...until the worker that takes the job back kills it
     history = await manager.events(job_id)
     [recovered] = [e for e in history if e.kind == "recovered"]
-    assert recovered.detail["lost_worker"].endswith(":a") and recovered.detail["reason"] == "lease expired"
+    assert recovered.detail["lost_worker"].endswith(":" + worker_name("a"))
+    assert recovered.detail["reason"] == "lease expired"
     assert [e.kind for e in history].count("succeeded") == 1
     path, _, _ = store.resolve(done, "out.txt")
     assert path.read_text() == f"done {job_id}:2\n"

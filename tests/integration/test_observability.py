@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import logs, migrate
 from app.queue.jobs import JobState
-from tests.conftest import api_client, client_for
+from tests.conftest import api_client, client_for, worker_id
 from tests.integration.test_durability import running, until
 from tests.integration.test_stream import submit_toy
 from tests.integration.test_worker import enqueue
@@ -112,7 +112,7 @@ async def test_worker_and_gpu_gauges_come_from_heartbeats(settings, manager, mak
     job_id = await enqueue(manager, sleep=5, steps=5, vram_mb=3000)
     async with api_client(settings, metrics_cache_s=0) as http, running(make_worker([8192], burst=False)):
         await until(manager, job_id, lambda j: j.state is JobState.running)
-        labels = {"worker": "test:w1", "gpu": "0", "name": "fake-0"}
+        labels = {"worker": worker_id("w1"), "gpu": "0", "name": "fake-0"}
         deadline = time.monotonic() + 10
         while True:  # the next heartbeat (every 0.5 s) records the reservation
             samples = await scrape(http)
@@ -123,13 +123,13 @@ async def test_worker_and_gpu_gauges_come_from_heartbeats(settings, manager, mak
         assert value(samples, "gpujobs_gpu_memory_total_bytes", **labels) == 8192 * MB
         assert value(samples, "gpujobs_gpu_memory_free_bytes", **labels) == 8192 * MB  # the fake's NVML
         assert value(samples, "gpujobs_gpu_running_jobs", **labels) == 1
-        assert value(samples, "gpujobs_worker_running_jobs", worker="test:w1") == 1
-        assert 0 <= value(samples, "gpujobs_worker_heartbeat_age_seconds", worker="test:w1") < 3
+        assert value(samples, "gpujobs_worker_running_jobs", worker=worker_id("w1")) == 1
+        assert 0 <= value(samples, "gpujobs_worker_heartbeat_age_seconds", worker=worker_id("w1")) < 3
         assert value(samples, "gpujobs_jobs", state="running", model="toy") == 1
 
         workers = (await http.get("/admin/workers")).json()
         [w] = workers
-        assert w["id"] == "test:w1" and w["state"] == "running" and w["live"] is True
+        assert w["id"] == worker_id("w1") and w["state"] == "running" and w["live"] is True
         assert w["host"] and w["heartbeat_age_s"] < 3 and w["running_jobs"] == [str(job_id)]
         [g] = w["gpus"]
         assert (g["total_mb"], g["free_mb"], g["reserved_mb"], g["running_jobs"]) == (8192, 8192, 3000, 1)
@@ -147,7 +147,7 @@ async def test_healthz_and_readyz(settings, make_worker):
         body = ready.json()
         assert body["status"] == "ready" and body["schema"]["current"] == migrate.head()
         assert body["gpus"] == [
-            {"worker": "test:w1", "index": 0, "name": "fake-0", "total_mb": 24576, "free_mb": 24576,
+            {"worker": worker_id("w1"), "index": 0, "name": "fake-0", "total_mb": 24576, "free_mb": 24576,
              "reserved_mb": 0, "running_jobs": 0}
         ]  # fmt: skip
     async with api_client(settings, key=None, ready_min_workers=1) as http:
@@ -222,7 +222,7 @@ async def test_json_logs_carry_request_job_worker_and_attempt_and_no_secrets(set
     [submitted] = [e for e in lines if e.get("route") == "/jobs" and e.get("status") == 201]
     assert submitted["job_id"] == job_id and submitted["message"] == "POST /jobs 201"  # the job it made
     [started] = [e for e in lines if e.get("action") == "job_started"]
-    assert started["job_id"] == job_id and started["attempt"] == 1 and started["worker"] == "test:w1"
+    assert started["job_id"] == job_id and started["attempt"] == 1 and started["worker"] == worker_id("w1")
     assert any(e.get("action") == "job_succeeded" and e.get("attempt") == 1 for e in lines)
     # At INFO a job that runs once is two worker lines, its start and its outcome: a few lines
     # more per job cost tiny jobs a tenth of a millisecond of the worker's CPU each.

@@ -37,6 +37,7 @@ from tests.conftest import (
     client_for,
     create_key,
     free_port,
+    http_client,
     toy_model,
     wait_until_serving,
     worker_env,
@@ -637,7 +638,7 @@ async def test_a_500_mb_upload_barely_moves_the_servers_memory(settings, served,
     base, pid = served
     assert settings.database_url
     key = await create_key(settings.database_url, "admin", admin=True)
-    async with httpx.AsyncClient(base_url=base, headers=bearer(key), timeout=30) as http:
+    async with http_client(base, key) as http:
         for i in range(3):  # warm up: imports, pools, the multipart parser, PIL
             assert (await submit(http, png(color=(i, 0, 0)))).status_code == 201
         assert (await submit(http, b"\0" * (3 << 20))).status_code == 415
@@ -647,7 +648,7 @@ async def test_a_500_mb_upload_barely_moves_the_servers_memory(settings, served,
     # 413 (declared too large: at once; chunked: once past the limit), or None when the server's
     # close overtook its answer while we were still sending (uvicorn does no lingering close).
     assert set(refused) <= {413, None}, refused
-    async with httpx.AsyncClient(base_url=base, headers=bearer(key), timeout=30) as http:
+    async with http_client(base, key) as http:
         assert len((await http.get("/jobs")).json()["jobs"]) == 3  # nothing was queued
     growth_mb = (peak.peak_kb - before) / 1024
     print(f"server RSS {before / 1024:.1f} MB, peak during two {UPLOAD_MB} MB uploads +{growth_mb:.1f} MB")
