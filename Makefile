@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # When this server answers, the suite also runs against it (CI machines have one).
 LOCAL_PG := postgresql://postgres@127.0.0.1:5432/test
+# Test processes (pytest-xdist). Run one at a time, the suite waits on timers and subprocesses
+# about half the time; two keep a 2-core machine busy, and more only slow each test down.
+TEST_PROCS ?= 2
 
 .PHONY: setup browser run test lint bench chaos clean
 
@@ -34,10 +37,10 @@ run: setup
 	$(BIN)/gpujobs serve
 
 test: setup browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_PROCS)
 	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
 		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) (less the browser and fuzz tests) =="; \
-		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest --ignore=tests/browser --ignore=tests/integration/test_fuzz.py; \
+		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest -n $(TEST_PROCS) --ignore=tests/browser --ignore=tests/integration/test_fuzz.py; \
 	else echo "(no PostgreSQL at $(LOCAL_PG): the embedded server was the only one tested)"; fi
 
 lint: setup

