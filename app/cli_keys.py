@@ -10,11 +10,16 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from app import auth, db, errors
+from app import errors
+
+if TYPE_CHECKING:
+    from app import auth
+
+# app.auth and app.db (SQLAlchemy) are imported when a keys command runs, not when `gpujobs` starts.
 
 keys = typer.Typer(help="API keys: create, list and revoke.", no_args_is_help=True)
 _T = TypeVar("_T")
@@ -22,7 +27,7 @@ _T = TypeVar("_T")
 
 def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
     """Run `action` on the configured database (the embedded one when no URL is set)."""
-    from app import cli  # the command module; imported here because it imports this one
+    from app import auth, cli, db  # cli: the command module, which imports this one
 
     settings = cli._settings()
 
@@ -51,7 +56,9 @@ def create(
     admin: Annotated[bool, typer.Option("--admin", help="May see and manage every job")] = False,
 ) -> None:
     """Make a new key for NAME and print it: it is shown only this once."""
-    role = auth.Role.admin if admin else auth.Role.user
+    from app.auth import Role
+
+    role = Role.admin if admin else Role.user
     made = _with_store(lambda store: store.create(name, role=role))
     typer.echo(made.secret)
     typer.echo(

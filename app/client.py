@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from app import errors, retention
+from app import errors
 
 if TYPE_CHECKING:
     import httpx
@@ -37,6 +38,9 @@ Key = Annotated[
     str | None, typer.Option("--key", envvar="GPUJOBS_API_KEY", help="API key (Bearer)", show_default=False)
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON")]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 
 
 def register(cli: typer.Typer) -> None:
@@ -287,6 +291,14 @@ def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJ
 # -- prune --------------------------------------------------------------------------------------
 
 
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "30s", "15m", "12h", "7d" or "2w"."""
+    match = _DURATION.match(text.lower())
+    if match is None:
+        raise errors.InvalidRequest(f"{text!r} is not a duration (examples: 90s, 15m, 12h, 7d, 2w)")
+    return float(match[1]) * _UNIT_S[match[2]]
+
+
 def prune(
     older_than: Annotated[
         str | None,
@@ -299,7 +311,7 @@ def prune(
 ) -> None:
     """Delete the files, logs and unused inputs of old finished jobs now (admin key)."""
     try:
-        seconds = None if older_than is None else retention.parse_duration(older_than)
+        seconds = None if older_than is None else parse_duration(older_than)
     except errors.InvalidRequest as exc:
         fail(exc.message)
     with connect(url, key) as http:

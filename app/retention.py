@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Collection, Iterable
@@ -32,17 +31,7 @@ from app.queue import sql
 log = logging.getLogger("gpujobs.retention")
 
 PARTS: Final = ("results", "logs", "scratch")  # per-job folders below the storage root
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNIT_S: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 REPORTED_IDS: Final = 1000  # a report lists at most this many job ids
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in "90", "30s", "15m", "12h", "7d" or "2w"."""
-    match = _DURATION.match(text.lower())
-    if match is None:
-        raise errors.InvalidRequest(f"{text!r} is not a duration (examples: 90s, 15m, 12h, 7d, 2w)")
-    return float(match[1]) * _UNIT_S[match[2]]
 
 
 @dataclass(slots=True)
