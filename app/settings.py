@@ -65,7 +65,9 @@ class Settings(BaseSettings):
         "and lease while it waits; 0 = claim only for free slots)",
     )
     reap_interval_s: float = Field(5, gt=0, description="How often a worker looks for expired leases")
-    worker_name: str = Field("", description="Worker name; its identity is <host>:<name> (empty: worker)")
+    worker_name: str = Field(
+        "", description="Worker name; its identity is <host>:<name> (empty: worker), one live worker each"
+    )
     run_worker: bool = Field(True, description="`gpujobs serve` also runs a worker in the same process")
     gpus: str | None = Field(None, description='Virtual GPUs when NVML is absent, e.g. "24GiB,24GiB"')
     virtual_gpu_mb: int = Field(24_576, gt=0, description="Size of the one virtual GPU when gpus is unset")

@@ -238,6 +238,7 @@ def settings(database_url: str, tmp_path: Path, models_file: Path) -> Settings:
         gpus="24GiB",
         vram_buffer_mb=0,
         run_worker=False,
+        worker_name=worker_name("api"),  # the in-process worker of api_client(run_worker=True)
         link_secret="test-secret-of-enough-length",
         retry_base_s=0.05,
         retry_max_s=0.2,

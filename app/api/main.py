@@ -78,17 +78,26 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await security.announce_missing_admin(services.keys)
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
-    if settings.run_worker:
-        worker = factory.build_worker(
-            settings,
-            manager=services.manager,
-            store=services.store,
-            models=services.models,
-            listen_dsn=db.asyncpg_dsn(settings.database_url),
-        )
-        task = asyncio.create_task(worker.run(), name="worker")
-    app.state.worker = worker
     try:
+        if settings.run_worker:
+            worker = factory.build_worker(
+                settings,
+                manager=services.manager,
+                store=services.store,
+                models=services.models,
+                listen_dsn=db.asyncpg_dsn(settings.database_url),
+            )
+            # Started here, not in its task: a worker that cannot run (no GPU fits a model, or its
+            # id is taken on this host) fails the start-up instead of leaving an API with no worker.
+            try:
+                await worker.start()
+            except errors.AppError as exc:
+                log.error(
+                    "the in-process worker cannot start: %s", exc.message, extra={"action": "worker_refused"}
+                )
+                raise
+            task = asyncio.create_task(worker.run(), name="worker")
+        app.state.worker = worker
         yield
     finally:
         if worker is not None and task is not None:

@@ -5,15 +5,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import hashlib
 import logging
 import os
+import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from app import runner
+from app import errors, runner
 from app.queue import manager as manager_
 
 log = logging.getLogger("gpujobs.worker")
+
+
+def hold_identity(worker_id: str) -> socket.socket | None:
+    """Hold `worker_id` on this host for as long as the returned socket stays open.
+
+    A worker's start takes what its id left on the host for the leftovers of a crashed previous
+    life: it requeues the id's running jobs, kills the id's model processes and empties its
+    scratch lanes. A second live worker of the same id (two `gpujobs worker` on one host, neither
+    with its own GPUJOBS_WORKER_NAME) would do that to the first. So the id is held by a Unix
+    socket bound to an abstract name: the kernel frees it when the process ends, SIGKILL
+    included, and it leaves no file behind. ConfigError if a live process holds it. None where
+    abstract names do not exist (not Linux), and nothing is held there.
+    """
+    name = b"\0gpujobs-worker:" + hashlib.sha256(worker_id.encode()).hexdigest()[:40].encode()
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        held.bind(name)
+    except OSError as exc:
+        held.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise errors.ConfigError(
+                f"another worker with the id {worker_id!r} is running on this host{_holder(name)}: "
+                "give each worker on a host its own GPUJOBS_WORKER_NAME"
+            ) from exc
+        log.debug("no abstract Unix socket names here: the worker id is not held (%s)", exc)
+        return None
+    held.listen(8)  # lets a second worker ask for the holder's pid
+    return held
+
+
+def _holder(name: bytes) -> str:
+    """ " (pid N)" for the process holding the abstract socket `name`, or "" if it cannot be told."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1)
+        try:
+            probe.connect(name)
+            pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except OSError:
+            return ""
+    return f" (pid {pid})"
 
 
 def is_model_of(pid: int, job_id: object) -> bool:

@@ -111,6 +111,8 @@ class Worker:
         # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.
         self._slots: dict[int, asyncio.Semaphore] = {}
         self._run_s: dict[str, float] = {}  # model -> its recent runs' length (moving average)
+        self._started = False
+        self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
 
     @property
     def id(self) -> str:
@@ -140,11 +142,36 @@ class Worker:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Start up, claim and run jobs until stopped, then shut down cleanly."""
+    async def start(self) -> None:
+        """Hold this worker's id on the host, check its GPUs, register, and take back what a
+        previous life left. ConfigError if it cannot run here: another live worker has its id, or
+        no GPU can run any model. `run()` calls it when it was not called before."""
         runner.prefer_pidfd_watcher()
         logs.bind(worker=self.id)
-        await self._start()
+        self._started = True
+        self._identity = leftovers.hold_identity(self.id)  # before _start takes what the id left
+        try:
+            await self._start()
+        except BaseException:
+            self._let_go_of_identity()
+            raise
+
+    async def run(self) -> None:
+        """Start up (unless `start()` did), claim and run jobs until stopped, then shut down."""
+        if not self._started:
+            await self.start()
+        try:
+            await self._serve()
+        finally:
+            self._let_go_of_identity()
+
+    def _let_go_of_identity(self) -> None:
+        if self._identity is not None:
+            self._identity.close()
+            self._identity = None
+
+    async def _serve(self) -> None:
+        """Claim and run until stopped, then shut down."""
         side = [
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}"),
             asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),

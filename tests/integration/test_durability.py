@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +18,11 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from app.queue import leftovers
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
-from tests.conftest import api_client, worker_name
+from tests.conftest import api_client, free_port, worker_env, worker_name
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -98,6 +102,57 @@ async def test_kill_9_and_restart_requeues_at_once(manager, spawn_worker):
     assert any(e.kind == "recovered" and e.detail["reason"] == "worker restarted" for e in history)
     done = await until(manager, job_id, lambda j: j.state.final)
     assert done.state is JobState.succeeded
+
+
+async def test_a_second_worker_with_a_live_workers_id_refuses_to_start(manager, spawn_worker, tmp_path):
+    """Two workers on one host under one id: the second took the first's running job back, killed
+    its model and emptied its lanes, taking them for a crashed previous life's leftovers. It now
+    refuses to start, and says why; the first runs on undisturbed."""
+    job_id = await enqueue(manager, sleep=2, steps=2)
+    first = spawn_worker("twin")
+    running = await until(manager, job_id, lambda j: j.state is JobState.running)
+    second = spawn_worker("twin")
+    assert await asyncio.to_thread(second.wait, 30) == 2
+    said = (tmp_path / "worker-twin-1.log").read_text()
+    assert (
+        f"another worker with the id '{running.worker_id}' is running on this host (pid {first.pid})" in said
+    )
+    done = await until(manager, job_id, lambda j: j.state.final)
+    assert (done.state, done.attempt, done.abnormal_runs) == (JobState.succeeded, 1, 0)
+    assert first.poll() is None
+
+
+@pytest.mark.parametrize("trouble", ["id taken", "no GPU fits"])
+def test_serve_exits_and_says_why_when_its_worker_cannot_start(settings, tmp_path, trouble):
+    """`gpujobs serve` runs a worker beside the API. One that could not start (its id held by a
+    live worker on this host, or no GPU big enough for any model) used to die unseen in its task,
+    leaving an API whose jobs never ran; the server now fails its start-up with the reason."""
+    env = worker_env(settings, "twin", gpus="1MiB" if trouble == "no GPU fits" else "24GiB")
+    held = (
+        leftovers.hold_identity(f"{socket.gethostname()}:{worker_name('twin')}")
+        if trouble == "id taken"
+        else None
+    )
+    log = tmp_path / "serve.log"
+    try:
+        with log.open("wb") as out:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "app", "serve", "--port", str(free_port())],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        code = serve.wait(timeout=60)
+    finally:
+        if held is not None:
+            held.close()
+        if serve.poll() is None:  # it went on serving: the failure below says so
+            serve.kill()
+            serve.wait()
+    said = log.read_text()
+    assert code != 0, said
+    reason = "another worker with the id" if trouble == "id taken" else "no GPU can ever run a job"
+    assert f"the in-process worker cannot start: {reason}" in said
 
 
 async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next_round(
@@ -311,6 +366,7 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
             models_file=models_file,
             gpus="24GiB",
             vram_buffer_mb=0,
+            worker_name=worker_name("outage"),
             link_secret="x" * 32,
             lease_s=3,
             heartbeat_interval_s=0.5,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
+from app import errors
 from app.queue import leftovers
 
 
@@ -31,3 +33,35 @@ def test_a_workers_runs_and_runners_are_found_by_its_exact_id(sleepers):
     assert sleepers["runner"] in leftovers.find_worker_models("h:w2")
     found = leftovers.find_worker_models("h:w1")  # a prefix of both ids: neither is its run
     assert sleepers["run"] not in found and sleepers["runner"] not in found
+
+
+def hold(worker_id: str) -> None:
+    """Hold `worker_id` and let it go at once (ConfigError if it is held elsewhere)."""
+    held = leftovers.hold_identity(worker_id)
+    assert held is not None
+    held.close()
+
+
+def test_a_worker_id_is_held_by_one_process_at_a_time_and_freed_when_it_ends():
+    worker_id = f"h:held-{os.getpid()}"
+    held = leftovers.hold_identity(worker_id)
+    assert held is not None
+    try:
+        with pytest.raises(
+            errors.ConfigError, match=rf"'{worker_id}' is running on this host \(pid {os.getpid()}\)"
+        ):
+            hold(worker_id)
+        hold(worker_id + "x")  # another id is free
+    finally:
+        held.close()
+    hold(worker_id)  # freed with its socket
+    # A holder killed outright frees it too: the kernel closes its socket.
+    code = f"from app.queue import leftovers; h = leftovers.hold_identity({worker_id!r}); print(); input()"
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as holder:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        with pytest.raises(errors.ConfigError, match=f"pid {holder.pid}"):
+            hold(worker_id)
+        holder.kill()
+    hold(worker_id)
