@@ -152,11 +152,12 @@ async def test_a_job_whose_outcome_is_being_written_keeps_its_lease(manager, mak
     succeed = manager.succeed
 
     async def slow_succeed(job, results, detail):
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(3.0)  # longer than the lease
         await succeed(job, results, detail)
 
     manager.succeed = slow_succeed
-    run = asyncio.create_task(make_worker(lease_s=1.0, heartbeat_interval_s=0.2).run())
+    # Ten heartbeats a lease: a busy CI machine once stalled the worker past a 1 s lease.
+    run = asyncio.create_task(make_worker(lease_s=2.0, heartbeat_interval_s=0.2).run())
     taken = []
     while not run.done():
         taken += await manager.recover_expired(by_worker="test:other")
