@@ -58,17 +58,19 @@ async def test_reservation_bounds_the_wait_of_a_big_job(manager, make_worker):
     assert waited is not None and waited < 0.5 + 0.8 + 1.5  # reservation time + one small run + slack
 
 
-async def test_age_raises_effective_priority(manager, make_worker, tmp_path):
+async def test_age_raises_effective_priority(manager, make_worker, engine, tmp_path):
     log = tmp_path / "trace.jsonl"
     old = await enqueue(manager, priority=0, trace=str(log))
-    await asyncio.sleep(1.3)
     new = await enqueue(manager, priority=5, trace=str(log))
-    assert await manager.age_queued(step_s=0.2, max_boost=10) == 1  # only the old job aged
+    # The old job waited 65 s, six and a half 10 s steps; the new one has not waited a step (a
+    # 0.2 s step once aged it too, on a busy CI machine).
+    await _waited(engine, 65, old)
+    assert await manager.age_queued(step_s=10, max_boost=10) == 1  # only the old job aged
     assert (await manager.get(old)).age_boost == 6 and (await manager.get(new)).age_boost == 0
     await make_worker(max_jobs_per_gpu=1).run()
     order = [line.split('"job": "')[1].split(":")[0] for line in log.read_text().splitlines()]
     assert order == [str(old), str(new)]  # 0 + 6 outranks 5
-    assert await manager.age_queued(step_s=0.2, max_boost=3) == 0  # the boost is bounded
+    assert await manager.age_queued(step_s=10, max_boost=3) == 0  # the boost is bounded
 
 
 async def _waited(engine, seconds: float, *jobs: uuid.UUID) -> None:
