@@ -146,11 +146,17 @@ _CONNECTION_ERRORS = (
 
 
 def is_unavailable(error: BaseException) -> bool:
-    """True when `error` means the database cannot be reached right now (not a bad statement)."""
+    """True when `error` means the database cannot be reached right now (not a bad statement).
+
+    A new pooled connection refused by a server still starting up ("the database system is
+    starting up", 57P03) comes out of `engine.raw_connection()` as the dialect's own DBAPI error,
+    not wrapped by SQLAlchemy, with asyncpg's error as its cause."""
     if isinstance(error, exc.DBAPIError):
         if error.connection_invalidated:
             return True
         return isinstance(error.orig, _CONNECTION_ERRORS) or isinstance(
             getattr(error.orig, "__cause__", None), _CONNECTION_ERRORS
         )
-    return isinstance(error, (*_CONNECTION_ERRORS, exc.InterfaceError))
+    return isinstance(error, (*_CONNECTION_ERRORS, exc.InterfaceError)) or isinstance(
+        error.__cause__, _CONNECTION_ERRORS
+    )
