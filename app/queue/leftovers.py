@@ -49,7 +49,7 @@ def hold_identity(worker_id: str) -> socket.socket | None:
 
 
 def _holder(name: bytes) -> str:
-    """ " (pid N)" for the process holding the abstract socket `name`, or "" if it cannot be told."""
+    """The pid of the process holding the abstract socket `name`, as " (pid N)"; "" if unknown."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1)
         try:

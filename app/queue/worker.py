@@ -148,13 +148,13 @@ class Worker:
         no GPU can run any model. `run()` calls it when it was not called before."""
         runner.prefer_pidfd_watcher()
         logs.bind(worker=self.id)
-        self._started = True
         self._identity = leftovers.hold_identity(self.id)  # before _start takes what the id left
         try:
             await self._start()
         except BaseException:
             self._let_go_of_identity()
             raise
+        self._started = True
 
     async def run(self) -> None:
         """Start up (unless `start()` did), claim and run jobs until stopped, then shut down."""
