@@ -148,15 +148,15 @@ _CONNECTION_ERRORS = (
 def is_unavailable(error: BaseException) -> bool:
     """True when `error` means the database cannot be reached right now (not a bad statement).
 
-    A new pooled connection refused by a server still starting up ("the database system is
-    starting up", 57P03) comes out of `engine.raw_connection()` as the dialect's own DBAPI error,
-    not wrapped by SQLAlchemy, with asyncpg's error as its cause."""
+    A connection error may come wrapped: in SQLAlchemy's DBAPIError (`orig`), and in the dialect's
+    own DBAPI error with asyncpg's as its cause. So does a new pooled connection refused by a server
+    still starting up (57P03), straight out of `engine.raw_connection()`, unwrapped by SQLAlchemy."""
     if isinstance(error, exc.DBAPIError):
-        if error.connection_invalidated:
-            return True
-        return isinstance(error.orig, _CONNECTION_ERRORS) or isinstance(
-            getattr(error.orig, "__cause__", None), _CONNECTION_ERRORS
-        )
-    return isinstance(error, (*_CONNECTION_ERRORS, exc.InterfaceError)) or isinstance(
-        error.__cause__, _CONNECTION_ERRORS
-    )
+        return error.connection_invalidated or _is_connection_error(error.orig)
+    return isinstance(error, exc.InterfaceError) or _is_connection_error(error)
+
+
+def _is_connection_error(error: BaseException | None) -> bool:
+    """`error`, or what caused it, is one of the errors of a connection that is not there."""
+    cause = getattr(error, "__cause__", None)
+    return isinstance(error, _CONNECTION_ERRORS) or isinstance(cause, _CONNECTION_ERRORS)
