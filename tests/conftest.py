@@ -46,6 +46,14 @@ for _name in list(os.environ):
         del os.environ[_name]
 
 
+def modules_loaded_by(module: str) -> set[str]:
+    """The modules a fresh Python process holds after `import module` (run from the repo root)."""
+    code = f"import sys; import {module}; print(' '.join(sorted(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return set(run.stdout.split())
+
+
 def worker_name(name: str) -> str:
     """A worker's name as this test process gives it: `name`, tagged with the pytest-xdist process
     when tests run in several. A worker's start kills what a past life of its identity left running

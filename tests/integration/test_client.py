@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import trimesh
 
-from tests.conftest import api_client, png_bytes
+from tests.conftest import api_client, modules_loaded_by, png_bytes
 from tests.integration.test_end_to_end import gradient_png
 
 
@@ -131,11 +130,6 @@ def test_durations(tmp_path: Path):
 def test_the_client_commands_load_no_database_code():
     """`gpujobs jobs list` and the other client commands speak HTTP only. Loading the settings and
     SQLAlchemy with the command cost each of them 0.6 s of CPU before its request went out."""
-    code = "import sys; import app.cli; print(' '.join(sorted(sys.modules)))"
-    loaded = set(
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        ).stdout.split()
-    )
+    loaded = modules_loaded_by("app.cli")
     assert "app.client" in loaded
     assert not {"sqlalchemy", "asyncpg", "pydantic_settings", "app.db", "app.auth"} & loaded

@@ -6,7 +6,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from app import modelkit, runner
+from tests.conftest import modules_loaded_by
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_TOY = ROOT / "tests" / "models" / "warm_toy.py"
@@ -148,12 +148,9 @@ def test_a_job_shows_no_callback_in_its_repr(tmp_path: Path) -> None:
 def test_a_runner_imports_only_what_serving_needs() -> None:
     """Every warm runner start pays for this module's imports before its model loads: asyncio is
     the worker's side, dataclasses (with inspect) and traceback cost a start 15-20 ms of CPU."""
-    code = "import sys; import app.modelkit; print(' '.join(sorted(sys.modules)))"
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    loaded = modules_loaded_by("app.modelkit")
     assert "app.modelkit" in loaded
-    assert not {"asyncio", "dataclasses", "inspect", "traceback"} & set(loaded)
+    assert not {"asyncio", "dataclasses", "inspect", "traceback"} & loaded
 
 
 @pytest.mark.asyncio
