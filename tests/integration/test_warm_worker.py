@@ -4,6 +4,7 @@ killed on cancel and timeout, stopped when idle, evicted for another model's VRA
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from app.queue.jobs import JobState
@@ -16,6 +17,16 @@ def loads(tmp_path: Path, model: str) -> list[int]:
     """The pids that loaded `model`, in order."""
     path = tmp_path / f"loads-{model}.txt"
     return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def first_load(tmp_path: Path, model: str, timeout_s: float = 20) -> int:
+    """The pid of the first process to load `model`, once it has (a runner's start takes a
+    Python start-up and its imports, longer on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not (pids := loads(tmp_path, model)):
+        assert time.monotonic() < deadline, f"no runner of {model} loaded in {timeout_s} s"
+        await asyncio.sleep(0.05)
+    return pids[0]
 
 
 async def test_one_warm_process_answers_many_jobs(manager, make_worker, store, tmp_path):
@@ -61,8 +72,7 @@ async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_
     async with running(make_worker(burst=False, max_jobs_per_gpu=1)) as worker:
         hung = await enqueue(manager, model="warm_a", vram_mb=2000, hang=True)
         await until(manager, hung, lambda j: j.state is JobState.running)
-        await asyncio.sleep(0.3)
-        first_pid = loads(tmp_path, "warm_a")[0]
+        first_pid = await first_load(tmp_path, "warm_a")  # 0.3 s after the claim was once too soon
         await manager.cancel(hung, owner=None, by="tester")
         job = await until(manager, hung, lambda j: j.state.final)
         assert job.state is JobState.canceled
