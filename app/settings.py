@@ -110,6 +110,11 @@ class Settings(BaseSettings):
         30, ge=0, description="After a job ends, how long its GPU memory may take to come back"
     )
     warm_idle_s: float = Field(300, gt=0, description="A warm runner with no job for this long is stopped")
+    warm_paced: bool = Field(
+        True,
+        description="A job that finds its model's warm runners busy waits for one, unless the jobs "
+        "waiting would wait longer than a runner takes to start (false: each such job starts its own)",
+    )
     warm_streak_max: int = Field(
         4, ge=0, description="Claims in a row that may prefer models with a warm runner (0 = never)"
     )

@@ -5,18 +5,30 @@ reservation. A runner not in use holds its `hold_mb` on its GPU (`reserved_mb`) 
 idle too long (`idle_close`), evicted for another model's job (`evict_lru`), or at shutdown
 (`close_all`). A runner that died or was ended (crash, timeout, stop, model error) is dropped when
 it comes back; the next `acquire()` of its key starts a fresh one. Several runners may share a key
-when jobs of one model run side by side on one GPU. Use from the event loop's thread only: the
-checks and marks in `acquire()` and the close methods happen without awaiting in between.
+when jobs of one model run side by side on one GPU.
+
+How many runners a key gets (paced, the default): a job that finds every runner of its model busy
+waits for the first to come free (first come, first served), unless starting one more would serve
+the jobs waiting sooner: when they would wait longer, at the runners' recent pace, than a runner
+of the key takes to start. Until both are measured, one runner of a key starts at a time. A model
+that answers in milliseconds is then served by one or two runners, not one per job slot; one
+whose jobs run for minutes gets a runner per job, as before. With `paced=False`, every job that
+finds no idle runner starts its own.
+
+Use from the event loop's thread only: the checks and marks in `acquire()`, `release()` and the
+close methods happen without awaiting in between.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from app import warm
 
@@ -25,6 +37,14 @@ _LOG = logging.getLogger("gpujobs.warm")
 
 # How to start a runner, or a function that says it (see WarmPool.acquire).
 LaunchOf = warm.Launch | Callable[[], warm.Launch]
+# A runner in these states serves, or will serve, jobs (not closing, not dead).
+_LIVE = frozenset({warm.RunnerState.STARTING, warm.RunnerState.IDLE, warm.RunnerState.RUNNING})
+# The weight of the newest sample in a key's moving averages of run and start times.
+PACE_WEIGHT = 0.2
+
+
+class GaveUp(Exception):
+    """acquire() stopped waiting for a runner: its `give_up` event was set, or the pool closed."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,13 +73,30 @@ class _Held:
     hold_mb: int
 
 
+@dataclasses.dataclass(slots=True)
+class Pace:
+    """A key's moving averages, in seconds: a job's time in a runner, and a runner's start."""
+
+    run_s: float | None = None
+    start_s: float | None = None
+
+    def add(self, name: str, seconds: float) -> None:
+        """Fold a sample into `run_s` or `start_s`."""
+        before = getattr(self, name)
+        setattr(self, name, seconds if before is None else before + PACE_WEIGHT * (seconds - before))
+
+
 class WarmPool:
     """The warm runners of one worker."""
 
-    def __init__(self, *, kill_grace_s: float = 5.0) -> None:
+    def __init__(self, *, kill_grace_s: float = 5.0, paced: bool = True) -> None:
         self._grace = kill_grace_s
+        self._paced = paced
         self._held: dict[warm.WarmRunner, _Held] = {}  # oldest first
-        self._in_use: set[warm.WarmRunner] = set()
+        self._in_use: dict[warm.WarmRunner, float] = {}  # runner -> when it was handed out
+        # Jobs waiting for a runner of a key, first come first: each gets a runner, or None (start one).
+        self._waiting: dict[RunnerKey, collections.deque[asyncio.Future[warm.WarmRunner | None]]] = {}
+        self.pace: dict[RunnerKey, Pace] = {}
 
     def runners(self) -> dict[warm.WarmRunner, RunnerKey]:
         """Every runner held now (in use, idle or closing) and its key, oldest first."""
@@ -74,35 +111,120 @@ class WarmPool:
         ]  # fmt: skip
         return sorted(found, key=lambda runner: runner.last_used_s, reverse=True)
 
-    async def acquire(self, key: RunnerKey, launch: LaunchOf, *, hold_mb: int) -> warm.WarmRunner:
-        """The most recently used idle runner of `key`, else a new one; in use until release().
+    async def acquire(
+        self, key: RunnerKey, launch: LaunchOf, *, hold_mb: int, give_up: asyncio.Event | None = None
+    ) -> warm.WarmRunner:
+        """The most recently used idle runner of `key`, else a new one or, paced, the first busy one
+        to come free (see the module doc); in use until release(). GaveUp if `give_up` is set while
+        it waits.
 
         `launch` says how to start a runner, or is a function that says it: called only when one
         must start (a job that finds an idle runner builds no environment or argv)."""
         self._prune()
         idle = self.idle(key)
         if idle:
-            self._in_use.add(idle[0])
-            idle[0].clear_stop()
-            return idle[0]
+            return self._hand_out(idle[0])
+        if self._paced and not self._should_start(key, waiting=len(self._queue(key)) + 1):
+            runner = await self._wait_turn(key, give_up)
+            if runner is not None:
+                return runner  # else this job was told to start one
         how = launch if isinstance(launch, warm.Launch) else launch()
         runner = warm.WarmRunner(how, kill_grace_s=self._grace)
         self._held[runner] = _Held(key, hold_mb)
-        self._in_use.add(runner)
+        self._hand_out(runner)
+        began = time.monotonic()
         try:
             await runner.start()
         except BaseException:
             self.release(runner)
             raise
+        self.pace.setdefault(key, Pace()).add("start_s", time.monotonic() - began)
+        self._in_use[runner] = time.monotonic()
+        self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
 
+    def _hand_out(self, runner: warm.WarmRunner) -> warm.WarmRunner:
+        self._in_use[runner] = time.monotonic()
+        runner.clear_stop()
+        return runner
+
+    def _queue(self, key: RunnerKey) -> collections.deque[asyncio.Future[warm.WarmRunner | None]]:
+        """The jobs waiting for a runner of `key`, those that stopped waiting dropped."""
+        queue = self._waiting.setdefault(key, collections.deque())
+        while queue and queue[0].done():
+            queue.popleft()
+        return queue
+
+    def _should_start(self, key: RunnerKey, *, waiting: int) -> bool:
+        """Whether `waiting` jobs for `key` (the asking one included) are better served by one more
+        runner than by waiting for those it has: none is alive; or none is starting while its pace
+        is not known yet; or, known, they would wait longer than a start takes."""
+        live = [runner for runner, held in self._held.items() if held.key == key and runner.state in _LIVE]
+        if not live:
+            return True
+        pace = self.pace.get(key)
+        if pace is None or pace.run_s is None or pace.start_s is None:
+            return not any(runner.state is warm.RunnerState.STARTING for runner in live)
+        return waiting * pace.run_s / len(live) > pace.start_s
+
+    async def _wait_turn(self, key: RunnerKey, give_up: asyncio.Event | None) -> warm.WarmRunner | None:
+        """Wait in line for a runner of `key`: the runner handed over, or None to start one."""
+        turn: asyncio.Future[warm.WarmRunner | None] = asyncio.get_running_loop().create_future()
+        self._queue(key).append(turn)
+        waits: list[asyncio.Future[Any]] = [turn]
+        stop = asyncio.ensure_future(give_up.wait()) if give_up is not None else None
+        if stop is not None:
+            waits.append(stop)
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the waiting task was cancelled
+            self._abandon(key, turn)
+            raise
+        finally:
+            if stop is not None:
+                stop.cancel()
+        if turn.done():
+            return turn.result()  # GaveUp if the pool closed meanwhile
+        self._abandon(key, turn)
+        raise GaveUp("stopped while waiting for a warm runner")
+
+    def _abandon(self, key: RunnerKey, turn: asyncio.Future[warm.WarmRunner | None]) -> None:
+        """Leave the line: a turn that came meanwhile (a runner, or a start to make) goes to the next."""
+        if not turn.done():
+            turn.cancel()
+            return
+        if turn.cancelled() or turn.exception() is not None:
+            return
+        runner = turn.result()
+        if runner is not None:
+            self._in_use.pop(runner, None)
+        self._serve(key)
+
+    def _serve(self, key: RunnerKey) -> None:
+        """Hand idle runners of `key` to the jobs waiting, first come first; then, if those still
+        waiting are better served by one more runner, tell the first of them to start it."""
+        queue = self._queue(key)
+        for runner in self.idle(key):
+            if not queue:
+                return
+            queue.popleft().set_result(self._hand_out(runner))
+            self._queue(key)
+        if queue and self._should_start(key, waiting=len(queue)):
+            queue.popleft().set_result(None)
+
     def release(self, runner: warm.WarmRunner, *, hold_mb: int | None = None) -> None:
-        """Take a runner back: idle again when alive (holding `hold_mb` now, if given), else forgotten."""
-        self._in_use.discard(runner)
+        """Take a runner back: to the first job waiting for its key, else idle again when alive
+        (holding `hold_mb` now, if given), else forgotten."""
+        handed_s = self._in_use.pop(runner, None)
         runner.last_used_s = time.monotonic()
-        if hold_mb is not None and runner in self._held:
-            self._held[runner] = dataclasses.replace(self._held[runner], hold_mb=hold_mb)
+        held = self._held.get(runner)
+        if held is not None and hold_mb is not None:
+            self._held[runner] = held = dataclasses.replace(held, hold_mb=hold_mb)
+        if held is not None and handed_s is not None and runner.state is warm.RunnerState.IDLE:
+            self.pace.setdefault(held.key, Pace()).add("run_s", runner.last_used_s - handed_s)
         self._prune()
+        if held is not None:
+            self._serve(held.key)
 
     @contextlib.asynccontextmanager
     async def use(self, key: RunnerKey, launch: LaunchOf, *, hold_mb: int) -> AsyncIterator[warm.WarmRunner]:
@@ -126,8 +248,11 @@ class WarmPool:
         return self._held[idle[0]].hold_mb if idle else 0
 
     def warm_keys(self) -> set[RunnerKey]:
-        """The keys with an idle runner: what a claim may prefer."""
-        return {self._held[runner].key for runner in self.idle()}
+        """The keys whose next job would find its model loaded: what a claim may prefer. Those
+        with an idle runner; paced, also those whose runners are busy (a job waits for one)."""
+        if not self._paced:
+            return {self._held[runner].key for runner in self.idle()}
+        return {held.key for runner, held in self._held.items() if runner.state in _LIVE}
 
     async def evict_lru(
         self, gpu: int | None, need_mb: int, *, keep: RunnerKey | None = None
@@ -149,7 +274,12 @@ class WarmPool:
         return await self._close(old, f"idle for {older_than_s:g} s")
 
     async def close_all(self, reason: str = "worker stopping") -> list[Closed]:
-        """Stop the jobs in runners and close every runner."""
+        """Stop the jobs in runners and waiting for them, and close every runner."""
+        for queue in self._waiting.values():
+            for turn in queue:
+                if not turn.done():
+                    turn.set_exception(GaveUp(f"stopped while waiting for a warm runner: {reason}"))
+        self._waiting.clear()
         for runner in self._in_use:
             runner.stop(reason)
         alive = [runner for runner in self._held if runner.state is not warm.RunnerState.DEAD]

@@ -112,6 +112,7 @@ class Attempt:
         self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory
         self._process: runner.ModelProcess | None = None
         self._stop_reason: str | None = None
+        self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
         self._last_progress = 0.0
         self._milestone = 0
 
@@ -125,6 +126,7 @@ class Attempt:
         """Ask the model process to stop (cancel, lease lost, shutdown); the run then ends."""
         if self._stop_reason is None:
             self._stop_reason = reason
+        self._stopped.set()
         if self._process is not None:
             self._process.stop(reason)
         if self._runner is not None:
@@ -220,14 +222,20 @@ class Attempt:
     async def _run_warm(
         self, input_path: Path, out_dir: Path, log_path: Path
     ) -> Callable[[], Awaitable[Any]] | None:
-        """Run the job in a warm runner of its model on its GPU (started if none is idle)."""
+        """Run the job in a warm runner of its model on its GPU: an idle one, else a new one or the
+        first busy one to come free (app/warmpool.py). Stopped while it waits, it runs nothing."""
         assert self._pool is not None
         job, spec = self.job, self.spec
         key = warmpool.RunnerKey(spec.name, job.gpu)
         try:
             runner = await self._pool.acquire(
-                key, functools.partial(self._launch, key), hold_mb=spec.idle_vram_mb or spec.base_mb
+                key,
+                functools.partial(self._launch, key),
+                hold_mb=spec.idle_vram_mb or spec.base_mb,
+                give_up=self._stopped,
             )
+        except warmpool.GaveUp:
+            return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
         except warm.StartFailed as exc:
             if spec.out_of_memory(None, str(exc)):
                 return self._out_of_memory(f"the warm runner did not load: {exc}")

@@ -65,6 +65,7 @@ class WorkerConfig:
     oom_max_retries: int = 2
     oom_growth: float = 1.5
     warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
+    warm_paced: bool = True  # jobs wait for a busy runner unless one more would serve them sooner
     # What may be claimed and where: VRAM buffer, jobs per GPU, reservations, batches (the planner's).
     scheduling: planner_.PlannerConfig = field(default_factory=planner_.PlannerConfig)
 
@@ -100,7 +101,7 @@ class Worker:
             oom_max_retries=config.oom_max_retries,
             oom_growth=config.oom_growth,
         )
-        self.pool = warmpool.WarmPool(kill_grace_s=config.kill_grace_s)
+        self.pool = warmpool.WarmPool(kill_grace_s=config.kill_grace_s, paced=config.warm_paced)
         self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []

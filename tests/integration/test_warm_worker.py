@@ -127,3 +127,25 @@ async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_
         done_cold = await until(manager, cold, lambda j: j.state is JobState.succeeded)
     assert done_warm.started_at < done_cold.started_at  # the loaded model went first
     assert len(loads(tmp_path, "warm_a")) == 1  # and it did not load again
+
+
+async def test_quick_jobs_share_few_runners_and_a_job_waiting_for_one_can_be_canceled(
+    manager, make_worker, tmp_path
+):
+    quick = [await enqueue(manager, model="warm_a", vram_mb=2000, steps=0) for _ in range(24)]
+    async with running(make_worker(burst=False, max_jobs_per_gpu=8)) as worker:
+        for job_id in quick:
+            assert (await until(manager, job_id, lambda j: j.state.final)).state is JobState.succeeded
+        started = loads(tmp_path, "warm_a")
+        assert len(started) <= 2  # 8 slots, but a job of milliseconds waits for a busy runner
+        # Every runner busy for seconds: a job of the same model waits in line, and can be canceled there.
+        for _ in started:
+            await enqueue(manager, model="warm_a", vram_mb=2000, sleep=2.5, steps=1)
+        await asyncio.sleep(0.3)
+        waiting = await enqueue(manager, model="warm_a", vram_mb=2000)
+        await until(manager, waiting, lambda j: j.state is JobState.running)
+        await manager.cancel(waiting, owner=None, by="tester")
+        job = await until(manager, waiting, lambda j: j.state.final, timeout_s=2)
+        assert job.state is JobState.canceled and job.pid is None  # it never reached a runner
+        assert all(runner.pid in started for runner in worker.pool.runners())  # none killed, none new
+    assert loads(tmp_path, "warm_a") == started
