@@ -111,7 +111,7 @@ class Settings(BaseSettings):
     )
     warm_idle_s: float = Field(300, gt=0, description="A warm runner with no job for this long is stopped")
     warm_paced: bool = Field(
-        True,
+        False,
         description="A job that finds its model's warm runners busy waits for one, unless the jobs "
         "waiting would wait longer than a runner takes to start (false: each such job starts its own)",
     )

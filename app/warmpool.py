@@ -7,13 +7,15 @@ idle too long (`idle_close`), evicted for another model's job (`evict_lru`), or 
 it comes back; the next `acquire()` of its key starts a fresh one. Several runners may share a key
 when jobs of one model run side by side on one GPU.
 
-How many runners a key gets (paced, the default): a job that finds every runner of its model busy
-waits for the first to come free (first come, first served), unless starting one more would serve
-the jobs waiting sooner: when they would wait longer, at the runners' recent pace, than a runner
-of the key takes to start. Until both are measured, one runner of a key starts at a time. A model
-that answers in milliseconds is then served by one or two runners, not one per job slot; one
-whose jobs run for minutes gets a runner per job, as before. With `paced=False`, every job that
-finds no idle runner starts its own.
+How many runners a key gets. Unpaced (the default), a job that finds no idle runner starts one:
+each job slot gets its own runner, which keeps it busy when jobs come in a stream. Paced
+(`paced=True`, GPUJOBS_WARM_PACED), a job that finds every runner of its model busy waits for the
+first to come free (first come, first served), unless one more runner would serve the jobs
+waiting sooner: when they would wait longer, at the runners' recent pace, than a runner of the key
+takes to start. Until both are measured, one runner of a key starts at a time. A model that
+answers in milliseconds is then served by one or two runners, not one per slot, and a burst of a
+slow-loading model does not load it once per job; one whose jobs run for minutes still gets a
+runner per job. For no-op jobs, pacing cost throughput on 2 cores (tests/bench/README.md).
 
 Use from the event loop's thread only: the checks and marks in `acquire()`, `release()` and the
 close methods happen without awaiting in between.
@@ -89,7 +91,7 @@ class Pace:
 class WarmPool:
     """The warm runners of one worker."""
 
-    def __init__(self, *, kill_grace_s: float = 5.0, paced: bool = True) -> None:
+    def __init__(self, *, kill_grace_s: float = 5.0, paced: bool = False) -> None:
         self._grace = kill_grace_s
         self._paced = paced
         self._held: dict[warm.WarmRunner, _Held] = {}  # oldest first
@@ -248,10 +250,9 @@ class WarmPool:
         return self._held[idle[0]].hold_mb if idle else 0
 
     def warm_keys(self) -> set[RunnerKey]:
-        """The keys whose next job would find its model loaded: what a claim may prefer. Those
-        with an idle runner; paced, also those whose runners are busy (a job waits for one)."""
-        if not self._paced:
-            return {self._held[runner].key for runner in self.idle()}
+        """The keys with a live runner, idle or busy: what a claim may prefer. A job claimed while its
+        model's runners are busy still finds one loaded: paced, it waits for one; claimed ahead, it
+        waits for a GPU slot, which the end of a busy runner's job frees."""
         return {held.key for runner, held in self._held.items() if runner.state in _LIVE}
 
     async def evict_lru(

@@ -65,7 +65,7 @@ class WorkerConfig:
     oom_max_retries: int = 2
     oom_growth: float = 1.5
     warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
-    warm_paced: bool = True  # jobs wait for a busy runner unless one more would serve them sooner
+    warm_paced: bool = False  # jobs wait for a busy runner unless one more would serve them sooner
     # What may be claimed and where: VRAM buffer, jobs per GPU, reservations, batches (the planner's).
     scheduling: planner_.PlannerConfig = field(default_factory=planner_.PlannerConfig)
 

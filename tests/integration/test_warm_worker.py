@@ -133,11 +133,11 @@ async def test_quick_jobs_share_few_runners_and_a_job_waiting_for_one_can_be_can
     manager, make_worker, tmp_path
 ):
     quick = [await enqueue(manager, model="warm_a", vram_mb=2000, steps=0) for _ in range(24)]
-    async with running(make_worker(burst=False, max_jobs_per_gpu=8)) as worker:
+    async with running(make_worker(burst=False, max_jobs_per_gpu=8, warm_paced=True)) as worker:
         for job_id in quick:
             assert (await until(manager, job_id, lambda j: j.state.final)).state is JobState.succeeded
         started = loads(tmp_path, "warm_a")
-        assert len(started) <= 2  # 8 slots, but a job of milliseconds waits for a busy runner
+        assert len(started) <= 2  # 8 slots, but paced, a job of milliseconds waits for a busy runner
         # Every runner busy for seconds: a job of the same model waits in line, and can be canceled there.
         for _ in started:
             await enqueue(manager, model="warm_a", vram_mb=2000, sleep=2.5, steps=1)

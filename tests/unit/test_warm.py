@@ -82,6 +82,14 @@ async def pool() -> AsyncIterator[warmpool.WarmPool]:
     await pool.close_all("test over")
 
 
+@pytest.fixture
+async def paced() -> AsyncIterator[warmpool.WarmPool]:
+    """The same, paced: jobs wait for a busy runner unless starting one would serve them sooner."""
+    pool = warmpool.WarmPool(kill_grace_s=GRACE_S, paced=True)
+    yield pool
+    await pool.close_all("test over")
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -439,34 +447,32 @@ async def _concurrent_quick_jobs(tmp_path: Path, pool: warmpool.WarmPool, count:
 
 @pytest.mark.asyncio
 async def test_jobs_of_a_quick_model_wait_for_a_busy_runner_rather_than_start_one_each(
-    tmp_path: Path, pool: warmpool.WarmPool
+    tmp_path: Path, paced: warmpool.WarmPool
 ) -> None:
-    pids = await _concurrent_quick_jobs(tmp_path, pool, 8)
+    pids = await _concurrent_quick_jobs(tmp_path, paced, 8)
     # One start at a time while the pace is unknown: the first runner, and one more as it came up;
     # then a job takes milliseconds against a 0.3 s start, so the rest waited for those two.
     assert len(pids) <= 2 and _loads(tmp_path) == len(pids)
-    pace = pool.pace[KEY]
+    pace = paced.pace[KEY]
     assert pace.start_s is not None and pace.start_s >= 0.3 and pace.run_s is not None and pace.run_s < 0.3
 
 
 @pytest.mark.asyncio
-async def test_an_eager_pool_starts_a_runner_for_every_job_that_finds_none_idle(tmp_path: Path) -> None:
-    eager = warmpool.WarmPool(kill_grace_s=GRACE_S, paced=False)
-    try:
-        pids = await _concurrent_quick_jobs(tmp_path, eager, 8)
-    finally:
-        await eager.close_all("test over")
+async def test_an_unpaced_pool_starts_a_runner_for_every_job_that_finds_none_idle(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    pids = await _concurrent_quick_jobs(tmp_path, pool, 8)
     assert len(pids) == 8 and _loads(tmp_path) == 8
 
 
 @pytest.mark.asyncio
 async def test_jobs_that_would_wait_longer_than_a_start_get_runners_of_their_own(
-    tmp_path: Path, pool: warmpool.WarmPool
+    tmp_path: Path, paced: warmpool.WarmPool
 ) -> None:
     jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", "0.05")
 
     async def one() -> int | None:
-        async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
+        async with paced.use(KEY, launch, hold_mb=0) as warm_runner:
             assert (await jobs.run(warm_runner, sleep=1.0)).outcome is warm.Outcome.DONE
             return warm_runner.pid
 
@@ -478,28 +484,29 @@ async def test_jobs_that_would_wait_longer_than_a_start_get_runners_of_their_own
 
 @pytest.mark.asyncio
 async def test_a_waiting_job_gets_the_runner_that_frees_first_or_gives_up_when_stopped(
-    tmp_path: Path, pool: warmpool.WarmPool
+    tmp_path: Path, paced: warmpool.WarmPool
 ) -> None:
     jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", "0.5")
-    async with pool.use(KEY, launch, hold_mb=0) as warm_runner:  # the pace: a slow start, quick jobs
+    async with paced.use(KEY, launch, hold_mb=0) as warm_runner:  # the pace: a slow start, quick jobs
         await jobs.run(warm_runner)
-    busy = await pool.acquire(KEY, launch, hold_mb=0)
+    busy = await paced.acquire(KEY, launch, hold_mb=0)
+    assert paced.idle(KEY) == [] and paced.warm_keys() == {KEY}  # busy, and still loaded for a claim
     stop = asyncio.Event()
-    stopped = asyncio.create_task(pool.acquire(KEY, launch, hold_mb=0, give_up=stop))
-    waiting = asyncio.create_task(pool.acquire(KEY, launch, hold_mb=0))
+    stopped = asyncio.create_task(paced.acquire(KEY, launch, hold_mb=0, give_up=stop))
+    waiting = asyncio.create_task(paced.acquire(KEY, launch, hold_mb=0))
     await asyncio.sleep(0.1)
     assert not stopped.done() and not waiting.done()  # in line: a start would cost more than a wait
     stop.set()
     with pytest.raises(warmpool.GaveUp):
         await asyncio.wait_for(stopped, 1)
-    pool.release(busy)
+    paced.release(busy)
     assert await asyncio.wait_for(waiting, 1) is busy  # handed over, first come first served
-    pool.release(busy)
+    paced.release(busy)
     assert _loads(tmp_path) == 1
-    held = await pool.acquire(KEY, launch, hold_mb=0)
-    left = asyncio.create_task(pool.acquire(KEY, launch, hold_mb=0))
+    held = await paced.acquire(KEY, launch, hold_mb=0)
+    left = asyncio.create_task(paced.acquire(KEY, launch, hold_mb=0))
     await asyncio.sleep(0.05)
-    await pool.close_all("worker stopping")  # the line is told too
+    await paced.close_all("worker stopping")  # the line is told too
     with pytest.raises(warmpool.GaveUp, match="worker stopping"):
         await asyncio.wait_for(left, 1)
     assert held.state is warm.RunnerState.DEAD
