@@ -45,6 +45,15 @@ def read_upload(stream: BinaryIO, max_bytes: int) -> bytes:
 
 def inspect(data: bytes, *, max_pixels: int) -> NewInput:
     """Check the bytes are a whole PNG, JPEG or WebP image within the pixel limit."""
+    checked = inspect_quickly(data, max_pixels=max_pixels, decode=True)
+    assert checked is not None
+    return checked
+
+
+def inspect_quickly(data: bytes, *, max_pixels: int, decode: bool = False) -> NewInput | None:
+    """inspect(), or None where that takes decoding every pixel (JPEG, WebP, an unusual PNG) and
+    `decode` is false. The quick part costs about 1.2 ms per MB of PNG (mostly SHA-256, CRC-32 and
+    the inflate, in C); a full decode can take a hundred times that."""
     kind, width, height = _identify(data)
     if width * height > max_pixels:
         raise errors.InvalidRequest(
@@ -53,6 +62,8 @@ def inspect(data: bytes, *, max_pixels: int) -> NewInput:
             field="image",
         )
     if kind != "PNG" or not check_png(data):
+        if not decode:
+            return None
         _decode_fully(data, max_pixels)
     return NewInput(hashlib.sha256(data).hexdigest(), ACCEPTED[kind], width, height, data)
 

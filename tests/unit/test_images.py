@@ -208,3 +208,41 @@ def test_read_upload_reads_once_and_caps():
     assert images.read_upload(io.BytesIO(b"x" * 10), 10) == b"x" * 10
     with pytest.raises(errors.PayloadTooLarge):
         images.read_upload(io.BytesIO(b"x" * 11), 10)
+
+
+@pytest.mark.asyncio
+async def test_a_small_plain_png_is_checked_on_the_loop_and_the_rest_in_a_thread(monkeypatch):
+    """A hop to a thread costs more than checking a PNG of a megabyte or two; a full decode (JPEG,
+    WebP, an unusual PNG) or a large image still goes to a thread, so the event loop never stalls."""
+    import asyncio
+
+    from app import intake
+
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(func, /, *args, **kwargs):
+        hops.append(func.__name__)
+        return await to_thread(func, *args, **kwargs)
+
+    monkeypatch.setattr(intake.asyncio, "to_thread", counted)
+    limits = intake.Limits(64 << 20, LIMIT, queue_limit=10, priority_min=0, priority_max=10)
+    jpeg = io.BytesIO()
+    noise("RGB").save(jpeg, format="JPEG")
+    big = encode(noise("RGB", (1200, 1200)), compress_level=0)  # over QUICK_CHECK_BYTES
+    assert len(big) > intake.QUICK_CHECK_BYTES
+    cases = {
+        "png": encode(noise("RGB")),
+        "interlaced": interlaced(37, 23),
+        "jpeg": jpeg.getvalue(),
+        "big": big,
+    }
+    seen = {}
+    for name, data in cases.items():
+        hops.clear()
+        checked = await intake.check_image(io.BytesIO(data), limits)
+        assert checked == images.inspect(data, max_pixels=LIMIT)  # the same answer either way
+        seen[name] = list(hops)
+    assert seen == {"png": [], "interlaced": ["inspect"], "jpeg": ["inspect"], "big": ["inspect"]}
+    with pytest.raises(errors.InvalidRequest, match="CRC"):  # refused on the loop, as in a thread
+        await intake.check_image(io.BytesIO(cases["png"][:-5] + b"XXXXX"), limits)
