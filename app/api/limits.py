@@ -5,7 +5,9 @@ counted as it arrives; past the limit the request is cut off and answered 413, w
 parser was doing with it, so a huge upload never fills memory or disk.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
-memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB.
+memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In
+memory, a file's bytes are copied once, from the request's chunks into one buffer of the body's
+declared size, and read back without a copy (`PartBuffer`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,68 @@ async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:
             return
 
 
+class PartBuffer:
+    """A form file's bytes in memory, in one buffer of fixed capacity (the body's declared length,
+    which no part can exceed). Reads return read-only views of it, not copies. The file-like subset
+    that Starlette's UploadFile and the intake use; `_rolled` tells UploadFile it is in memory."""
+
+    _rolled = False
+
+    def __init__(self, capacity: int) -> None:
+        self._buffer = bytearray(capacity)
+        self._size = self._pos = 0
+        self.closed = False
+
+    def write(self, data: bytes | memoryview) -> int:
+        end = self._pos + len(data)
+        if end > len(self._buffer):  # a body longer than it said: BodyLimit and the parser stop it first
+            raise ValueError("more form data than the request's Content-Length")
+        self._buffer[self._pos : end] = data
+        self._pos, self._size = end, max(self._size, end)
+        return len(data)
+
+    def read(self, size: int = -1) -> memoryview:
+        end = self._size if size < 0 else min(self._size, self._pos + size)
+        view = memoryview(self._buffer)[self._pos : end].toreadonly()
+        self._pos = max(self._pos, end)
+        return view
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0, self._pos, self._size)[whence]
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class InMemoryParser(MultiPartParser):
+    """Starlette's multipart parser, with each file in a `PartBuffer` of the body's size, fed with
+    views of the request's chunks (Starlette slices each chunk and spools it: two more copies, and
+    the spool's growth)."""
+
+    def __init__(self, *args: Any, capacity: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._capacity = capacity
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._current_part.file is None:
+            super().on_part_data(data, start, end)
+        else:
+            self._file_parts_to_write.append((self._current_part, memoryview(data)[start:end]))  # type: ignore[arg-type]
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        upload = self._current_part.file
+        if upload is not None:
+            self._files_to_close_on_error.pop().close()  # the spool Starlette made, never written to
+            upload.file = PartBuffer(self._capacity)  # type: ignore[assignment]
+            upload._max_mem_size = 0  # never rolls to disk
+            self._files_to_close_on_error.append(upload.file)  # type: ignore[arg-type]
+
+
 class InMemoryUploads(Request):
     """A request whose multipart form, if the body's length is declared, is parsed in memory.
 
@@ -127,14 +191,14 @@ class InMemoryUploads(Request):
             )
         try:
             async with aclosing(self.stream()) as stream:
-                parser = MultiPartParser(
+                parser = InMemoryParser(
                     self.headers,
                     stream,
                     max_files=max_files,
                     max_fields=max_fields,
                     max_part_size=max_part_size,
+                    capacity=int(declared),  # the whole body: no part is larger
                 )
-                parser.spool_max_size = int(declared)  # the whole body: files never roll to disk
                 self._form = await parser.parse()
         except MultiPartException as exc:
             raise HTTPException(status_code=400, detail=exc.message) from exc

@@ -27,7 +27,7 @@ class NewInput:
     media_type: str
     width: int
     height: int
-    data: bytes
+    data: bytes | memoryview  # a view of the upload's buffer (app/api/limits.py), sent as it is
 
     @property
     def megapixels(self) -> float:

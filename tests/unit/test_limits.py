@@ -1,0 +1,64 @@
+"""The in-memory form parser of POST /jobs: one copy of the file, read back as a view."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException
+
+from app.api import limits
+
+BOUNDARY = b"the-boundary"
+
+
+def form(*images: bytes, fields: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """A multipart body: the text fields, then each image as a file part named "image"."""
+    field = b'--%s\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n'
+    file = b'--%s\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n' % BOUNDARY
+    parts = [field % (BOUNDARY, k.encode(), v.encode()) for k, v in fields]
+    parts += [file + b"Content-Type: image/png\r\n\r\n%s\r\n" % image for image in images]
+    return b"".join(parts) + b"--%s--\r\n" % BOUNDARY
+
+
+async def parse(body: bytes, piece: int, **options: int) -> object:
+    async def chunks():
+        for start in range(0, len(body), piece):
+            yield body[start : start + piece]
+
+    headers = Headers({"content-type": f"multipart/form-data; boundary={BOUNDARY.decode()}"})
+    parser = limits.InMemoryParser(headers, chunks(), capacity=len(body), **options)
+    return await parser.parse()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("piece", [7, 4096, 65_536, 1 << 30])  # boundaries split across chunks, or one chunk
+async def test_a_form_file_is_kept_in_one_buffer_and_read_back_as_a_view(piece):
+    image = os.urandom(300_000) + b"\r\n--not-the-boundary\r\n" + os.urandom(1000)
+    parsed = await parse(form(image, fields=(("model", "relief"), ("priority", "3"))), piece)
+    assert parsed["model"] == "relief" and parsed["priority"] == "3"
+    upload = parsed["image"]
+    assert isinstance(upload, UploadFile) and isinstance(upload.file, limits.PartBuffer)
+    assert upload.filename == "a.png" and upload.size == len(image)
+    view = upload.file.read(10**9)
+    assert isinstance(view, memoryview) and view.readonly and view == image
+    again = upload.file.seek(0) or upload.file.read(10**9)
+    assert again.obj is view.obj  # the same buffer: reading copies nothing
+    assert upload.file.read(10) == b"" and upload.file.tell() == len(image)
+
+
+@pytest.mark.asyncio
+async def test_the_parsers_limits_still_hold():
+    with pytest.raises(MultiPartException, match="Too many files"):
+        await parse(form(b"a", b"b"), 4096, max_files=1)
+    with pytest.raises(MultiPartException, match="Part exceeded maximum size"):
+        await parse(form(b"a", fields=(("params", "x" * 70_000),)), 4096, max_part_size=64 * 1024)
+
+
+def test_a_part_buffer_refuses_more_than_its_capacity():
+    buffer = limits.PartBuffer(4)
+    assert buffer.write(b"abc") == 3
+    with pytest.raises(ValueError, match="Content-Length"):
+        buffer.write(b"de")
+    assert buffer.seek(0) == 0 and buffer.read() == b"abc"
