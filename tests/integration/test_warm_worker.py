@@ -137,7 +137,8 @@ async def test_quick_jobs_share_few_runners_and_a_job_waiting_for_one_can_be_can
         for job_id in quick:
             assert (await until(manager, job_id, lambda j: j.state.final)).state is JobState.succeeded
         started = loads(tmp_path, "warm_a")
-        assert len(started) <= 2  # 8 slots, but paced, a job of milliseconds waits for a busy runner
+        # 8 slots, but paced, a job of milliseconds waits for a busy runner (unpaced: 8 runners).
+        assert len(started) <= 3
         # Every runner busy for seconds: a job of the same model waits in line, and can be canceled there.
         for _ in started:
             await enqueue(manager, model="warm_a", vram_mb=2000, sleep=2.5, steps=1)
