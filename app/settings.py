@@ -32,7 +32,12 @@ class Settings(BaseSettings):
     max_image_megapixels: float = Field(
         64, gt=0, le=1000, description="Largest accepted image, in megapixels (decompression bombs)"
     )
-    queue_limit: int = Field(10_000, ge=1, description="Most queued jobs; POST /jobs answers 429 when full")
+    queue_limit: int = Field(
+        10_000,
+        ge=1,
+        description="Most queued jobs; POST /jobs answers 429 when full (exact in the last tenth; "
+        "below that, each API process checks against a count at most 1 s old)",
+    )
     queue_limit_per_key: int = Field(
         100, ge=0, description="Most queued jobs per principal (its keys share it); 429 beyond; 0 = no limit"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
@@ -127,6 +128,44 @@ def _claimed(rows: Iterable[Any]) -> list[Claimed]:
     ]
 
 
+class WaitingCount:
+    """What this process knows of the number of jobs waiting (queued or scheduled), so that an
+    enqueue counts them only when the queue may be near its limit.
+
+    Counting reads one index entry per job waiting: 1.6 ms of PostgreSQL per upload beside 9,900
+    queued jobs. The limit stays exact in its last tenth (at least MARGIN jobs): there every enqueue
+    counts. Below that, a count at most REFRESH_S old, plus the jobs this process queued since,
+    decides; jobs other processes queued in that time go unseen, so the limit can be passed only by
+    more than a tenth of it (MARGIN at least) queued within REFRESH_S."""
+
+    REFRESH_S = 1.0
+    MARGIN = 100
+
+    def __init__(self) -> None:
+        self._count: int | None = None
+        self._at = -math.inf
+
+    def must_count(self, limit: int) -> bool:
+        """Whether the next enqueue must count the jobs waiting, for a queue limit of `limit`."""
+        if self._count is None or time.monotonic() - self._at > self.REFRESH_S:
+            return True
+        return self._count >= limit - max(self.MARGIN, limit // 10)
+
+    def counted(self, count: int) -> None:
+        """An enqueue counted `count` jobs waiting (at most the limit)."""
+        self._count, self._at = count, time.monotonic()
+
+    def added(self) -> None:
+        """This process queued one more job."""
+        if self._count is not None:
+            self._count += 1
+
+    @property
+    def known(self) -> int | None:
+        """The jobs waiting as this process knows them: the last count, plus what it queued since."""
+        return self._count
+
+
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
@@ -139,6 +178,7 @@ class JobManager:
         # saves the BEGIN and COMMIT round trips a transaction would add around it.
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
+        self.waiting = WaitingCount()  # for the queue limit of enqueue()
         self._successes: batcher.Batcher[tuple[Job, str, str], bool] = batcher.Batcher(self._succeed_many)
 
     # -- intake ---------------------------------------------------------------------------
@@ -152,7 +192,12 @@ class JobManager:
         written, when `queue_limit` jobs wait, or `owner_limit` of the owner's (0: no limit).
         """
         values = self._job_values(job, image, queue_limit=queue_limit, owner_limit=owner_limit)
+        values["count_waiting"] = counting = self.waiting.must_count(queue_limit)
         row = await db.fetch_row(self._engine, sql.ENQUEUE, values)  # the hot path of every upload
+        if counting:
+            self.waiting.counted(row["jobs_waiting"])
+        if row["outcome"] == "queued":
+            self.waiting.added()
         if row["outcome"] == "queue_full":
             raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
         if row["outcome"] == "owner_full":

@@ -14,8 +14,11 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
+from app import errors
+from app.queue.manager import JobManager
 from app.settings import Settings
 from tests.conftest import api_client
+from tests.integration.test_worker import enqueue
 
 
 async def counts(engine: Any) -> tuple[int, int, int]:
@@ -353,3 +356,28 @@ async def test_openapi_describes_the_api(client):
     post = schema["paths"]["/jobs"]["post"]
     assert {"201", "413", "415", "422", "429"} <= set(post["responses"])
     assert (await client.get("/docs")).status_code == 200
+
+
+async def test_an_enqueue_counts_the_jobs_waiting_only_near_the_limit(manager, engine):
+    """Counting reads an index entry per job waiting, so far from the limit a recent count decides;
+    in the limit's last tenth (at least 100 jobs) every enqueue counts, and the limit is exact."""
+    for _ in range(150):
+        await enqueue(manager, queue_limit=150)
+    with pytest.raises(errors.QueueFull):
+        await enqueue(manager, queue_limit=150)
+    other = JobManager(engine)  # another API process, with a count of its own
+    with pytest.raises(errors.QueueFull):
+        await enqueue(other, queue_limit=150)
+    assert manager.waiting.known == other.waiting.known == 150
+
+    far = JobManager(engine)
+    far.waiting.REFRESH_S = 60.0  # the test may be slow: keep the first count for its length
+    await enqueue(far, queue_limit=100_000)
+    assert far.waiting.known == 151  # counted: 150, then its own
+    for _ in range(3):
+        await enqueue(manager, queue_limit=100_000)  # queued by another process
+    await enqueue(far, queue_limit=100_000)
+    assert far.waiting.known == 152  # not counted again: its own jobs only
+    far.waiting.REFRESH_S = 0.0
+    await enqueue(far, queue_limit=100_000)
+    assert far.waiting.known == 156  # counted again: 155 waiting, then its own

@@ -26,6 +26,7 @@ async def enqueue(
     vram_mb: int = 1000,
     max_attempts: int = 3,
     image: bytes | None = None,
+    queue_limit: int = 100_000,
     **params: Any,
 ) -> uuid.UUID:
     """Queue a job directly through the manager (the API is tested elsewhere)."""
@@ -50,7 +51,7 @@ async def enqueue(
             max_attempts,
         ),
         checked,
-        queue_limit=100_000,
+        queue_limit=queue_limit,
     )
     return job.id
 
