@@ -11,10 +11,7 @@ only), with a queue limit of 10,000. PostgreSQL: embedded, or the server in DATA
 from __future__ import annotations
 
 import argparse
-import asyncio
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -84,11 +81,7 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, nargs="+", default=[0, 2_000, 8_000])
     parser.add_argument("--enqueues", type=int, default=500)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpujobs-enqueue-"))
-    try:
-        asyncio.run(main_async(args, tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    bq.in_temp_folder("gpujobs-enqueue-", lambda tmp: main_async(args, tmp))
 
 
 if __name__ == "__main__":

@@ -273,6 +273,15 @@ async def wait_for(engine: AsyncEngine, query: str, timeout_s: float, workers: S
 # -- 1. end to end ----------------------------------------------------------------------------
 
 
+def in_temp_folder(prefix: str, bench: Callable[[Path], Awaitable[None]]) -> None:
+    """Run `bench(tmp)` on a new event loop, in a temporary folder removed afterwards."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        asyncio.run(bench(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def png_bytes(size: tuple[int, int]) -> bytes:
     """A smooth grey-scale pattern (a relief model needs shapes, not noise)."""
     height, width = size[1], size[0]

@@ -12,12 +12,9 @@ server in DATABASE_URL.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import pstats
 import resource
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,11 +101,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3000)
     parser.add_argument("--profile", choices=("tottime", "cumulative"), default=None)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpujobs-drive-"))
-    try:
-        asyncio.run(main_async(args, tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    bq.in_temp_folder("gpujobs-drive-", lambda tmp: main_async(args, tmp))
 
 
 if __name__ == "__main__":

@@ -433,13 +433,15 @@ async def test_a_quiet_job_that_ended_well_makes_no_log_file(tmp_path: Path, poo
 # -- pacing: how many runners a key gets ------------------------------------------------------
 
 
-async def _concurrent_quick_jobs(tmp_path: Path, pool: warmpool.WarmPool, count: int) -> set[int | None]:
-    """`count` quick jobs at once, each in a runner from `pool` (0.6 s to load); their runners' pids."""
-    jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", "0.6")
+async def _concurrent_jobs(
+    tmp_path: Path, pool: warmpool.WarmPool, count: int, *, load_s: float, **params: Any
+) -> set[int | None]:
+    """`count` jobs at once, each in a runner from `pool` (`load_s` to load); their runners' pids."""
+    jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", str(load_s))
 
     async def one() -> int | None:
         async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
-            assert (await jobs.run(warm_runner)).outcome is warm.Outcome.DONE
+            assert (await jobs.run(warm_runner, **params)).outcome is warm.Outcome.DONE
             return warm_runner.pid
 
     return set(await asyncio.gather(*(one() for _ in range(count))))
@@ -449,7 +451,7 @@ async def _concurrent_quick_jobs(tmp_path: Path, pool: warmpool.WarmPool, count:
 async def test_jobs_of_a_quick_model_wait_for_a_busy_runner_rather_than_start_one_each(
     tmp_path: Path, paced: warmpool.WarmPool
 ) -> None:
-    pids = await _concurrent_quick_jobs(tmp_path, paced, 8)
+    pids = await _concurrent_jobs(tmp_path, paced, 8, load_s=0.6)
     # One start at a time while the pace is unknown: the first runner, and one more as it came up;
     # then a job takes milliseconds against a 0.6 s start, so the rest waited for those two.
     assert len(pids) <= 2 and _loads(tmp_path) == len(pids)
@@ -461,7 +463,7 @@ async def test_jobs_of_a_quick_model_wait_for_a_busy_runner_rather_than_start_on
 async def test_an_unpaced_pool_starts_a_runner_for_every_job_that_finds_none_idle(
     tmp_path: Path, pool: warmpool.WarmPool
 ) -> None:
-    pids = await _concurrent_quick_jobs(tmp_path, pool, 8)
+    pids = await _concurrent_jobs(tmp_path, pool, 8, load_s=0.6)
     assert len(pids) == 8 and _loads(tmp_path) == 8
 
 
@@ -469,14 +471,7 @@ async def test_an_unpaced_pool_starts_a_runner_for_every_job_that_finds_none_idl
 async def test_jobs_that_would_wait_longer_than_a_start_get_runners_of_their_own(
     tmp_path: Path, paced: warmpool.WarmPool
 ) -> None:
-    jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", "0.05")
-
-    async def one() -> int | None:
-        async with paced.use(KEY, launch, hold_mb=0) as warm_runner:
-            assert (await jobs.run(warm_runner, sleep=1.0)).outcome is warm.Outcome.DONE
-            return warm_runner.pid
-
-    pids = set(await asyncio.gather(*(one() for _ in range(4))))
+    pids = await _concurrent_jobs(tmp_path, paced, 4, load_s=0.05, sleep=1.0)
     # A runner starts only when none of the key is idle: four runners, so the jobs ran side by side.
     assert len(pids) == 4 and _loads(tmp_path) == 4
 
