@@ -127,18 +127,27 @@ def check_png(data: Data) -> bool:
     """Check a PNG is whole without decoding it (see the module doc): True if it is, InvalidRequest if
     it is not, False if its layout is unusual (interlaced, chunks after the image data...): decode it.
     """
-    if data[8:16] != b"\0\0\0\x0dIHDR":
-        return False
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    depth, colour, compression, filtering, interlace = data[24:29]
-    if colour not in PNG_SAMPLES or (compression, filtering, interlace) != (0, 0, 0):
+    rows = png_rows(data)
+    if rows is None:
         return False
     image_data = _png_image_data(data)
     if image_data is None:
         return False
-    row = 1 + (width * PNG_SAMPLES[colour] * depth + 7) // 8  # the filter byte, then the samples
+    row, height = rows
     _inflate_rows(image_data, row=row, size=row * height)
     return True
+
+
+def png_rows(data: Data) -> tuple[int, int] | None:
+    """(bytes per row, rows) of a plain PNG's image data once inflated, from its header (a row is
+    its filter byte, then its samples); None if not a PNG, or of a layout check_png leaves alone."""
+    if data[8:16] != b"\0\0\0\x0dIHDR":
+        return None
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    depth, colour, compression, filtering, interlace = data[24:29]
+    if colour not in PNG_SAMPLES or (compression, filtering, interlace) != (0, 0, 0):
+        return None
+    return 1 + (width * PNG_SAMPLES[colour] * depth + 7) // 8, height
 
 
 def _png_image_data(data: Data) -> list[memoryview] | None:

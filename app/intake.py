@@ -13,8 +13,11 @@ from app import errors, images, learning, registry
 from app.queue import manager as manager_
 from app.queue.jobs import Job
 
-# Uploads up to this size are checked on the event loop when they need no full decode (see check_image).
+# A plain PNG of up to QUICK_CHECK_BYTES that inflates to at most QUICK_RAW_BYTES is checked on the
+# event loop (see check_image): a few milliseconds at most. A small file of flat colour can inflate to
+# hundreds of MB within the pixel limit: that one goes to a thread.
 QUICK_CHECK_BYTES = 2 * 1024 * 1024
+QUICK_RAW_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +97,13 @@ async def submit(
 
 
 async def check_image(image: BinaryIO, limits: Limits) -> manager_.NewInput:
-    """Read, check and hash the upload. A plain PNG of up to QUICK_CHECK_BYTES is checked on the
-    event loop (a millisecond or two); anything that takes longer goes to a thread, so the loop
-    never stalls on a large image or a full decode. A hop to a thread cost more than the check it
+    """Read, check and hash the upload. A small plain PNG is checked on the event loop (a
+    millisecond or two); anything that takes longer goes to a thread, so the loop never stalls on
+    a large image, a large inflate or a full decode. A hop to a thread cost more than the check it
     carried: 0.5-0.8 ms of the API's CPU per 1 MB upload (tests/bench/README.md, fifteenth round)."""
     data = images.read_upload(image, limits.max_upload_bytes)
-    if len(data) <= QUICK_CHECK_BYTES:
+    rows = images.png_rows(data)
+    if len(data) <= QUICK_CHECK_BYTES and rows is not None and rows[0] * rows[1] <= QUICK_RAW_BYTES:
         checked = images.inspect_quickly(data, max_pixels=limits.max_pixels)
         if checked is not None:
             return checked

@@ -206,6 +206,8 @@ class WarmPool:
         """Hand idle runners of `key` to the jobs waiting, first come first; then, if those still
         waiting are better served by one more runner, tell the first of them to start it."""
         queue = self._queue(key)
+        if not queue:  # always so unpaced: nothing to look at on the hot path
+            return
         for runner in self.idle(key):
             if not queue:
                 return

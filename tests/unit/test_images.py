@@ -213,7 +213,8 @@ def test_read_upload_reads_once_and_caps():
 @pytest.mark.asyncio
 async def test_a_small_plain_png_is_checked_on_the_loop_and_the_rest_in_a_thread(monkeypatch):
     """A hop to a thread costs more than checking a PNG of a megabyte or two; a full decode (JPEG,
-    WebP, an unusual PNG) or a large image still goes to a thread, so the event loop never stalls."""
+    WebP, an unusual PNG), a large file or one that inflates to much more still goes to a thread,
+    so the event loop never stalls."""
     import asyncio
 
     from app import intake
@@ -231,11 +232,14 @@ async def test_a_small_plain_png_is_checked_on_the_loop_and_the_rest_in_a_thread
     noise("RGB").save(jpeg, format="JPEG")
     big = encode(noise("RGB", (1200, 1200)), compress_level=0)  # over QUICK_CHECK_BYTES
     assert len(big) > intake.QUICK_CHECK_BYTES
+    flat = encode(Image.new("RGB", (2000, 1500)))  # a few kB that inflate to 9 MB
+    assert len(flat) < intake.QUICK_CHECK_BYTES < intake.QUICK_RAW_BYTES < 2000 * 1500 * 3
     cases = {
         "png": encode(noise("RGB")),
         "interlaced": interlaced(37, 23),
         "jpeg": jpeg.getvalue(),
         "big": big,
+        "flat": flat,
     }
     seen = {}
     for name, data in cases.items():
@@ -243,6 +247,6 @@ async def test_a_small_plain_png_is_checked_on_the_loop_and_the_rest_in_a_thread
         checked = await intake.check_image(io.BytesIO(data), limits)
         assert checked == images.inspect(data, max_pixels=LIMIT)  # the same answer either way
         seen[name] = list(hops)
-    assert seen == {"png": [], "interlaced": ["inspect"], "jpeg": ["inspect"], "big": ["inspect"]}
+    assert seen == {"png": [], **{name: ["inspect"] for name in ("interlaced", "jpeg", "big", "flat")}}
     with pytest.raises(errors.InvalidRequest, match="CRC"):  # refused on the loop, as in a thread
         await intake.check_image(io.BytesIO(cases["png"][:-5] + b"XXXXX"), limits)
