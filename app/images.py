@@ -51,15 +51,19 @@ def read_upload(stream: BinaryIO, max_bytes: int) -> Data:
 
 def inspect(data: Data, *, max_pixels: int) -> NewInput:
     """Check the bytes are a whole PNG, JPEG or WebP image within the pixel limit."""
-    checked = inspect_quickly(data, max_pixels=max_pixels, decode=True)
+    checked = _inspect(data, max_pixels, decode=True)
     assert checked is not None
     return checked
 
 
-def inspect_quickly(data: Data, *, max_pixels: int, decode: bool = False) -> NewInput | None:
-    """inspect(), or None where that takes decoding every pixel (JPEG, WebP, an unusual PNG) and
-    `decode` is false. The quick part costs about 1.2 ms per MB of PNG (mostly SHA-256, CRC-32 and
-    the inflate, in C); a full decode can take a hundred times that."""
+def inspect_quickly(data: Data, *, max_pixels: int) -> NewInput | None:
+    """inspect(), or None where that takes decoding every pixel (JPEG, WebP, an unusual PNG). The
+    quick part costs about 1.2 ms per MB of PNG (mostly SHA-256, CRC-32 and the inflate, in C); a
+    full decode can take a hundred times that."""
+    return _inspect(data, max_pixels, decode=False)
+
+
+def _inspect(data: Data, max_pixels: int, *, decode: bool) -> NewInput | None:
     kind, width, height = _identify(data)
     if width * height > max_pixels:
         raise errors.InvalidRequest(

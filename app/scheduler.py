@@ -58,6 +58,12 @@ class Reservation:
     start_s: float
 
 
+def moving_average(before: float | None, sample: float, *, weight: float) -> float:
+    """An exponential moving average with `sample` folded in (`weight` on the newest); the first
+    sample stands alone."""
+    return sample if before is None else before + weight * (sample - before)
+
+
 def age_boost(waited_s: float, *, step_s: float, max_boost: int) -> int:
     """Priority added by waiting: one per `step_s`, at most `max_boost` (Slurm's age factor)."""
     if step_s <= 0 or waited_s <= 0:

@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from app import warm
+from app import scheduler, warm
 
 _LOG = logging.getLogger("gpujobs.warm")
 
@@ -82,10 +82,11 @@ class Pace:
     run_s: float | None = None
     start_s: float | None = None
 
-    def add(self, name: str, seconds: float) -> None:
-        """Fold a sample into `run_s` or `start_s`."""
-        before = getattr(self, name)
-        setattr(self, name, seconds if before is None else before + PACE_WEIGHT * (seconds - before))
+    def ran(self, seconds: float) -> None:
+        self.run_s = scheduler.moving_average(self.run_s, seconds, weight=PACE_WEIGHT)
+
+    def started(self, seconds: float) -> None:
+        self.start_s = scheduler.moving_average(self.start_s, seconds, weight=PACE_WEIGHT)
 
 
 class WarmPool:
@@ -140,7 +141,7 @@ class WarmPool:
         except BaseException:
             self.release(runner)
             raise
-        self.pace.setdefault(key, Pace()).add("start_s", time.monotonic() - began)
+        self.pace.setdefault(key, Pace()).started(time.monotonic() - began)
         self._in_use[runner] = time.monotonic()
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
@@ -205,14 +206,14 @@ class WarmPool:
     def _serve(self, key: RunnerKey) -> None:
         """Hand idle runners of `key` to the jobs waiting, first come first; then, if those still
         waiting are better served by one more runner, tell the first of them to start it."""
-        queue = self._queue(key)
-        if not queue:  # always so unpaced: nothing to look at on the hot path
+        if not self._queue(key):  # always so unpaced: nothing to look at on the hot path
             return
         for runner in self.idle(key):
+            queue = self._queue(key)  # the turns given up meanwhile dropped from its head
             if not queue:
                 return
             queue.popleft().set_result(self._hand_out(runner))
-            self._queue(key)
+        queue = self._queue(key)
         if queue and self._should_start(key, waiting=len(queue)):
             queue.popleft().set_result(None)
 
@@ -225,7 +226,7 @@ class WarmPool:
         if held is not None and hold_mb is not None:
             self._held[runner] = held = dataclasses.replace(held, hold_mb=hold_mb)
         if held is not None and handed_s is not None and runner.state is warm.RunnerState.IDLE:
-            self.pace.setdefault(held.key, Pace()).add("run_s", runner.last_used_s - handed_s)
+            self.pace.setdefault(held.key, Pace()).ran(runner.last_used_s - handed_s)
         self._prune()
         if held is not None:
             self._serve(held.key)

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, logs, registry, runner, storage, warmpool
+from app import db, errors, gpu, logs, registry, runner, scheduler, storage, warmpool
 from app.queue import attempt as attempt_
 from app.queue import leftovers, sql
 from app.queue import manager as manager_
@@ -373,9 +373,7 @@ class Worker:
         if run.model_started_s is not None:
             took_s = time.monotonic() - run.model_started_s
             before = self._run_s.get(run.job.model)
-            self._run_s[run.job.model] = (
-                took_s if before is None else before + RUN_S_WEIGHT * (took_s - before)
-            )
+            self._run_s[run.job.model] = scheduler.moving_average(before, took_s, weight=RUN_S_WEIGHT)
         if self._owns(run):
             self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)
             self._wake.set()
