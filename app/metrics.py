@@ -238,15 +238,31 @@ def worker_families(workers: Sequence[records.WorkerInfo]) -> Iterable[Metric]:
     gpu_jobs = GaugeMetricFamily(
         "gpujobs_gpu_running_jobs", "Jobs on the GPU", labels=["worker", "gpu", "name"]
     )
+    warm = GaugeMetricFamily(
+        "gpujobs_warm_runners",
+        "Warm runners on the GPU, by model and state",
+        labels=["worker", "gpu", "model", "state"],
+    )
+    starts = CounterMetricFamily(
+        "gpujobs_warm_runner_starts",
+        "Warm runners started on the GPU since its worker started, by model",
+        labels=["worker", "gpu", "model"],
+    )
     for w in workers:
         age.add_metric([w.id], w.heartbeat_age_s)
         running.add_metric([w.id], len(w.running_jobs))
         for g in w.gpus:
-            labels = [w.id, str(g.get("index", "?")), str(g.get("name", ""))]
+            index = str(g.get("index", "?"))
+            labels = [w.id, index, str(g.get("name", ""))]
             for n in names:
                 memory[n].add_metric(labels, int(g.get(f"{n}_mb") or 0) * MB)
             gpu_jobs.add_metric(labels, int(g.get("running_jobs") or 0))
-    yield from (age, running, *memory.values(), gpu_jobs)
+            states = Counter((str(r.get("model")), str(r.get("state"))) for r in g.get("warm") or ())
+            for (model, state), count in sorted(states.items()):
+                warm.add_metric([w.id, index, model, state], count)
+            for model, count in sorted((g.get("warm_starts") or {}).items()):
+                starts.add_metric([w.id, index, model], int(count))
+    yield from (age, running, *memory.values(), gpu_jobs, warm, starts)
 
 
 class _Gauge:

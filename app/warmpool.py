@@ -41,6 +41,8 @@ _LOG = logging.getLogger("gpujobs.warm")
 LaunchOf = warm.Launch | Callable[[], warm.Launch]
 # A runner in these states serves, or will serve, jobs (not closing, not dead).
 _LIVE = frozenset({warm.RunnerState.STARTING, warm.RunnerState.IDLE, warm.RunnerState.RUNNING})
+# How report() names the runner states that do not depend on the runner being in use.
+_REPORTED = {warm.RunnerState.STARTING: "starting", warm.RunnerState.CLOSING: "closing"}
 # The weight of the newest sample in a key's moving averages of run and start times.
 PACE_WEIGHT = 0.2
 
@@ -73,6 +75,8 @@ class _Held:
 
     key: RunnerKey
     hold_mb: int
+    born_s: float = dataclasses.field(default_factory=time.monotonic)  # when it was launched
+    load_s: float | None = None  # how long its start took, once it answered ready
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,6 +104,7 @@ class WarmPool:
         # Jobs waiting for a runner of a key, first come first: each gets a runner, or None (start one).
         self._waiting: dict[RunnerKey, collections.deque[asyncio.Future[warm.WarmRunner | None]]] = {}
         self.pace: dict[RunnerKey, Pace] = {}
+        self.starts: collections.Counter[RunnerKey] = collections.Counter()  # runners launched, ever
 
     def runners(self) -> dict[warm.WarmRunner, RunnerKey]:
         """Every runner held now (in use, idle or closing) and its key, oldest first."""
@@ -134,6 +139,7 @@ class WarmPool:
         how = launch if isinstance(launch, warm.Launch) else launch()
         runner = warm.WarmRunner(how, kill_grace_s=self._grace)
         self._held[runner] = _Held(key, hold_mb)
+        self.starts[key] += 1
         self._hand_out(runner)
         began = time.monotonic()
         try:
@@ -141,7 +147,10 @@ class WarmPool:
         except BaseException:
             self.release(runner)
             raise
-        self.pace.setdefault(key, Pace()).started(time.monotonic() - began)
+        took_s = time.monotonic() - began
+        self.pace.setdefault(key, Pace()).started(took_s)
+        if (held := self._held.get(runner)) is not None:
+            self._held[runner] = dataclasses.replace(held, load_s=took_s)
         self._in_use[runner] = time.monotonic()
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
@@ -246,6 +255,31 @@ class WarmPool:
             held.hold_mb for runner, held in self._held.items()
             if held.key.gpu == gpu and runner not in self._in_use and runner.state != warm.RunnerState.DEAD
         )  # fmt: skip
+
+    def report(self, gpu: int | None) -> list[dict[str, Any]]:
+        """The live runners on `gpu`, oldest first, for the worker's heartbeat snapshot: model, pid,
+        state (starting, idle, busy, closing), jobs answered, seconds since its launch (`up_s`), how
+        long its start took (`load_s`, None while starting), seconds since its last job when idle
+        (`idle_s`), and the VRAM it holds while idle (`vram_mb`; busy, its job's reservation
+        covers it)."""
+        now, rows = time.monotonic(), []
+        for runner, held in self._held.items():
+            if held.key.gpu != gpu or runner.state is warm.RunnerState.DEAD:
+                continue
+            state = _REPORTED.get(runner.state) or ("busy" if runner in self._in_use else "idle")
+            rows.append({
+                "model": held.key.model, "pid": runner.pid, "state": state, "jobs": runner.jobs_done,
+                "up_s": round(now - held.born_s, 1),
+                "load_s": None if held.load_s is None else round(held.load_s, 3),
+                "idle_s": round(now - runner.last_used_s, 1) if state == "idle" else None,
+                "vram_mb": held.hold_mb,
+            })  # fmt: skip
+        return rows
+
+    def starts_on(self, gpu: int | None) -> dict[str, int]:
+        """Runners launched on `gpu` since the pool began, by model (a count that keeps rising while
+        the jobs do not is a runner that keeps dying or being evicted)."""
+        return {key.model: count for key, count in sorted(self.starts.items(), key=str) if key.gpu == gpu}
 
     def idle_hold_mb(self, key: RunnerKey) -> int:
         """What the runner acquire(key) would reuse holds now (0: it would start a new one)."""

@@ -421,6 +421,14 @@ async def client_for(http: httpx.AsyncClient, key: str | None) -> AsyncIterator[
         yield other
 
 
+XRW = {"X-Requested-With": "gpujobs"}  # what the web page's scripts send
+
+
+async def signed_in(http: httpx.AsyncClient, key: str) -> httpx.Response:
+    """POST the key to the sign-in route as the page's script does; the client keeps the cookie."""
+    return await http.post("/ui/session", json={"key": key}, headers=XRW)
+
+
 @pytest.fixture
 def make_key(settings: Settings) -> Callable[..., Any]:
     """`await make_key(principal, admin=False)`: a new API key in the test database."""

@@ -161,6 +161,21 @@ class CancelPublic(BaseModel):
     state: JobState
 
 
+class WarmRunnerPublic(BaseModel):
+    """A warm runner: one process of a persistent model, kept loaded on this GPU between jobs."""
+
+    model: str
+    pid: int | None
+    state: str = Field(description="starting (loading the model), idle, busy or closing")
+    jobs: int = Field(description="Jobs it has answered")
+    up_s: float = Field(description="Seconds since it was started")
+    load_s: float | None = Field(
+        description="Seconds its start took (loading the model); null while starting"
+    )
+    idle_s: float | None = Field(description="Seconds since its last job, while idle")
+    vram_mb: int = Field(description="VRAM it holds while idle; while busy, its job's reservation covers it")
+
+
 class WorkerGpuPublic(BaseModel):
     """One GPU of a worker, as its last heartbeat saw it (MB = MiB)."""
 
@@ -169,8 +184,16 @@ class WorkerGpuPublic(BaseModel):
     virtual: bool
     total_mb: int
     free_mb: int = Field(description="Free memory reported by NVML (virtual GPUs: total)")
-    reserved_mb: int = Field(description="VRAM promised to the jobs running on it")
+    reserved_mb: int = Field(
+        description="VRAM promised to the jobs running on it and held by its idle warm runners"
+    )
     running_jobs: int
+    warm: list[WarmRunnerPublic] = Field(default_factory=list, description="Its warm runners, oldest first")
+    warm_starts: dict[str, int] = Field(
+        default_factory=dict,
+        description="Warm runners started on it since the worker started, by model: a count that climbs "
+        "while jobs do not is a runner that keeps dying, or keeps being evicted for another model",
+    )
 
     @classmethod
     def of(cls, gpu: dict[str, Any]) -> WorkerGpuPublic:
@@ -183,6 +206,8 @@ class WorkerGpuPublic(BaseModel):
             free_mb=int(gpu.get("free_mb", 0)),
             reserved_mb=int(gpu.get("reserved_mb", 0)),
             running_jobs=int(gpu.get("running_jobs", 0)),
+            warm=[WarmRunnerPublic.model_validate(runner) for runner in gpu.get("warm") or ()],
+            warm_starts=gpu.get("warm_starts") or {},
         )
 
 

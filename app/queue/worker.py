@@ -126,7 +126,8 @@ class Worker:
         self._wake.set()
 
     def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
-        """The GPU snapshot stored on each heartbeat: NVML's reading plus what this worker reserved."""
+        """The GPU snapshot stored on each heartbeat: NVML's reading, what this worker reserved, and
+        its warm runners on each GPU (WarmPool.report, starts_on)."""
         reserved: Counter[int] = Counter()
         count: Counter[int] = Counter()
         for a in self._on_gpus():
@@ -137,6 +138,8 @@ class Worker:
                 **asdict(g),
                 "reserved_mb": reserved[g.index] + self.pool.reserved_mb(g.index),
                 "running_jobs": count[g.index],
+                "warm": self.pool.report(g.index),
+                "warm_starts": self.pool.starts_on(g.index),
             }
             for g in (self._inventory.snapshot() if gpus is None else gpus)
         ]

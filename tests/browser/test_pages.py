@@ -14,15 +14,9 @@ import pytest
 from app.api import security
 from app.queue.jobs import JobState
 from app.web import session, views
-from tests.conftest import api_client, client_for, png_bytes
+from tests.conftest import XRW, api_client, client_for, png_bytes, signed_in
 
-XRW = {"X-Requested-With": "gpujobs"}
 WEB = Path(__file__).resolve().parents[2] / "app" / "web"
-
-
-async def signed_in(http: httpx.AsyncClient, key: str) -> httpx.Response:
-    """POST the key to the sign-in route as the page's script does; the client keeps the cookie."""
-    return await http.post("/ui/session", json={"key": key}, headers=XRW)
 
 
 async def submit(http: httpx.AsyncClient, **params: object) -> str:

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from app.queue.jobs import JobState
-from tests.conftest import api_client
+from tests.conftest import api_client, client_for, signed_in, worker_id
 from tests.integration.test_durability import alive, running, until
+from tests.integration.test_observability import scrape, value
 from tests.integration.test_worker import enqueue
 
 
@@ -150,3 +151,35 @@ async def test_quick_jobs_share_few_runners_and_a_job_waiting_for_one_can_be_can
         assert job.state is JobState.canceled and job.pid is None  # it never reached a runner
         assert all(runner.pid in started for runner in worker.pool.runners())  # none killed, none new
     assert loads(tmp_path, "warm_a") == started
+
+
+async def test_warm_runners_show_in_the_workers_view_the_metrics_and_the_admin_page(
+    settings, manager, make_worker, make_key, tmp_path
+):
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000)
+    root = await make_key("root", admin=True)
+    async with api_client(settings, metrics_cache_s=0) as http, running(make_worker([8192], burst=False)):
+        await until(manager, job_id, lambda j: j.state is JobState.succeeded)
+        [pid] = loads(tmp_path, "warm_a")
+        deadline = time.monotonic() + 10
+        while True:  # the next heartbeat (every 0.5 s) shows the runner idle
+            [gpu] = (await http.get("/admin/workers")).json()[0]["gpus"]
+            if [r["state"] for r in gpu["warm"]] == ["idle"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        [runner] = gpu["warm"]
+        assert (runner["model"], runner["pid"], runner["state"], runner["jobs"]) == ("warm_a", pid, "idle", 1)
+        assert runner["vram_mb"] == gpu["reserved_mb"] == 6000  # idle, it holds its idle_vram_mb
+        assert 0 < runner["load_s"] <= runner["up_s"] and runner["idle_s"] >= 0
+        assert gpu["warm_starts"] == {"warm_a": 1}
+
+        samples = await scrape(http)
+        labels = {"worker": worker_id("w1"), "gpu": "0", "model": "warm_a"}
+        assert value(samples, "gpujobs_warm_runners", state="idle", **labels) == 1
+        assert value(samples, "gpujobs_warm_runner_starts_total", **labels) == 1
+
+        async with client_for(http, None) as browser:
+            await signed_in(browser, root)
+            page = await browser.get("/ui/admin/live")
+        warm = page.text.split('aria-label="Warm runners on GPU 0"', 1)[1].split("</ul>", 1)[0]
+        assert "warm_a" in warm and "idle for" in warm and f"pid {pid}" in warm and "1 job" in warm

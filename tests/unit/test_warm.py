@@ -504,3 +504,42 @@ async def test_a_waiting_job_gets_the_runner_that_frees_first_or_gives_up_when_s
     with pytest.raises(warmpool.GaveUp, match="worker stopping"):
         await asyncio.wait_for(left, 1)
     assert held.state is warm.RunnerState.DEAD
+
+
+@pytest.mark.asyncio
+async def test_the_pool_reports_its_runners_for_the_heartbeat(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    jobs, other = Jobs(tmp_path), warmpool.RunnerKey("toy", 1)
+    starting = asyncio.ensure_future(
+        pool.acquire(KEY, _toy(tmp_path, "toy", "--load-sleep", "0.5"), hold_mb=1000)
+    )
+    assert await _eventually(lambda: bool(pool.report(GPU0)))
+    [row] = pool.report(GPU0)
+    assert (row["model"], row["state"], row["jobs"], row["load_s"], row["vram_mb"]) == (
+        "toy",
+        "starting",
+        0,
+        None,
+        1000,
+    )
+    warm_runner = await starting
+    [row] = pool.report(GPU0)
+    assert row["state"] == "busy" and row["pid"] == warm_runner.pid and row["load_s"] >= 0.5
+    assert row["idle_s"] is None
+    assert (await jobs.run(warm_runner)).ok
+    pool.release(warm_runner)
+    [row] = pool.report(GPU0)
+    assert (
+        (row["state"], row["jobs"]) == ("idle", 1) and 0 <= row["idle_s"] < 5 and row["up_s"] >= row["load_s"]
+    )
+    assert pool.report(1) == [] and pool.starts_on(GPU0) == {"toy": 1} and pool.starts_on(1) == {}
+
+    async with pool.use(other, _toy(tmp_path, "other"), hold_mb=500):
+        assert [r["state"] for r in pool.report(1)] == ["busy"]
+    assert warm_runner.pid is not None
+    os.kill(warm_runner.pid, signal.SIGKILL)  # a runner that died is not reported; its start still counts
+    assert await _dead(warm_runner)
+    assert pool.report(GPU0) == [] and pool.starts_on(GPU0) == {"toy": 1}
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=1000):
+        assert pool.starts_on(GPU0) == {"toy": 2} and [r["jobs"] for r in pool.report(GPU0)] == [0]
