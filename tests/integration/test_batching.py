@@ -491,3 +491,29 @@ async def test_slots_freed_close_together_are_filled_by_one_claim(manager: JobMa
     assert apart[0] != apart[1]  # claimed as each slot freed: two statements
     together = await run(1.0)
     assert together[0] == together[1]  # one statement (now() is its transaction's time) for both
+
+
+LISTENING = text(
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query = :listen"
+)
+
+
+async def test_an_idle_worker_is_woken_by_the_enqueue_not_by_its_poll(
+    manager: JobManager, make_worker, engine
+):
+    """A listening worker that polls only every 60 s starts a job queued through the manager at once:
+    the enqueue's NOTIFY wakes it (bench_throughput's section 2 measures how fast)."""
+    worker = make_worker(burst=False, poll_interval_s=60.0, reap_interval_s=60.0)
+    async with running(worker):
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # both LISTENs sent (the cancel channel's comes second) and the first claim made
+            async with engine.connect() as conn:
+                listening = await conn.scalar(LISTENING, {"listen": f'LISTEN "{sql.CANCEL_CHANNEL}"'})
+            if listening:
+                break
+            assert asyncio.get_running_loop().time() < deadline, "the worker never listened"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # past the claim its LISTEN triggers, which found nothing
+        job_id = await enqueue(manager)
+        job = await until(manager, job_id, lambda j: j.state is JobState.succeeded, timeout_s=10)
+    assert job.started_at is not None and (job.started_at - job.created_at).total_seconds() < 2
