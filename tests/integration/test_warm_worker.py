@@ -7,6 +7,8 @@ import asyncio
 import time
 from pathlib import Path
 
+from sqlalchemy import text
+
 from app.queue.jobs import JobState
 from tests.conftest import api_client, client_for, signed_in, worker_id
 from tests.integration.test_durability import alive, running, until
@@ -183,3 +185,36 @@ async def test_warm_runners_show_in_the_workers_view_the_metrics_and_the_admin_p
             page = await browser.get("/ui/admin/live")
         warm = page.text.split('aria-label="Warm runners on GPU 0"', 1)[1].split("</ul>", 1)[0]
         assert "warm_a" in warm and "idle for" in warm and f"pid {pid}" in warm and "1 job" in warm
+
+
+async def test_a_job_whose_lease_is_lost_in_a_warm_runner_ends_it_and_writes_nothing(
+    manager, make_worker, engine, store, tmp_path
+):
+    """Fencing holds in a warm runner: when another worker has taken the job over (a newer attempt),
+    the next heartbeat stops the job and its runner is ended, long before the model's 30 s timeout,
+    and the old attempt writes nothing. The job reports no progress: a fenced progress write would
+    stop it too."""
+    job_id = await enqueue(manager, model="warm_b", vram_mb=2000, hang=True, steps=0)
+    async with running(make_worker(burst=False, max_jobs_per_gpu=1)) as worker:
+        first = await until(manager, job_id, lambda j: j.pid is not None)
+        pid = await first_load(tmp_path, "warm_b")
+        async with engine.begin() as conn:  # as if its lease had run out and another worker claimed it
+            await conn.execute(TAKEN_OVER, {"id": job_id})
+        for _ in range(200):  # the next heartbeat (every 0.5 s) finds the job gone
+            if not alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not alive(pid)  # stopped mid-job, so its runner was ended
+        after = await enqueue(manager, model="warm_b", vram_mb=2000)
+        assert (await until(manager, after, lambda j: j.state.final)).state is JobState.succeeded
+        assert len(loads(tmp_path, "warm_b")) == 2 and worker.pool.starts_on(0) == {"warm_b": 2}
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt, job.worker_id) == (JobState.running, first.attempt + 1, "test:other")
+    assert [e.kind for e in await manager.events(job_id)] == ["submitted", "claimed", "started"]
+    assert not (store.root / "results" / str(job_id)).exists()
+
+
+TAKEN_OVER = text(
+    "UPDATE jobs SET attempt = attempt + 1, worker_id = 'test:other',"
+    " lease_expires_at = now() + interval '60 seconds' WHERE id = :id"
+)
