@@ -1,5 +1,6 @@
 """Persistent models through the real worker: warm runners loaded once, restarted after a crash,
-killed on cancel and timeout, stopped when idle, evicted for another model's VRAM."""
+killed on cancel, timeout and a lost lease, stopped when idle, evicted for another model's VRAM,
+and shown in the workers view, the metrics and the admin page."""
 
 from __future__ import annotations
 
