@@ -219,3 +219,20 @@ TAKEN_OVER = text(
     "UPDATE jobs SET attempt = attempt + 1, worker_id = 'test:other',"
     " lease_expires_at = now() + interval '60 seconds' WHERE id = :id"
 )
+
+
+async def test_the_warm_preference_is_bounded_so_a_cold_model_gets_its_turn(manager, make_worker, tmp_path):
+    """Jobs of a warm model keep coming at the priority of a cold model's older job: with
+    warm_streak_max = 2 the cold job starts within the first three, not after all of them."""
+    first = await enqueue(manager, model="warm_a", vram_mb=2000)
+    worker = make_worker([24_576], burst=False, max_jobs_per_gpu=1, claim_ahead_s=0.0, warm_streak_max=2)
+    async with running(worker):
+        await until(manager, first, lambda j: j.state is JobState.succeeded)
+        busy = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=1.0)  # holds the one slot...
+        await until(manager, busy, lambda j: j.state is JobState.running)
+        cold = await enqueue(manager, model="warm_b", vram_mb=2000, sleep=0.1)  # ...while these queue
+        stream = [await enqueue(manager, model="warm_a", vram_mb=2000, sleep=0.1) for _ in range(5)]
+        done = [await until(manager, i, lambda j: j.state is JobState.succeeded) for i in [cold, *stream]]
+    order = [job.id for job in sorted(done, key=lambda job: job.started_at)]
+    assert order.index(cold) <= 2, order  # the preference takes at most two warm jobs ahead of it
+    assert len(loads(tmp_path, "warm_a")) == 1  # and warm_a stayed loaded meanwhile
