@@ -121,7 +121,10 @@ class Settings(BaseSettings):
         "waiting would wait longer than a runner takes to start (false: each such job starts its own)",
     )
     warm_streak_max: int = Field(
-        4, ge=0, description="Claims in a row that may prefer models with a warm runner (0 = never)"
+        4,
+        ge=0,
+        description="Claims in a row that may take jobs of models with a warm runner first, among equal "
+        "priorities; the next claim takes the oldest (0 = never prefer)",
     )
     claim_batch: int = Field(
         16, ge=1, le=256, description="Most jobs a worker claims in one statement when several slots are free"

@@ -200,7 +200,7 @@ class Planner:
             min_priority: int = -(2**31),
             limit: int = 1,
         ) -> list[Claimed]:
-            return await self._manager.claim(
+            jobs = await self._manager.claim(
                 worker_id=worker_id,
                 host=host,
                 models=models,
@@ -211,6 +211,9 @@ class Planner:
                 min_priority=min_priority,
                 warm=warm,
             )
+            if jobs:  # a claim that took nothing (no room, nothing queued) is no turn
+                self._warm_streak = self._warm_streak + 1 if warm else 0
+            return jobs
 
         limit = self._config.claim_batch
         if slots is not None:
@@ -229,14 +232,12 @@ class Planner:
         return await take(held, limits) if limits else []
 
     def _warm(self) -> set[tuple[str, int | None]]:
-        """(model, GPU) pairs with an idle warm runner, preferred among equals by the next claim;
-        none after warm_streak_max such claims in a row, so other models get their turn."""
-        keys = {(k.model, k.gpu) for k in self._pool.warm_keys()} if self._pool is not None else set()
-        if not keys or self._warm_streak >= self._config.warm_streak_max:
-            self._warm_streak = 0
+        """(model, GPU) pairs with a live warm runner, preferred among equals by the next claim;
+        none once warm_streak_max claims in a row took jobs with that preference, so the next claim
+        that takes any is plain (oldest first among equals) and other models get their turn."""
+        if self._pool is None or self._warm_streak >= self._config.warm_streak_max:
             return set()
-        self._warm_streak += 1
-        return keys
+        return {(k.model, k.gpu) for k in self._pool.warm_keys()}
 
     async def _refresh(self, rooms: list[scheduler.GpuRoom], running: Sequence[InHand]) -> None:
         """Reconsider the reservation (at most every `refresh_s`) and the run-time estimates."""
