@@ -115,6 +115,8 @@ class WarmRunner:
             raise ValueError("argv must not be empty, load_timeout_s > 0 and kill_grace_s >= 0")
         self.launch, self._grace = launch, kill_grace_s
         self.state, self.last_used_s, self.jobs_done = RunnerState.STARTING, time.monotonic(), 0
+        self.created_s = self.last_used_s  # monotonic, like last_used_s
+        self.load_s: float | None = None  # from start() to the ready line, once it came
         self._proc: runner.Process | None = None
         self._log = RunLog(launch.log_path, "warm", eager=True)
         self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
@@ -141,7 +143,7 @@ class WarmRunner:
 
     async def start(self) -> int:
         """Start the runner in its own session and wait for its ready line; StartFailed otherwise."""
-        launch = self.launch
+        launch, began = self.launch, time.monotonic()
         try:
             self._proc = proc = await runner.spawn(
                 *launch.argv, cwd=launch.cwd, env=dict(launch.env), stdin=asyncio.subprocess.PIPE,
@@ -164,6 +166,7 @@ class WarmRunner:
             tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
             raise StartFailed(f"{problem} ({self.describe_exit()}){tail}")
         self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
+        self.load_s = self.last_used_s - began
         _LOG.info("warm runner %s ready", launch.name, extra={"action": "runner_ready", "pid": proc.pid})
         return proc.pid
 

@@ -75,8 +75,6 @@ class _Held:
 
     key: RunnerKey
     hold_mb: int
-    born_s: float = dataclasses.field(default_factory=time.monotonic)  # when it was launched
-    load_s: float | None = None  # how long its start took, once it answered ready
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,16 +139,13 @@ class WarmPool:
         self._held[runner] = _Held(key, hold_mb)
         self.starts[key] += 1
         self._hand_out(runner)
-        began = time.monotonic()
         try:
             await runner.start()
         except BaseException:
             self.release(runner)
             raise
-        took_s = time.monotonic() - began
-        self.pace.setdefault(key, Pace()).started(took_s)
-        if (held := self._held.get(runner)) is not None:
-            self._held[runner] = dataclasses.replace(held, load_s=took_s)
+        assert runner.load_s is not None, "a runner that started has its load time"
+        self.pace.setdefault(key, Pace()).started(runner.load_s)
         self._in_use[runner] = time.monotonic()
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
@@ -269,8 +264,8 @@ class WarmPool:
             state = _REPORTED.get(runner.state) or ("busy" if runner in self._in_use else "idle")
             rows.append({
                 "model": held.key.model, "pid": runner.pid, "state": state, "jobs": runner.jobs_done,
-                "up_s": round(now - held.born_s, 1),
-                "load_s": None if held.load_s is None else round(held.load_s, 3),
+                "up_s": round(now - runner.created_s, 1),
+                "load_s": None if runner.load_s is None else round(runner.load_s, 3),
                 "idle_s": round(now - runner.last_used_s, 1) if state == "idle" else None,
                 "vram_mb": held.hold_mb,
             })  # fmt: skip

@@ -14,7 +14,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -241,6 +241,11 @@ class Attempt:
                 return self._out_of_memory(f"the warm runner did not load: {exc}")
             return self._failure(f"the warm runner did not start: {exc}", retryable=True)
         self._runner = runner
+        # What the success event says of the runner: its pid, which of its jobs this is, and the
+        # model's load when this job was its first (the job waited for it).
+        about: dict[str, Any] = {"runner_pid": runner.pid, "runner_job": runner.jobs_done + 1}
+        if runner.jobs_done == 0 and runner.load_s is not None:
+            about["load_s"] = round(runner.load_s, 3)
         try:
             if self._stop_reason is not None:
                 runner.stop(self._stop_reason)
@@ -259,7 +264,7 @@ class Attempt:
             self._pool.release(runner)
         if runner.state is not warm.RunnerState.DEAD:
             self.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
-        return self._warm_outcome(result, out_dir)
+        return self._warm_outcome(result, out_dir, about)
 
     def _launch(self, key: warmpool.RunnerKey) -> warm.Launch:
         """How to start a warm runner: its own folder, log and minimal environment."""
@@ -282,7 +287,9 @@ class Attempt:
             load_timeout_s=self.spec.load_timeout_s,
         )
 
-    def _warm_outcome(self, result: warm.WarmResult, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
+    def _warm_outcome(
+        self, result: warm.WarmResult, out_dir: Path, about: Mapping[str, Any]
+    ) -> Callable[[], Awaitable[Any]] | None:
         """The final write for a job run in a warm runner."""
         stopped = result.stopped or self._stop_reason
         if stopped is not None or result.outcome is warm.Outcome.STOPPED:
@@ -290,7 +297,7 @@ class Attempt:
         error = result.error or str(result.outcome)
         match result.outcome:
             case warm.Outcome.DONE:
-                return self._success(out_dir, result.duration_s)
+                return self._success(out_dir, result.duration_s, about)
             case warm.Outcome.BAD_INPUT:
                 return self._failure(f"bad input: {error}", retryable=False)
             case warm.Outcome.OOM:
@@ -432,7 +439,11 @@ class Attempt:
 
         return write
 
-    def _success(self, out_dir: Path, duration_s: float) -> Callable[[], Awaitable[Any]]:
+    def _success(
+        self, out_dir: Path, duration_s: float, about: Mapping[str, Any] | None = None
+    ) -> Callable[[], Awaitable[Any]]:
+        """The final write of a run whose model succeeded: its outputs checked, published, and the
+        job marked succeeded; `about` goes into the event's detail beside `duration_s`."""
         expected = [
             storage.ExpectedOutput(name, media_type, spec.required, spec.max_mb * 1024 * 1024)
             for name, media_type, spec in self.spec.expected_outputs(self.job.params)
@@ -451,7 +462,7 @@ class Attempt:
                 self._store.publish(job.id, job.attempt, out_dir, files)
             published = True
             try:
-                await self._manager.succeed(job, files, {"duration_s": round(duration_s, 3)})
+                await self._manager.succeed(job, files, {"duration_s": round(duration_s, 3), **(about or {})})
             except Exception as exc:
                 if db.is_unavailable(exc):  # the write may have committed before the answer was lost
                     unsure = True
