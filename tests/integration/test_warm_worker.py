@@ -44,7 +44,10 @@ async def test_one_warm_process_answers_many_jobs(manager, make_worker, store, t
     assert all(f"pid {pid}" in t for t in texts)
     assert not alive(pid)  # the burst worker closed its runners on the way out
     # Each success says which runner served it; the first job also waited for the model's load.
-    details = [[e.detail for e in await manager.events(i) if e.kind == "succeeded"][0] for i in ids]
+    details = []
+    for i in ids:
+        [succeeded] = [e.detail for e in await manager.events(i) if e.kind == "succeeded"]
+        details.append(succeeded)
     assert [(d["runner_pid"], d["runner_job"]) for d in details] == [(pid, n) for n in (1, 2, 3, 4)]
     assert details[0]["load_s"] > 0 and not any("load_s" in d for d in details[1:])
 

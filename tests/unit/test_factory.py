@@ -53,7 +53,7 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
 
 def test_a_worker_process_builds_no_orm_classes():
     """The ORM classes (app.tables) serve the API's reads only; building them cost every worker's
-    start 0.17 s of CPU. Nor does a worker load the web layer or Alembic."""
+    start about 0.12 s of CPU. Nor does a worker load the web layer or Alembic."""
     loaded = modules_loaded_by("app.queue.factory")
     assert {"app.queue.worker", "app.queue.manager", "app.retention"} <= loaded
     assert not {"app.tables", "fastapi", "starlette", "alembic"} & loaded
