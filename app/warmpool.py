@@ -146,7 +146,7 @@ class WarmPool:
             raise
         assert runner.load_s is not None, "a runner that started has its load time"
         self.pace.setdefault(key, Pace()).started(runner.load_s)
-        self._in_use[runner] = time.monotonic()
+        self._in_use[runner] = time.monotonic()  # handed out again: its job's pace counts from the load's end
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
 
