@@ -243,7 +243,7 @@ class _Channel:
     def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
         self._reader, self._writer = reader, writer
         self._lock = threading.Lock()
-        self._busy = False
+        self._job: str | None = None  # the job running now
         self._gone = False  # the worker's end of stdin is closed
 
     @classmethod
@@ -260,8 +260,11 @@ class _Channel:
         return cls(reader, writer)
 
     def send(self, reply: Reply) -> None:
-        """Write one protocol line (any thread may call this)."""
+        """Write one protocol line (any thread may call this); progress of a job not running is
+        dropped: a thread the model left behind must not speak after its job's final reply."""
         with self._lock:
+            if isinstance(reply, Progress) and reply.job != self._job:
+                return
             self._writer.write(encode(reply))
             self._writer.flush()
 
@@ -278,14 +281,15 @@ class _Channel:
                     pass  # skip the rest of the overlong line
             yield line
 
-    def begin(self) -> bool:
-        """Mark a job as running; False if the worker is gone (a line it sent before it went)."""
-        self._busy = True
+    def begin(self, job: str) -> bool:
+        """Mark `job` as running; False if the worker is gone (a line it sent before it went)."""
+        self._job = job
         return not self._gone
 
     def end(self) -> None:
-        """Mark the job as over."""
-        self._busy = False
+        """Mark the job as over (under the lock: no progress of it is written after this)."""
+        with self._lock:
+            self._job = None
 
     def _watch(self) -> None:
         """Wait for stdin's hang-up; a job running then is for nobody, so end the whole process.
@@ -297,7 +301,7 @@ class _Channel:
         poller.register(self._reader.fileno(), 0)
         poller.poll()  # no timeout: it returns only with the hang-up (EINTR is retried by Python)
         self._gone = True
-        if self._busy:
+        if self._job is not None:
             _say("stdin closed during a job: the worker is gone; exiting")
             os._exit(EXIT_ORPHANED)
 
@@ -345,7 +349,7 @@ def serve(
             channel.send(Failed(_job_of(line), str(exc), protocol=True))
             continue
         job = Job(request.job, request.input, request.output_dir, request.params, channel.send)
-        if not channel.begin():
+        if not channel.begin(job.id):
             _say(f"job {job.id} came just before stdin closed: the worker is gone; not run")
             break
         reply = _run(handle, model, job, (BadInput, *bad_input))

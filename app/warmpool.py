@@ -122,7 +122,7 @@ class WarmPool:
     ) -> warm.WarmRunner:
         """The most recently used idle runner of `key`, else a new one or, paced, the first busy one
         to come free (see the module doc); in use until release(). GaveUp if `give_up` is set while
-        it waits.
+        it waits, or while the runner it started loads (that start is then stopped).
 
         `launch` says how to start a runner, or is a function that says it: called only when one
         must start (a job that finds an idle runner builds no environment or argv)."""
@@ -140,7 +140,7 @@ class WarmPool:
         self.starts[key] += 1
         self._hand_out(runner)
         try:
-            await runner.start()
+            await self._start(runner, give_up)
         except BaseException:
             self.release(runner)
             raise
@@ -149,6 +149,29 @@ class WarmPool:
         self._in_use[runner] = time.monotonic()  # handed out again: its job's pace counts from the load's end
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
+
+    @staticmethod
+    async def _start(runner: warm.WarmRunner, give_up: asyncio.Event | None) -> None:
+        """Start `runner`; if `give_up` is set meanwhile, stop the load and raise GaveUp (a cancel
+        or a lost lease must not wait out a load of minutes, nor leave a runner nobody asked for)."""
+        if give_up is None:
+            await runner.start()
+            return
+
+        def stop(_: object) -> None:
+            if give_up.is_set():
+                runner.stop("given up while loading")
+
+        watch = asyncio.ensure_future(give_up.wait())
+        watch.add_done_callback(stop)
+        try:
+            await runner.start()
+        except warm.StartFailed as exc:
+            if give_up.is_set():
+                raise GaveUp("stopped while its warm runner loaded") from exc
+            raise
+        finally:
+            watch.cancel()
 
     def _hand_out(self, runner: warm.WarmRunner) -> warm.WarmRunner:
         self._in_use[runner] = time.monotonic()

@@ -5,16 +5,29 @@ and shown in the workers view, the metrics and the admin page."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from app.queue.jobs import JobState
-from tests.conftest import api_client, client_for, signed_in, worker_id
+from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id
 from tests.integration.test_durability import alive, running, until
 from tests.integration.test_observability import scrape, value
 from tests.integration.test_worker import enqueue
+
+
+@pytest.fixture
+def models_file(models_file: Path, tmp_path: Path) -> Path:
+    """The test models and `warm_slow`, a persistent model whose load takes 30 s."""
+    loads = tmp_path / "loads-warm_slow.txt"
+    serve = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads)])
+    slow = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads), "--load-sleep", "30"])
+    with models_file.open("a") as f:
+        f.write(warm_model("warm_slow", loads).replace(serve, slow))
+    return models_file
 
 
 def loads(tmp_path: Path, model: str) -> list[int]:
@@ -98,6 +111,23 @@ async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_
         assert (await until(manager, after, lambda j: j.state.final)).state is JobState.succeeded
         assert worker.pool.runners()
     assert len(loads(tmp_path, "warm_a")) == 3  # a runner for each: killed by cancel, by timeout, fresh
+
+
+async def test_a_job_canceled_while_its_runner_loads_ends_at_once_and_so_does_the_load(
+    manager, make_worker, tmp_path
+):
+    job_id = await enqueue(manager, model="warm_slow", vram_mb=2000)
+    async with running(make_worker(burst=False)) as worker:
+        await until(manager, job_id, lambda j: j.state is JobState.running)
+        pid = await first_load(tmp_path, "warm_slow")
+        await manager.cancel(job_id, owner=None, by="tester")
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=10)  # not after the 30 s load
+        assert job.state is JobState.canceled and job.error == "canceled while running"
+        for _ in range(60):  # the load was stopped, not waited out
+            if not alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not alive(pid) and not worker.pool.runners()
 
 
 async def test_idle_runners_stop(manager, make_worker, tmp_path):

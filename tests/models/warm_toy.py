@@ -2,7 +2,8 @@
 
 argv: --loads FILE (one line per load), --load-sleep S, --fail-load. Job params (all optional):
 sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
-group), junk (print to stdout from Python and from the fd), bad_input, oom, fail. Writes out.txt.
+group), junk (print to stdout from Python and from the fd), late (a thread reports progress after the
+job ended), bad_input, oom, fail. Writes out.txt.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,8 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
     if params.get("junk"):
         print("junk from print()", flush=True)
         os.write(1, b"junk from fd 1\n")
+    if params.get("late"):  # like a progress thread of the model's that outlives its job
+        threading.Timer(0.2, job.progress, (0.99, "late")).start()
     if params.get("spawn"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         (job.output_dir / "child.pid").write_text(str(child.pid))

@@ -264,6 +264,21 @@ async def test_model_errors_are_reported_and_the_kit_keeps_serving(tmp_path: Pat
 
 
 @pytest.mark.asyncio
+async def test_progress_reported_after_its_job_ended_is_dropped(tmp_path: Path) -> None:
+    """A thread of the model's that reports progress once its job has ended must not put a stray
+    line on stdout: the worker would take it as the runner speaking out of turn, or as the next
+    job's answer, and end the runner."""
+    kit = await Kit.start(tmp_path)
+    await kit.reply()
+    assert await kit.final(_job("a:1", tmp_path, late=True)) == modelkit.Done("a:1", ("out.txt",))
+    await asyncio.sleep(0.5)  # the late report (0.2 s after the job) is made meanwhile
+    await kit.send(_line(_job("b:1", tmp_path, steps=0)))
+    assert await kit.reply() == modelkit.Done("b:1", ("out.txt",))
+    code, _err = await kit.finish()
+    assert code == 0
+
+
+@pytest.mark.asyncio
 async def test_a_failed_load_exits_without_ready(tmp_path: Path) -> None:
     kit = await Kit.start(tmp_path, "--fail-load")
     assert kit.proc.stdout is not None

@@ -307,6 +307,35 @@ async def test_start_failures(tmp_path: Path, pool: warmpool.WarmPool) -> None:
     assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0
 
 
+@pytest.mark.asyncio
+async def test_giving_up_while_a_runner_loads_stops_the_load(tmp_path: Path, pool: warmpool.WarmPool) -> None:
+    """A job canceled (or its lease lost, or the worker stopping) while its runner loads does not
+    wait out the load: the start is stopped and acquire() gives up, holding nothing."""
+    stop = asyncio.Event()
+    slow = _toy(tmp_path, "toy", "--load-sleep", "30")  # load_timeout_s is 10
+    acquiring = asyncio.create_task(pool.acquire(KEY, slow, hold_mb=500, give_up=stop))
+    assert await _eventually(lambda: _loads(tmp_path) == 1)
+    [loading] = pool.runners()
+    stop.set()
+    with pytest.raises(warmpool.GaveUp):
+        await asyncio.wait_for(acquiring, 5)
+    assert loading.pid is not None and not _alive(loading.pid)
+    assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0 and pool.warm_keys() == set()
+
+
+@pytest.mark.asyncio
+async def test_a_start_cancelled_while_spawning_leaves_nothing_held(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    acquiring = asyncio.create_task(pool.acquire(KEY, _toy(tmp_path), hold_mb=500))
+    await asyncio.sleep(0)  # the process is forked; asyncio waits for its pipes
+    acquiring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+    # Left "starting", it would hold its 500 MB and count as warm (paced: block every start) for good.
+    assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0 and pool.warm_keys() == set()
+
+
 def _script(tmp_path: Path, name: str, body: str) -> warm.Launch:
     """A runner that speaks the protocol by hand (badly)."""
     path = tmp_path / f"{name}.py"
@@ -413,6 +442,28 @@ async def test_the_kits_end_line_spares_the_stderr_wait(tmp_path: Path, pool: wa
     log = jobs.log(21)
     assert "junk from print()" in log and "junk from fd 1" in log  # its stderr was all there
     assert "[modelkit] job" not in log  # the end line is protocol: in no log
+
+
+@pytest.mark.asyncio
+async def test_a_slow_progress_callback_does_not_hold_up_the_jobs_answer(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    """Progress is written to the database; a slow write (the database away) must not keep the
+    runner's answer unread until the job times out, as a one-shot run's pipes are not held up."""
+    seen: list[float] = []
+
+    async def slow(fraction: float, _message: str) -> None:
+        await asyncio.sleep(3.0 if not seen else 0.0)
+        seen.append(fraction)
+
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as warm_runner:
+        request = modelkit.Request("slow:1", tmp_path / "in.png", tmp_path / "out", {"steps": 2})
+        result = await warm_runner.run_job(
+            request, timeout_s=1.5, log_path=tmp_path / "job.log", on_progress=slow
+        )
+        assert result.outcome is warm.Outcome.DONE, result
+        assert seen == [0.5, 1.0]  # all of it, in order, before run_job() returned
+        assert warm_runner.state is warm.RunnerState.IDLE
 
 
 @pytest.mark.asyncio
