@@ -42,8 +42,20 @@ def parse_params(raw: str | None) -> dict[str, Any]:
         raise errors.InvalidParams(
             f"params: not valid JSON ({exc.msg} at {exc.pos})", field="params"
         ) from exc
+    except ValueError as exc:  # Python converts at most 4300 digits to an int
+        raise errors.InvalidParams("params: a number has too many digits", field="params") from exc
+    except RecursionError as exc:
+        raise errors.InvalidParams("params: nested too deeply", field="params") from exc
     if not isinstance(value, dict):
         raise errors.InvalidParams('params: must be a JSON object such as {"width_mm": 80}', field="params")
+    if "\\u" in raw:  # only an escape can spell half a surrogate pair: no text, and no jsonb
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise errors.InvalidParams(
+                "params: a string holds half a UTF-16 surrogate pair (\\ud800-\\udfff alone)",
+                field="params",
+            ) from exc
     return value
 
 
@@ -72,6 +84,7 @@ async def submit(
 ) -> tuple[Job, bool]:
     """Check everything, store the image, queue the job; (job, created). Nothing is stored on error.
 
+    A repeated idempotency key gives back its job if the request is the same, else Conflict.
     `gate`, if given, is held while the job is written to the database.
     """
     spec = models.get(model)
@@ -91,8 +104,37 @@ async def submit(
         idempotency_key=idempotency_key,
     )
     async with gate or contextlib.nullcontext():
-        return await manager.enqueue(
+        job, created = await manager.enqueue(
             new, checked, queue_limit=limits.queue_limit, owner_limit=limits.queue_limit_per_key
+        )
+    if not created:
+        await check_repeat(manager, job, new, checked)
+    return job, created
+
+
+async def check_repeat(
+    manager: manager_.JobManager, job: Job, new: manager_.NewJob, image: manager_.NewInput
+) -> None:
+    """Conflict unless `job`, the earlier job of this idempotency key, was asked for with the same
+    image, model, params and priority as `new`: a key names one request, and answering another
+    with its job would hand back a mesh of the wrong image. Runs only for repeats."""
+    differs = [
+        name
+        for name, same in (
+            ("model", job.model == new.model),
+            ("params", job.params == dict(new.params)),
+            ("priority", job.priority == new.priority),
+        )
+        if not same
+    ]
+    if job.input_id is not None:  # else retention deleted the image: nothing to compare with
+        _, stored = await manager.input_by_id(job.input_id)
+        if stored != image.data:
+            differs.insert(0, "image")
+    if differs:
+        raise errors.Conflict(
+            f"Idempotency-Key {new.idempotency_key!r} was already used for job {job.id}, with a "
+            f"different {', '.join(differs)}; send a new key to queue a new job"
         )
 
 

@@ -39,6 +39,17 @@ async def download(
         return Response(b"", media_type=media_type, headers={"Cache-Control": "no-cache"})
     if sha256 is not None:
         headers["ETag"] = f'"{sha256}"'
-        if headers["ETag"] in request.headers.get("if-none-match", ""):
+        if matches(request.headers.get("if-none-match", ""), headers["ETag"]):
             return Response(status_code=304, headers=headers)
     return FileResponse(path, media_type=media_type, filename=name, headers=headers)
+
+
+# Download tools ask HEAD for the size (and Accept-Ranges) before their ranged GETs. The same route;
+# left out of the OpenAPI document, where it would repeat GET's operation id.
+router.add_api_route("/files/{job_id}/{name}", download, methods=["HEAD"], include_in_schema=False)
+
+
+def matches(if_none_match: str, etag: str) -> bool:
+    """Whether an If-None-Match header names `etag` (weakly, as RFC 9110 compares it there) or is `*`."""
+    tags = [tag.strip().removeprefix("W/") for tag in if_none_match.split(",")]
+    return "*" in tags or etag in tags

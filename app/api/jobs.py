@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, File, Form, Header, Query, Response, Upl
 from app import intake
 from app.api import limits
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
-from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic
+from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
 from app.queue.jobs import JobState
 
 # Every route needs a key (`security.Authenticate` checks it before the body is read).
@@ -31,6 +31,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     200: {"model": JobPublic, "description": "Same Idempotency-Key as an earlier request: that job"},
     400: {"model": ErrorPublic, "description": "Not a well-formed form, or too many or too large fields"},
+    409: {"model": ErrorPublic, "description": "The Idempotency-Key was used for a different request"},
     413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
     415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},
     422: {"model": InvalidPublic, "description": "Unknown model, bad params or priority, broken image"},
@@ -57,7 +58,7 @@ async def submit_job(
     params: Annotated[
         str | None, Form(description="Model parameters as a JSON object", max_length=10_000)
     ] = None,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobPublic:
     """Upload an image and queue a job for a model."""
     job, created = await intake.submit(
@@ -84,7 +85,7 @@ async def list_jobs(
     services: ServicesDep,
     caller: CallerDep,
     state: JobState | None = None,
-    model: Annotated[str | None, Query(max_length=64)] = None,
+    model: Annotated[Text | None, Query(max_length=64)] = None,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobsPublic:

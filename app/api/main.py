@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, registry, storage
@@ -110,12 +115,36 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.dispose()
 
 
+class ErrorResponse(JSONResponse):
+    """An error's JSON, whatever it echoes of the request: NaN and infinities as text, and half a
+    surrogate pair (a JSON escape can spell one; UTF-8 cannot) as a \\u escape, not a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), separators=(",", ":")).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 async def _app_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, errors.AppError)
     headers = {}
     if isinstance(exc, errors.QueueFull | errors.Unavailable):
         headers["Retry-After"] = str(exc.retry_after_s)
-    return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)
+    return ErrorResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 with its list of field errors, each with the input it refused."""
+    assert isinstance(exc, RequestValidationError)
+    return ErrorResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
@@ -140,6 +169,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(ops.router)
     web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
     for kind in (sqlalchemy.exc.DBAPIError, OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
         app.add_exception_handler(kind, _database_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)

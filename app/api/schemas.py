@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from app import links as links_
 from app.queue.jobs import Job, JobState
 from app.queue.manager import Event
+
+
+def storable(text: str) -> str:
+    """`text`, if PostgreSQL can hold it: no NUL character, no half of a surrogate pair (a JSON
+    escape can spell either); they would fail in the database as a 500."""
+    if "\x00" in text:
+        raise ValueError("must not contain NUL characters")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must not contain half a UTF-16 surrogate pair (\\ud800-\\udfff alone)") from None
+    return text
+
+
+# A string from a request that reaches the database.
+Text = Annotated[str, AfterValidator(storable)]
 
 
 class FilePublic(BaseModel):
@@ -142,8 +158,8 @@ class ErrorPublic(BaseModel):
 class RetryFilter(BaseModel):
     """Which failed jobs to queue again."""
 
-    model: str | None = None
-    error_contains: str | None = Field(None, max_length=500)
+    model: Text | None = None
+    error_contains: Text | None = Field(None, max_length=500)
     since: datetime | None = Field(None, description="Finished at or after")
     until: datetime | None = Field(None, description="Finished before")
 

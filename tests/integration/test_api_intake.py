@@ -17,7 +17,7 @@ from sqlalchemy import text
 from app import errors
 from app.queue.manager import JobManager
 from app.settings import Settings
-from tests.conftest import api_client
+from tests.conftest import api_client, png_bytes
 from tests.integration.test_worker import enqueue
 
 
@@ -36,10 +36,15 @@ async def counts(engine: Any) -> tuple[int, int, int]:
 
 
 async def submit(
-    client: httpx.AsyncClient, image: bytes, *, name: str = "in.png", **form: Any
+    client: httpx.AsyncClient,
+    image: bytes,
+    *,
+    name: str = "in.png",
+    headers: dict[str, str] | None = None,
+    **form: Any,
 ) -> httpx.Response:
     data = {"model": "relief", **{k: (json.dumps(v) if k == "params" else str(v)) for k, v in form.items()}}
-    return await client.post("/jobs", files={"image": (name, image, "image/png")}, data=data)
+    return await client.post("/jobs", files={"image": (name, image, "image/png")}, data=data, headers=headers)
 
 
 async def test_upload_is_stored_and_reads_back_byte_identical(client, png, engine):
@@ -119,6 +124,24 @@ async def test_params_must_be_a_json_object(client, png, engine, params):
     )
     assert response.status_code == 422
     assert response.json()["detail"].startswith("params:")
+    assert await counts(engine) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        '{"width_mm": 1' + "0" * 5000 + "}",  # more digits than Python converts to an int
+        '{"width_mm": ' + "[" * 2000 + "]" * 2000 + "}",  # deeper than the JSON decoder recurses
+        '{"format": "\\ud800"}',  # half a surrogate pair: not text PostgreSQL can store
+        '{"\\udc00": 1}',
+    ],
+)
+async def test_params_json_cannot_hold_are_422_not_500(client, png, engine, params):
+    response = await client.post(
+        "/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "relief", "params": params}
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"].startswith("params"), response.json()
     assert await counts(engine) == (0, 0, 0)
 
 
@@ -215,17 +238,43 @@ async def test_a_refused_submission_writes_nothing(settings, make_key, png, engi
 
 async def test_a_repeated_key_stores_nothing_new(client, png, engine):
     headers = {"Idempotency-Key": "same"}
-    first = await client.post(
-        "/jobs", files={"image": ("a.png", png(color=(1, 2, 3)), "image/png")}, data={"model": "relief"},
-        headers=headers,
-    )  # fmt: skip
-    again = await client.post(
-        "/jobs", files={"image": ("b.png", png(color=(4, 5, 6)), "image/png")}, data={"model": "relief"},
-        headers=headers,
-    )  # fmt: skip
+    image, params = png(color=(1, 2, 3)), {"width_mm": 80}
+    first = await submit(client, image, params=params, headers=headers)
+    again = await submit(client, image, name="renamed.png", params={"width_mm": 80.0}, headers=headers)
     assert (first.status_code, again.status_code) == (201, 200)
     assert again.json()["id"] == first.json()["id"]
     assert await counts(engine) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"image": png_bytes(color=(4, 5, 6))}, "image"),
+        ({"model": "toy", "params": {}}, "model"),
+        ({"params": {"width_mm": 90}}, "params"),
+        ({"priority": 3}, "priority"),
+    ],
+)
+async def test_a_key_reused_for_another_request_is_409(client, png, engine, change, named):
+    """The key names one request: sent again with another image, model, params or priority it is
+    refused, rather than answered with a job made from something else."""
+    headers = {"Idempotency-Key": "reused"}
+    first = await submit(client, png(color=(1, 2, 3)), params={"width_mm": 80}, headers=headers)
+    assert first.status_code == 201, first.text
+    request: dict[str, Any] = {"image": png(color=(1, 2, 3)), "params": {"width_mm": 80}, **change}
+    again = await submit(client, request.pop("image"), headers=headers, **request)
+    assert again.status_code == 409, again.text
+    detail = again.json()["detail"]
+    assert "Idempotency-Key" in detail and first.json()["id"] in detail and named in detail, detail
+    assert await counts(engine) == (1, 1, 1)
+
+
+async def test_an_empty_idempotency_key_is_refused(client, png, engine):
+    """An empty key would make every upload that sends one a repeat of the first."""
+    answer = await submit(client, png(), headers={"Idempotency-Key": ""})
+    assert answer.status_code == 422, answer.text
+    assert "idempotency-key" in json.dumps(answer.json()["detail"]).lower()
+    assert await counts(engine) == (0, 0, 0)
 
 
 async def test_concurrent_repeats_of_a_key_make_one_job(client, png, engine):

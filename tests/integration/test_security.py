@@ -389,6 +389,26 @@ async def test_links_only_name_files_of_the_job_inside_storage(settings, make_wo
         assert (await http.get(job["links"]["log"])).status_code == 404
 
 
+async def test_downloads_answer_head_and_conditional_requests(settings, make_worker, png):
+    """Download tools ask HEAD for the size first, and send If-None-Match: * or a weak tag."""
+    async with api_client(settings) as http:
+        job_id = (await submit(http, png())).json()["id"]
+        await make_worker().run()
+        job = (await http.get(f"/jobs/{job_id}")).json()
+        url, log = job["files"][0]["url"], job["links"]["log"]
+        whole = await http.get(url)
+        head = await http.head(url)
+        assert head.status_code == 200, head.text
+        assert head.content == b"" and head.headers["content-length"] == str(len(whole.content))
+        assert head.headers["etag"] == whole.headers["etag"] and head.headers["accept-ranges"] == "bytes"
+        assert (await http.head(log)).status_code == 200
+        for tags in ("*", f"W/{whole.headers['etag']}", f'"other", {whole.headers["etag"]}'):
+            assert (await http.get(url, headers={"If-None-Match": tags})).status_code == 304, tags
+        assert (await http.get(url, headers={"If-None-Match": '"other"'})).status_code == 200
+        tampered = url.replace("sig=", "sig=x")
+        assert (await http.head(tampered)).status_code == 403
+
+
 async def test_link_signature_binds_job_name_and_expiry(settings):
     signer = links.LinkSigner(b"k" * 32, ttl_s=60)
     job, other = uuid.uuid4(), uuid.uuid4()
@@ -519,6 +539,33 @@ async def test_many_or_huge_form_fields_are_refused_cleanly(client, png, engine)
     response = await client.post("/jobs", files=image, data={"model": "toy", "params": " " * 20_000})
     assert response.status_code == 422 and "params" in json.dumps(response.json()["detail"])
     assert await counts(engine) == (0, 0)
+
+
+async def test_text_postgresql_cannot_store_is_422_not_500(client, png, engine):
+    """NUL characters and unpaired surrogates are not text to PostgreSQL: refused, naming the field."""
+    listed = await client.get("/jobs", params={"model": "re\x00lief"})
+    assert listed.status_code == 422, listed.text
+    assert listed.json()["detail"][0]["loc"] == ["query", "model"]
+    for body in (
+        b'{"error_contains": "out of \\u0000memory"}',
+        b'{"error_contains": "\\ud800"}',
+        b'{"model": "\\ud800"}',
+    ):
+        answer = await client.post(
+            "/admin/jobs/retry", content=body, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 422, (body, answer.text)
+        assert json.loads(answer.text)["detail"], body
+    assert await counts(engine) == (0, 0)
+
+
+async def test_a_422_that_echoes_nan_is_still_json(client):
+    """A validation error shows the input it refused; NaN and Infinity are no JSON, so they become text."""
+    for raw in (b'{"older_than_s": NaN}', b'{"older_than_s": -Infinity, "dry_run": true}'):
+        answer = await client.post("/admin/prune", content=raw, headers={"content-type": "application/json"})
+        assert answer.status_code == 422, answer.text
+        [error] = answer.json()["detail"]
+        assert error["loc"] == ["body", "older_than_s"] and error["input"] in ("nan", "-inf"), error
 
 
 async def test_anonymous_upload_is_refused_before_the_body_is_read(settings):
@@ -676,6 +723,7 @@ async def test_a_500_mb_upload_barely_moves_the_servers_memory(settings, served,
         ({"trace": "-rf"}, "params.trace"),
         ({"trace": "a\nb"}, "params.trace"),
         ({"trace": "x" * 5000}, "params.trace"),
+        ({"trace": "half a pair: \ud800"}, "params"),
     ],
 )
 async def test_bad_params_are_422_and_name_the_field(client, png, engine, params, field):

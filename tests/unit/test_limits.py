@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import pytest
 from starlette.datastructures import Headers, UploadFile
@@ -63,3 +64,23 @@ def test_a_part_buffer_refuses_more_than_its_capacity():
     with pytest.raises(ValueError, match="Content-Length"):
         buffer.write(b"de")
     assert buffer.seek(0) == 0 and buffer.read() == b"abc"
+
+
+def test_a_part_buffer_holds_what_was_written_not_its_capacity():
+    """The capacity is the body's declared length: a client that declares 20 MB and sends a few
+    bytes, then stalls, must not make the server hold 20 MB (a few hundred such uploads, gigabytes)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        buffer = limits.PartBuffer(20 << 20)
+        buffer.write(b"\x89PNG")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 64 * 1024, f"{held} bytes held for 4 written"
+    chunk = os.urandom(65_536)
+    for _ in range(40):
+        buffer.write(chunk)
+    buffer.seek(2)
+    buffer.write(b"ng")  # overwrites in place, as a file does
+    assert buffer.seek(0) == 0 and buffer.read() == b"\x89Png" + chunk * 40
