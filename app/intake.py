@@ -128,8 +128,8 @@ async def check_repeat(
         if not same
     ]
     if job.input_id is not None:  # else retention deleted the image: nothing to compare with
-        _, stored = await manager.input_by_id(job.input_id)
-        if stored != image.data:
+        stored = await manager.input_sha256(job.input_id)
+        if stored is not None and stored != image.sha256:
             differs.insert(0, "image")
     if differs:
         raise errors.Conflict(

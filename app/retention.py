@@ -20,7 +20,7 @@ import shutil
 import uuid
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Final
 
@@ -151,7 +151,8 @@ class Pruner:
 
     async def prune(self, *, older_than_s: float, dry_run: bool = False) -> PruneReport:
         """Expire the jobs that finished more than `older_than_s` ago; Conflict if a prune is running."""
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        # By the database's clock, which wrote `finished_at`: a host's clock may run ahead.
+        cutoff = await self._manager.now() - timedelta(seconds=older_than_s)
         report = PruneReport(cutoff=cutoff, dry_run=dry_run)
         async with self._manager.advisory_lock(sql.RETENTION_LOCK_KEY) as held:
             if not held:

@@ -142,7 +142,10 @@ class ResultStore:
         return log_file(self.root, job_id, attempt)
 
     def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
-        """Describe the declared outputs; OutputInvalid if one is missing, empty or too large."""
+        """Describe the declared outputs; OutputInvalid if one is missing, empty or too large, or if
+        the output folder itself was replaced (a link to elsewhere is never followed)."""
+        if out_dir.is_symlink() or not out_dir.is_dir():
+            raise OutputInvalid("the output folder was replaced by the model: it is not a folder")
         found = []
         for spec in expected:
             path = out_dir / spec.name
@@ -159,16 +162,25 @@ class ResultStore:
         return found
 
     def publish(self, job_id: uuid.UUID, attempt: int, out_dir: Path, files: Iterable[ResultFile]) -> Path:
-        """Move the outputs into results/<job>/<attempt>/ in one atomic rename."""
+        """Move the outputs into results/<job>/<attempt>/ in one atomic rename.
+
+        Files and folders are on disk (fsync) before this returns, so the success written next
+        never names files that a crash of the host would leave empty or missing."""
         final = self.root / "results" / str(job_id) / str(attempt)
         staging = final.parent / f".{attempt}.partial"
+        new_job = not final.parent.is_dir()
         try:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             for f in files:
                 os.replace(out_dir / f.name, staging / f.name)
+                _fsync(staging / f.name)
+            _fsync(staging)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
+            _fsync(final.parent)
+            if new_job:
+                _fsync(final.parent.parent)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise errors.StorageError(f"could not publish results of job {job_id}: {exc}") from exc
@@ -204,6 +216,15 @@ class ResultStore:
 def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:
     """The log of one attempt: logs/<first two hex digits of the id>/<id>.attempt-<n>.log."""
     return root / "logs" / job_id.hex[:2] / f"{job_id}.attempt-{attempt}.log"
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _safe_name(name: str) -> str:

@@ -178,7 +178,11 @@ class Attempt:
         self._image = None  # not kept in memory while the model runs
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
         scratch = self.lane
-        log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
+        try:
+            log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
+        except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
+            # take for the database's (then nothing is written and the job waits out its lease)
+            return self._failure(f"could not prepare the scratch folder: {exc}", retryable=True)
         del data
         input_path = scratch / input_name
         if spec.persistent and self._pool is not None:
@@ -393,9 +397,9 @@ class Attempt:
 
     async def _hand_back(self) -> None:
         """The worker is stopping: the job goes back to the queue, no attempt spent."""
-        await self._manager.release(self.job, reason=SHUTDOWN)
-        extra = {"action": "job_released", "job_id": str(self.job.id)}
-        log.info("job handed back: worker shutting down", extra=extra)
+        if await self._unless_canceled(self._manager.release(self.job, reason=SHUTDOWN)):
+            extra = {"action": "job_released", "job_id": str(self.job.id)}
+            log.info("job handed back: worker shutting down", extra=extra)
 
     def _out_of_memory(self, what: str) -> Callable[[], Awaitable[Any]]:
         """Queue again with a larger estimate (no attempt spent), or fail once that cannot help."""
@@ -413,7 +417,21 @@ class Attempt:
             "peak_mb": self.peak_mb,
             "oom_retry": job.oom_retries + 1,
         }
-        return lambda: self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
+        return lambda: self._unless_canceled(
+            self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
+        )
+
+    async def _unless_canceled(self, requeue: Awaitable[None]) -> bool:
+        """Queue the job again without spending an attempt (a hand-back, an out-of-memory retry);
+        whether it was. Those statements refuse a job whose cancel is pending: it ends canceled
+        instead, now, not after its lease runs out. A job truly lost is refused by that write too
+        (LeaseLost)."""
+        try:
+            await requeue
+        except errors.LeaseLost:
+            await self._failure("canceled while running", retryable=False)()
+            return False
+        return True
 
     async def _sample_memory(self, pgid: int) -> None:
         """Track the peak GPU memory of the model's process group while it runs (NVML)."""
@@ -452,6 +470,8 @@ class Attempt:
             files = self._store.check_outputs(out_dir, expected)
         except storage.OutputInvalid as exc:
             return self._failure(f"bad output: {exc.message}", retryable=False)
+        except OSError as exc:  # as in _run_model: not to be taken for a database outage
+            return self._failure(f"could not read the outputs: {exc}", retryable=True)
         job = self.job
         published = unsure = False
 
@@ -459,7 +479,12 @@ class Attempt:
             # Publish once; a retry after a database outage repeats only the database write.
             nonlocal published, unsure
             if not published and files:
-                self._store.publish(job.id, job.attempt, out_dir, files)
+                try:  # in a thread: its fsyncs may take a while on a busy disk
+                    await asyncio.to_thread(self._store.publish, job.id, job.attempt, out_dir, files)
+                except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
+                    cause = exc.__cause__ or exc
+                    await self._failure(f"could not store the results: {cause}", retryable=True)()
+                    return
             published = True
             try:
                 await self._manager.succeed(job, files, {"duration_s": round(duration_s, 3), **(about or {})})

@@ -60,20 +60,31 @@ def _holder(name: bytes) -> str:
     return f" (pid {pid})"
 
 
-def is_model_of(pid: int, job_id: object) -> bool:
-    """True if `pid` is a model process started for `job_id` (guards against pid reuse)."""
+def _run_of(job_id: object, attempt: int | None) -> Callable[[bytes], bool]:
+    """Whether an environment holds the GPUJOBS_JOB marker of `job_id`'s run `attempt` (None: any
+    attempt). Only that attempt's: the job may have been claimed again since, here too."""
+    if attempt is None:
+        prefix = f"GPUJOBS_JOB={job_id}:".encode()
+        return lambda environ: any(v.startswith(prefix) for v in environ.split(b"\0"))
+    marker = f"GPUJOBS_JOB={job_id}:{attempt}".encode()
+    return lambda environ: marker in environ.split(b"\0")
+
+
+def is_model_of(pid: int, job_id: object, attempt: int | None = None) -> bool:
+    """True if `pid` is a model process started for `job_id` (guards against pid reuse), for its
+    run `attempt` if given."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return False
-    return f"GPUJOBS_JOB={job_id}:".encode() in environ
+    return _run_of(job_id, attempt)(environ)
 
 
-def find_models(job_id: object) -> set[int]:
-    """Process groups on this host of model processes started for `job_id`, found in /proc by the
-    GPUJOBS_JOB marker in their environment (for runs that ended before their pid was recorded)."""
-    marker = f"GPUJOBS_JOB={job_id}:".encode()
-    return _groups_where(lambda environ: marker in environ)
+def find_models(job_id: object, attempt: int | None = None) -> set[int]:
+    """Process groups on this host of model processes started for `job_id` (for its run `attempt`
+    if given), found in /proc by the GPUJOBS_JOB marker in their environment (for runs that ended
+    before their pid was recorded)."""
+    return _groups_where(_run_of(job_id, attempt))
 
 
 def find_worker_models(worker_id: str) -> set[int]:
@@ -112,10 +123,10 @@ async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float)
     """Kill the model process groups of a job taken back from a dead worker on this host."""
     if taken.host != host:
         return False
-    if taken.pid is not None and is_model_of(taken.pid, taken.id):
+    if taken.pid is not None and is_model_of(taken.pid, taken.id, taken.attempt):
         groups = {taken.pid}
     else:
-        groups = await asyncio.to_thread(find_models, taken.id)
+        groups = await asyncio.to_thread(find_models, taken.id, taken.attempt)
     return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0
 
 

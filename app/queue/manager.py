@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -106,8 +106,12 @@ def _parse_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         at, _, job_id = raw.partition("|")
-        return datetime.fromisoformat(at), uuid.UUID(job_id)
-    except (ValueError, UnicodeDecodeError) as exc:
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError("a cursor's time has its offset")
+        # In UTC, as cursors are made: 0001-01-01 at +14:00 is a date PostgreSQL cannot hold.
+        return when.astimezone(UTC), uuid.UUID(job_id)
+    except (ValueError, OverflowError, UnicodeDecodeError) as exc:
         raise errors.InvalidRequest("cursor: not a cursor from a previous page", field="cursor") from exc
 
 
@@ -298,8 +302,18 @@ class JobManager:
 
         t = tables.Input
         async with self._auto.connect() as conn:
-            row = (await conn.execute(select(t.media_type, t.data).where(t.id == input_id))).one()
+            row = (await conn.execute(select(t.media_type, t.data).where(t.id == input_id))).first()
+        if row is None:  # retention deleted it after the job was read
+            raise errors.Gone("the job's input image was deleted by retention")
         return str(row.media_type), bytes(row.data)
+
+    async def input_sha256(self, input_id: int) -> str | None:
+        """The SHA-256 of a stored image (images are stored once per digest); None if deleted."""
+        from app import tables
+
+        t = tables.Input
+        async with self._auto.connect() as conn:
+            return await conn.scalar(select(t.sha256).where(t.id == input_id))
 
     async def events(self, job_id: uuid.UUID, *, owner: str | None = None) -> list[Event]:
         """The job's history, oldest first."""
@@ -611,6 +625,11 @@ class JobManager:
     def advisory_lock(self, key: int) -> records.AdvisoryLock:
         """`async with manager.advisory_lock(key) as held:` one holder at a time across processes."""
         return records.AdvisoryLock(self._engine, key)
+
+    async def now(self) -> datetime:
+        """The database's clock, by which every time of a job is written."""
+        async with self._auto.connect() as conn:
+            return (await conn.execute(sql.NOW)).one().now  # type: ignore[no-any-return]
 
     async def expirable(self, *, cutoff: datetime, limit: int) -> list[uuid.UUID]:
         """Finished jobs whose files retention would delete (finished before `cutoff`), oldest first."""

@@ -682,6 +682,8 @@ FINISHED_STATS = text(
 # One process at a time prunes (session-level advisory lock, held on its own connection).
 RETENTION_LOCK_KEY = 0x67706A_7072756E  # "gpj" "prun"
 TRY_LOCK = text("SELECT pg_try_advisory_lock(:key)")
+# The database's clock: ages of jobs are measured by it (`finished_at`), never by a host's.
+NOW = text("SELECT now() AS now")
 UNLOCK = text("SELECT pg_advisory_unlock(:key)")
 
 # Finished jobs that still have their files and finished before :cutoff, oldest first (this is

@@ -333,6 +333,11 @@ class Worker:
             on_model_end=self._model_ended,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
+        older = self._running.get(job.id)
+        if older is not None:
+            # This worker lost the job (paused past its lease) and has just claimed it again: the
+            # old attempt leaves the books here, so no heartbeat would ever tell it; it stops now.
+            older[0].stop(attempt_.LEASE_LOST)
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, run))
 
@@ -377,8 +382,8 @@ class Worker:
             took_s = time.monotonic() - run.model_started_s
             before = self._run_s.get(run.job.model)
             self._run_s[run.job.model] = scheduler.moving_average(before, took_s, weight=RUN_S_WEIGHT)
+        self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)  # a replaced run's too
         if self._owns(run):
-            self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)
             self._wake.set()
             if self._config.claim_gather_s > 0 and not self._stopping.is_set():
                 # The claim that fills this slot comes after the gather: the success, written
@@ -394,10 +399,10 @@ class Worker:
         job_id = run.job.id
         if run.lane_clean:
             self._free_lanes.append(run.lane)
-        if self._owns(run):
+        if self._owns(run):  # else a newer attempt of its job (claimed again) holds its place
             del self._running[job_id]
-            if not run.model_ended:  # else settled when the model ended
-                self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
+        if not run.model_ended:  # else settled when the model ended
+            self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, job_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
         self._wake.set()  # room on a GPU: look for work

@@ -380,6 +380,21 @@ async def test_listing_pages_through_fifty_jobs(client, png):
     assert bad.status_code == 422
 
 
+@pytest.mark.parametrize(
+    "at", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00", "2026-01-01T00:00:00"]
+)
+async def test_a_cursor_with_a_time_postgresql_cannot_hold_is_422(client, at):
+    """A cursor is the client's to send back: one edited to a time out of PostgreSQL's range (or
+    without its offset) is refused as a cursor, not a 500 from the database."""
+    import base64
+    import uuid
+
+    cursor = base64.urlsafe_b64encode(f"{at}|{uuid.uuid4()}".encode()).decode().rstrip("=")
+    answer = await client.get("/jobs", params={"cursor": cursor})
+    assert answer.status_code == 422, answer.text
+    assert "cursor" in answer.text
+
+
 async def test_unknown_job_is_404(client):
     import uuid
 
@@ -430,3 +445,10 @@ async def test_an_enqueue_counts_the_jobs_waiting_only_near_the_limit(manager, e
     far.waiting.REFRESH_S = 0.0
     await enqueue(far, queue_limit=100_000)
     assert far.waiting.known == 156  # counted again: 155 waiting, then its own
+
+
+async def test_an_image_deleted_between_reading_its_job_and_itself_is_gone(manager):
+    """Retention may delete an input after its job was read: 410, as for a job read later."""
+    with pytest.raises(errors.Gone):
+        await manager.input_by_id(2**31 - 1)
+    assert await manager.input_sha256(2**31 - 1) is None

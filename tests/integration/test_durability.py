@@ -458,3 +458,64 @@ async def test_an_orphan_whose_pid_was_never_recorded_is_found_and_killed(manage
     assert done.state is JobState.succeeded and done.attempt == 2
     assert not any(alive(p) for p in orphans)
     assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the orphan never finished
+
+
+async def test_a_worker_that_claims_its_lost_job_again_stops_the_old_run(
+    manager, make_worker, engine, tmp_path
+):
+    """A worker paused past its lease loses its job to a reaper elsewhere, and may then claim the
+    same job again before its next heartbeat. The old attempt then left the worker's books (they
+    hold one attempt per job) with nothing to stop it: a model that reports no progress ran on,
+    beside the new attempt of its job, on the same worker, until its first fenced write."""
+    log = tmp_path / "trace.jsonl"
+    job_id = await enqueue(manager, sleep=4, steps=1, trace=str(log))  # progress only at its end
+    worker = make_worker(burst=False, lease_s=60, heartbeat_interval_s=30)
+    async with running(worker):
+        await until(manager, job_id, lambda j: j.pid is not None)
+        async with engine.begin() as conn:
+            await conn.execute(EXPIRE_LEASE, {"id": job_id})
+        assert [t.id for t in await manager.recover_expired(by_worker="test:elsewhere")] == [job_id]
+        done = await until(manager, job_id, lambda j: j.state.final)
+    assert (done.state, done.attempt) == (JobState.succeeded, 2)
+    assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the first run was stopped
+
+
+async def test_results_that_cannot_be_stored_fail_the_attempt(manager, make_worker, store):
+    """Storing the outputs fails (a full disk; here their folder's name is taken by a file). The
+    failure is an OSError, which was taken for a database outage: the final write was tried again
+    and again, and the job stayed running, its lease renewed, for ever."""
+    job_id = await enqueue(manager, max_attempts=1)
+    (store.root / "results" / str(job_id)).write_bytes(b"in the way")
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=15)
+    assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
+    assert job.error is not None and job.error.startswith("could not store the results"), job.error
+    assert list((store.root / "results").glob(f"{job_id}*/*")) == []
+
+
+async def test_a_scratch_folder_that_cannot_be_made_fails_the_attempt(manager, make_worker, store):
+    """The worker cannot write the job's input into its scratch lane (a full disk; here the lanes'
+    folder is a file). That OSError was taken for a database outage too: the attempt wrote nothing
+    and its job waited for its lease to run out, then counted as lost by a dead worker."""
+    worker = make_worker(burst=False)
+    store.lane_dir(worker.id, 0).parent.write_bytes(b"in the way")  # survives the start's cleanup
+    job_id = await enqueue(manager, max_attempts=1)
+    async with running(worker):
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=15)
+    assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
+    assert job.error is not None and job.error.startswith("could not prepare the scratch folder"), job.error
+
+
+async def test_a_job_handed_back_with_a_cancel_pending_ends_canceled(manager, make_worker, engine):
+    """A stopping worker hands its running jobs back; the statement refuses a job whose cancel is
+    pending (its worker missed the NOTIFY and has had no heartbeat since). The refusal was taken
+    for a lost lease: the job stayed running, unowned, until its lease ran out and a reaper
+    canceled it, counting its run as lost to a dead worker."""
+    job_id = await enqueue(manager, sleep=30, steps=30)
+    worker = make_worker(burst=False, lease_s=60, heartbeat_interval_s=30, shutdown_grace_s=0.2)
+    async with running(worker):
+        await until(manager, job_id, lambda j: j.pid is not None)
+        async with engine.begin() as conn:  # no NOTIFY: the worker learns nothing of it
+            await conn.execute(text("UPDATE jobs SET cancel_requested = true WHERE id = :id"), {"id": job_id})
+    job = await manager.get(job_id)
+    assert (job.state, job.abnormal_runs) == (JobState.canceled, 0), job.error

@@ -170,3 +170,27 @@ async def test_retention_off_needs_an_explicit_age(settings):
     async with api_client(settings, retention_days=0) as http:
         refused = await http.post("/admin/prune", json={})
         assert refused.status_code == 422 and "older_than_s" in refused.json()["detail"]
+
+
+async def test_a_worker_whose_clock_runs_ahead_keeps_recent_jobs(
+    manager, make_worker, engine, store, monkeypatch
+):
+    """Ages are the database's: `finished_at` is its clock. The cutoff was taken from the pruning
+    process's clock, so a host whose clock ran two hours fast deleted the results of jobs that had
+    finished half an hour before, under a retention of one hour."""
+    from datetime import datetime, timedelta
+
+    from app import retention
+
+    class Fast(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + timedelta(hours=2)
+
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    await age(engine, job_id, days=1 / 48)  # finished half an hour ago
+    monkeypatch.setattr(retention, "datetime", Fast)
+    report = await retention.Pruner(manager, store.root).prune(older_than_s=3600)
+    assert report.jobs == 0 and folders(store.root, job_id) == ["results", "logs"]
+    assert (await manager.get(job_id)).expired_at is None

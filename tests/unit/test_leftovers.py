@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from app import errors
 from app.queue import leftovers
+from app.queue import manager as manager_
+from app.queue.jobs import JobState
 
 
 @pytest.fixture
@@ -65,3 +70,31 @@ def test_a_worker_id_is_held_by_one_process_at_a_time_and_freed_when_it_ends():
             hold(worker_id)
         holder.kill()
     hold(worker_id)
+
+
+async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
+    """A reaper kills what a dead worker's attempt left on this host, found by the GPUJOBS_JOB
+    marker when no pid was recorded. Meanwhile the job may have been taken back elsewhere and
+    claimed again by a worker on this host: the marker of any attempt matched, and the new run was
+    killed as the old one's leftover."""
+    job_id = uuid.uuid4()
+    old, new = [
+        await asyncio.create_subprocess_exec(
+            "sleep",
+            "30",
+            env={"PATH": os.environ["PATH"], "GPUJOBS_JOB": f"{job_id}:{n}"},
+            start_new_session=True,
+        )
+        for n in (1, 2)
+    ]
+    try:
+        taken = manager_.TakenBack(job_id, 1, "h:dead", JobState.running, None, socket.gethostname())
+        assert await leftovers.kill_leftover(taken, host=socket.gethostname(), grace_s=5)
+        assert await asyncio.wait_for(old.wait(), 5) is not None
+        assert new.returncode is None  # the next attempt's run lives on
+        assert not leftovers.is_model_of(new.pid, job_id, 1) and leftovers.is_model_of(new.pid, job_id, 2)
+    finally:
+        for p in (old, new):
+            if p.returncode is None:
+                p.kill()
+            await p.wait()

@@ -115,3 +115,43 @@ def test_reset_removes_only_the_owners_lanes(tmp_path: Path):
     assert not mine.exists() and (theirs / "input.png").exists()
     store.prepare(mine, "input.png", b"y", uuid.uuid4(), 1)  # made again after a reset
     assert (mine / "out").is_dir()
+
+
+def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in_place(tmp_path: Path):
+    """The model swaps its `out/` for a link to a folder elsewhere that holds a file of the output's
+    name. Each output was checked not to be a link itself, but `out/` was followed: the file was
+    taken as the job's result, and publishing moved it out of the folder it belongs to."""
+    store = storage.ResultStore(tmp_path / "storage")
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (victim / "mesh.glb").write_bytes(b"not the model's output")
+    lane = store.lane_dir("w", 0)
+    store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+    os.rmdir(lane / "out")
+    os.symlink(victim, lane / "out")
+    with pytest.raises(storage.OutputInvalid, match="not a folder"):
+        store.check_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    assert (victim / "mesh.glb").read_bytes() == b"not the model's output"
+
+
+def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: Path, monkeypatch):
+    """The success names the files, with their sizes and digests, in the database; a host that
+    crashed after it must not come back with those files empty or missing. So the files, the
+    attempt's folder and the job's folder are flushed (fsync) before publish returns."""
+    synced: set[int] = set()
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    store = storage.ResultStore(tmp_path)
+    lane, job = store.lane_dir("w", 0), uuid.uuid4()
+    store.prepare(lane, "input.png", b"x", job, 1)
+    (lane / "out" / "mesh.glb").write_bytes(b"glTF")
+    files = store.check_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    final = store.publish(job, 1, lane / "out", files)
+    assert (final / "mesh.glb").read_bytes() == b"glTF"
+    wanted = {final / "mesh.glb", final, final.parent, final.parent.parent}
+    assert {p.stat().st_ino for p in wanted} <= synced
