@@ -177,6 +177,49 @@ async def test_the_form_checks_like_the_server_and_shows_its_errors_by_the_field
         assert (await site.http.get("/jobs")).json()["jobs"] == []  # nothing was queued
 
 
+async def test_a_lost_answer_is_sent_again_with_its_key_and_a_changed_form_with_a_new_one(make_site, page):
+    """The server refuses a key reused for another request (409). The page keeps its key while the
+    form is unchanged, so resending after a lost answer gets back the job already queued, and it
+    takes a new key once anything changed (a key kept until a success made that resend a 409)."""
+    async with make_site() as site:
+        keys: list[str] = []
+        lose = {0, 2}  # the answers to these POSTs never arrive
+
+        async def losing(route: Any) -> None:
+            if route.request.method != "POST":
+                await route.continue_()
+                return
+            keys.append(route.request.headers["idempotency-key"])
+            answer = await route.fetch()  # the server queues the job...
+            if len(keys) - 1 in lose:
+                await route.abort("connectionreset")  # ...and its answer is lost
+            else:
+                await route.fulfill(response=answer)
+
+        async def send(expected_jobs: int) -> None:
+            await submit.click()
+            await expect(submit).to_be_enabled()
+            assert len((await site.http.get("/jobs")).json()["jobs"]) == expected_jobs
+
+        await page.route(re.compile(r".*/jobs$"), losing)
+        await sign_in(page, site, site.user_key)
+        submit = page.get_by_role("button", name="Submit job")
+        await drop(page, "ramp.png", ramp_png())
+        await page.get_by_label("resolution", exact=True).fill("32")
+        await send(1)  # lost
+        await send(1)  # the same form: its key, and the job already queued
+        await expect(page.locator("#submit-status")).to_contain_text("queued")
+        await drop(page, "ramp.png", ramp_png())
+        await page.get_by_label("Priority").fill("3")
+        await send(2)  # a new job, answer lost
+        await page.get_by_label("Priority").fill("4")
+        await send(3)  # changed: a new key, not a 409
+        await expect(page.locator("#submit-status")).to_contain_text("queued")
+        assert keys[0] == keys[1] and len(set(keys)) == 3
+        jobs = (await site.http.get("/jobs")).json()["jobs"]
+        assert [j["priority"] for j in jobs] == [4, 3, 0]
+
+
 async def stale_registry(route: Any) -> None:
     """GET /models as an older registry said it: the relief model took a resolution up to 4096."""
     response = await route.fetch()

@@ -151,7 +151,11 @@ export function setupSubmit(onSubmitted) {
   const limits = { maxBytes: Number(form.dataset.maxBytes), maxPixels: Number(form.dataset.maxPixels) };
   const models = {};
   let file = null;
-  let idempotencyKey = newIdempotencyKey();
+  // One key per request: a resubmission of the same image, model, priority and params (an answer
+  // lost on the way) reuses it and gets the same job back; any change takes a new one, which the
+  // server would otherwise refuse (409) as a key reused for another request.
+  let idempotencyKey = null;
+  let keyFor = null;
   const imageInput = $('image');
   const zone = $('dropzone');
   const preview = $('image-preview');
@@ -219,6 +223,8 @@ export function setupSubmit(onSubmitted) {
     body.append('model', model.name);
     body.append('priority', String(priority));
     body.append('params', JSON.stringify(params));
+    const asked = JSON.stringify([file.name, file.size, file.lastModified, model.name, priority, params]);
+    if (asked !== keyFor) [idempotencyKey, keyFor] = [newIdempotencyKey(), asked];
     const button = $('submit-button');
     button.disabled = true;
     $('submit-status').textContent = 'Uploading…';
@@ -232,7 +238,7 @@ export function setupSubmit(onSubmitted) {
       showError(message, field).focus();
       return;
     }
-    idempotencyKey = newIdempotencyKey();
+    keyFor = null;  // the next submission is a new request, even of the same image
     imageInput.value = '';
     await choose(null);
     $('submit-status').textContent = `Job ${shortId(answer.data.id)} queued.`;
