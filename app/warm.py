@@ -92,7 +92,12 @@ class WarmResult:
 
 
 class StartFailed(Exception):
-    """The runner could not start, or exited, timed out, was stopped or broke the protocol first."""
+    """The runner could not start, or exited, timed out, was stopped or broke the protocol first.
+    `permanent`: its program is missing or not executable, which no retry mends."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -163,7 +168,8 @@ class WarmRunner:
             self.state = RunnerState.DEAD
             self._log.close()
             if isinstance(exc, OSError):
-                raise StartFailed(f"the runner could not be started: {exc}") from exc
+                permanent = isinstance(exc, FileNotFoundError | PermissionError) and launch.cwd.is_dir()
+                raise StartFailed(f"the runner could not be started: {exc}", permanent=permanent) from exc
             raise
         self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")
         assert proc.stdout is not None and proc.stderr is not None

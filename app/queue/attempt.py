@@ -243,7 +243,8 @@ class Attempt:
         except warm.StartFailed as exc:
             if spec.out_of_memory(None, str(exc)):
                 return self._out_of_memory(f"the warm runner did not load: {exc}")
-            return self._failure(f"the warm runner did not start: {exc}", retryable=True)
+            # As for a one-shot run: a missing program fails at once; a failed load is retried.
+            return self._failure(f"the warm runner did not start: {exc}", retryable=not exc.permanent)
         self._runner = runner
         # What the success event says of the runner: its pid, which of its jobs this is, and the
         # model's load when this job was its first (the job waited for it).

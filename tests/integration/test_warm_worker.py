@@ -21,12 +21,15 @@ from tests.integration.test_worker import enqueue
 
 @pytest.fixture
 def models_file(models_file: Path, tmp_path: Path) -> Path:
-    """The test models and `warm_slow`, a persistent model whose load takes 30 s."""
+    """The test models, `warm_slow`, a persistent model whose load takes 30 s, and `warm_missing`,
+    whose runner program is not there."""
     loads = tmp_path / "loads-warm_slow.txt"
     serve = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads)])
     slow = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads), "--load-sleep", "30"])
+    missing = json.dumps([str(tmp_path / "no-such-runner")])
     with models_file.open("a") as f:
         f.write(warm_model("warm_slow", loads).replace(serve, slow))
+        f.write(warm_model("warm_missing", loads).replace(serve, missing))
     return models_file
 
 
@@ -128,6 +131,16 @@ async def test_a_job_canceled_while_its_runner_loads_ends_at_once_and_so_does_th
                 break
             await asyncio.sleep(0.05)
         assert not alive(pid) and not worker.pool.runners()
+
+
+async def test_a_runner_whose_program_is_missing_fails_its_job_at_once(manager, make_worker):
+    """No retry can mend a missing program: the job fails on its first attempt, as a one-shot run's
+    does, not after max_attempts rounds of backoff."""
+    job_id = await enqueue(manager, model="warm_missing", vram_mb=2000)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt) == (JobState.failed, 1), job
+    assert job.error is not None and "could not be started" in job.error
 
 
 async def test_idle_runners_stop(manager, make_worker, tmp_path):
