@@ -37,7 +37,7 @@ _T = TypeVar("_T")
 LINE_LIMIT_BYTES = 64 * 1024  # longer stdout/stderr lines are logged in pieces and never parsed
 _PROGRESS_BACKLOG = 1000  # undelivered progress updates kept; the oldest are dropped beyond this
 _PIPE_DRAIN_S = 2.0  # after the group is dead, how long the pipes may take to reach EOF
-_PROGRESS_DRAIN_S = 5.0  # after exit, how long queued progress updates may take to deliver
+_PROGRESS_DRAIN_S = 5.0  # after a run's end, how long queued progress updates may take to deliver
 _POLL_S = 0.05
 _READ_BYTES = 64 * 1024  # at most this much of a pipe per read
 _PASSED_THROUGH = ("PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
@@ -240,6 +240,54 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
+class ProgressFeed:
+    """Progress updates handed to a callback in order, from a task of their own that starts with
+    the first update: a slow callback (a database write) never holds up the reader of the model's
+    output. At most _PROGRESS_BACKLOG wait; beyond that the oldest is dropped. Its failures are
+    logged, never raised. One-shot runs and warm runners both feed theirs through one."""
+
+    def __init__(self, callback: ProgressCallback, name: str) -> None:
+        self._callback, self._name = callback, name
+        self._updates: asyncio.Queue[tuple[float, str]] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, fraction: float, message: str) -> None:
+        """Queue an update for the callback."""
+        if self._updates is None:
+            self._updates = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
+            self._task = asyncio.get_running_loop().create_task(self._deliver(self._updates), name=self._name)
+        if self._updates.full():
+            self._updates.get_nowait()
+            self._updates.task_done()
+        self._updates.put_nowait((fraction, message))
+
+    async def drain(self) -> None:
+        """Deliver what is queued (for at most _PROGRESS_DRAIN_S), then end the task."""
+        if self._task is None or self._updates is None:
+            return
+        try:
+            await asyncio.wait_for(self._updates.join(), _PROGRESS_DRAIN_S)
+        except TimeoutError:
+            _LOG.warning("progress callback too slow; dropping updates", extra={"action": "progress_dropped"})
+        self.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def cancel(self) -> None:
+        """Deliver nothing more."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _deliver(self, updates: asyncio.Queue[tuple[float, str]]) -> None:
+        while True:
+            fraction, message = await updates.get()
+            try:
+                await self._callback(fraction, message)
+            except Exception:
+                _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
+            finally:
+                updates.task_done()
+
+
 class ModelProcess:
     """One model run: `start()`, optionally `stop(reason)`, and always `await wait()`.
 
@@ -272,8 +320,7 @@ class ModelProcess:
         self._on_progress = on_progress
         self._popen: subprocess.Popen[bytes] | None = None
         self._pipes: list[_Pipe] = []
-        self._progress: asyncio.Queue[tuple[float, str]] | None = None  # made with the first update
-        self._dispatcher: asyncio.Task[None] | None = None
+        self._progress: ProgressFeed | None = None  # made with the first update
         self._stop_reason: str | None = None
         self._started_at = 0.0
         self._result: RunResult | None = None
@@ -315,7 +362,7 @@ class ModelProcess:
             stopped = self._stop_reason or "wait() was cancelled"
             await _finish_anyway(self._cleanup(timed_out=False, stopped=stopped))
             raise
-        if self._exited.done() and not self._pipes and self._dispatcher is None:
+        if self._exited.done() and not self._pipes and self._progress is None:
             self._kill_leftovers()  # nothing left to wait for: no cleanup task needed to be cancel-safe
             return self._finish(timed_out=timed_out, stopped=stopped)
         return await _finish_anyway(self._cleanup(timed_out=timed_out, stopped=stopped))
@@ -412,7 +459,8 @@ class ModelProcess:
             await self._kill(f"cancelled ({stopped})", "run_cancelled")
         self._kill_leftovers()
         await self._drain_pipes()
-        await self._drain_progress()
+        if self._progress is not None:
+            await self._progress.drain()
         return self._finish(timed_out=timed_out, stopped=stopped)
 
     def _kill_leftovers(self) -> None:
@@ -443,17 +491,6 @@ class ModelProcess:
             self._log.note("output pipes still open after exit (a process left the group?); closing them")
             for pipe in list(self._pipes):
                 self._close_pipe(pipe, eof=False)
-
-    async def _drain_progress(self) -> None:
-        """Deliver queued progress updates (bounded in time), then stop the dispatcher."""
-        if self._dispatcher is None or self._progress is None:
-            return
-        try:
-            await asyncio.wait_for(self._progress.join(), _PROGRESS_DRAIN_S)
-        except TimeoutError:
-            _LOG.warning("progress callback too slow; dropping updates", extra={"action": "progress_dropped"})
-        self._dispatcher.cancel()
-        await asyncio.gather(self._dispatcher, return_exceptions=True)
 
     def _on_output(self, pipe: _Pipe) -> None:
         """The loop saw a pipe readable: copy what it has into the log, queue progress; close at EOF."""
@@ -486,31 +523,13 @@ class ModelProcess:
             self._queue_progress(line.decode("utf-8", errors="replace"))
 
     def _queue_progress(self, line: str) -> None:
-        """Queue a parsed progress update for the callback, dropping the oldest if the backlog is full."""
+        """Queue a parsed progress update for the callback."""
         parsed = parse_progress(line)
         if parsed is None or self._on_progress is None:
             return
         if self._progress is None:
-            self._progress = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
-            self._dispatcher = self._loop.create_task(
-                self._dispatch(self._on_progress, self._progress), name=f"runner-progress-{self._group}"
-            )
-        if self._progress.full():
-            self._progress.get_nowait()
-            self._progress.task_done()
-        self._progress.put_nowait(parsed)
-
-    @staticmethod
-    async def _dispatch(callback: ProgressCallback, updates: asyncio.Queue[tuple[float, str]]) -> None:
-        """Call `on_progress` for each update in order; its failures are logged, never raised."""
-        while True:
-            fraction, message = await updates.get()
-            try:
-                await callback(fraction, message)
-            except Exception:
-                _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
-            finally:
-                updates.task_done()
+            self._progress = ProgressFeed(self._on_progress, f"runner-progress-{self._group}")
+        self._progress.put(*parsed)
 
 
 def prefer_pidfd_watcher() -> None:

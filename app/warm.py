@@ -31,8 +31,6 @@ from app.runlog import RunLog
 _LOG = logging.getLogger("gpujobs.warm")
 _PIPE_DRAIN_S = 2.0
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
-_PROGRESS_BACKLOG = 1000  # a job's undelivered progress updates kept; the oldest are dropped beyond this
-_PROGRESS_DRAIN_S = 5.0  # after a job's end, how long its queued progress updates may take to deliver
 
 ProgressCallback = runner.ProgressCallback
 _Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
@@ -106,18 +104,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-async def _dispatch(callback: ProgressCallback, updates: asyncio.Queue[modelkit.Progress]) -> None:
-    """Call the progress callback for each update in order; its failures are logged, never raised."""
-    while True:
-        event = await updates.get()
-        try:
-            await callback(event.fraction, event.message)
-        except Exception:
-            _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
-        finally:
-            updates.task_done()
-
-
 class WarmRunner:
     """One persistent model process: `start()`, `run_job()` one job at a time, `close()`."""
 
@@ -133,9 +119,7 @@ class WarmRunner:
         self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: collections.deque[_Event] = collections.deque()
-        # The job's progress updates and the task that hands them to its callback, made at its first.
-        self._progress: asyncio.Queue[modelkit.Progress] | None = None
-        self._dispatcher: asyncio.Task[None] | None = None
+        self._progress: runner.ProgressFeed | None = None  # the job's, made with its first update
         self._wakeup: asyncio.Future[None] | None = None  # what `_next` waits on: an event or stop()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -233,9 +217,9 @@ class WarmRunner:
             outcome, error, outputs = await self._exchange(job, line, started + timeout_s, timeout_s)
         except asyncio.CancelledError:
             self._job = None
-            if self._dispatcher is not None:
-                self._dispatcher.cancel()
-            self._progress = self._dispatcher = None
+            if self._progress is not None:
+                self._progress.cancel()
+                self._progress = None
             job_log.close(keep=True)
             await asyncio.shield(self._end("cancelled during a job"))
             raise
@@ -250,22 +234,10 @@ class WarmRunner:
         else:
             await asyncio.shield(self._end(f"job {job}: {error}"))
         self._job = None
-        await self._drain_progress()
+        if self._progress is not None:  # all of it reaches the callback before run_job() returns
+            progress, self._progress = self._progress, None
+            await progress.drain()
         return self._result(job_log, outcome, error, outputs, time.monotonic() - started)
-
-    async def _drain_progress(self) -> None:
-        """Let the job's queued progress reach its callback (within _PROGRESS_DRAIN_S), then end its task."""
-        progress, dispatcher = self._progress, self._dispatcher
-        if progress is None or dispatcher is None:
-            return
-        self._progress = self._dispatcher = None
-        try:
-            await asyncio.wait_for(progress.join(), _PROGRESS_DRAIN_S)
-        except TimeoutError:
-            _LOG.warning("progress callback too slow; dropping updates", extra={"action": "progress_dropped"})
-        finally:
-            dispatcher.cancel()
-            await asyncio.gather(dispatcher, return_exceptions=True)
 
     def _result(
         self, log: RunLog, outcome: Outcome, error: str | None, outputs: tuple[str, ...], took_s: float
@@ -323,7 +295,9 @@ class WarmRunner:
         while (event := await modelkit.read_reply(reader)) is not None:
             if isinstance(event, modelkit.Progress) and self._job is not None and event.job == self._job[0]:
                 self._job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
-                self._queue_progress(event, self._job[2])
+                if self._progress is None:  # a slow callback (the database away) must not hold up the answer
+                    self._progress = runner.ProgressFeed(self._job[2], f"warm-progress-{self.pid}")
+                self._progress.put(event.fraction, event.message)
                 continue
             self._hand_on(event)
             if isinstance(event, str):
@@ -332,19 +306,6 @@ class WarmRunner:
                     pass
         self._eof = True  # the process is on its way out: let it finish before any signal
         self._hand_on(None)
-
-    def _queue_progress(self, event: modelkit.Progress, callback: ProgressCallback) -> None:
-        """Queue a progress update for the job's callback, which runs in its own task: a slow one (the
-        database away) never keeps the job's answer unread. Beyond the backlog the oldest is dropped."""
-        if self._progress is None:
-            self._progress = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
-            self._dispatcher = asyncio.create_task(
-                _dispatch(callback, self._progress), name=f"warm-progress-{self.pid}"
-            )
-        if self._progress.full():
-            self._progress.get_nowait()
-            self._progress.task_done()
-        self._progress.put_nowait(event)
 
     def _hand_on(self, event: _Event) -> None:
         """Queue an event for whoever waits; while idle, any event (EOF included) ends the runner."""
