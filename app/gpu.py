@@ -248,9 +248,10 @@ def _virtual_fallback(reason: str, sizes: list[int] | None, default_mb: int) -> 
     return inventory
 
 
-def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int) -> int:
-    """MB this GPU may still hand out: min(total - buffer - reserved, free - buffer), at least 0."""
-    return max(0, min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb))
+def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int, unseen_mb: int = 0) -> int:
+    """MB this GPU may still hand out: min(total - buffer - reserved, free - buffer - unseen), at
+    least 0. `unseen_mb`: memory of jobs in hand that NVML's free figure does not show yet."""
+    return max(0, min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb - unseen_mb))
 
 
 def fits(need_mb: int, budget_mb: int) -> bool:

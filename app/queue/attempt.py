@@ -110,6 +110,7 @@ class Attempt:
         self.started_s = time.monotonic()
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
         self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory
+        self.seen_mb = 0  # what they held at the last reading
         self._process: runner.ModelProcess | None = None
         self._stop_reason: str | None = None
         self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
@@ -440,7 +441,7 @@ class Attempt:
         while True:
             usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
             self.gpu_pids.update(usage)
-            total = sum(usage.values())
+            total = self.seen_mb = sum(usage.values())
             if total and total > (self.peak_mb or 0):
                 self.peak_mb = total
             await asyncio.sleep(self._config.sample_interval_s)

@@ -2,7 +2,9 @@
 
 Budgets: each GPU's free MB (DESIGN.md "Claiming"), less the jobs running on it, less the memory
 of jobs that ended but whose processes NVML still shows (a GPU is not offered again until its
-memory is back, or `gpu_settle_timeout_s` passed). Claims, in order, while a reservation holds:
+memory is back, or `gpu_settle_timeout_s` passed). NVML's free figure is further lowered by the
+part of the running jobs' needs it does not show yet (a model takes its memory seconds after
+its claim). Claims, in order, while a reservation holds:
 
     1. any job, on the GPUs that are not held
     2. on the held GPU: jobs that outrank the reserved one
@@ -44,11 +46,13 @@ class PlannerConfig:
 
 @dataclass(frozen=True, slots=True)
 class InHand:
-    """A job this worker runs: where, how big, since when (monotonic seconds)."""
+    """A job this worker runs: where, how big, since when (monotonic seconds), and how much GPU
+    memory NVML last showed its model holding."""
 
     job: Job
     gpu: int
     started_s: float
+    seen_mb: int = 0
 
 
 @dataclass(slots=True)
@@ -114,6 +118,18 @@ class Planner:
             held[entry.gpu] += entry.vram_mb
         return held
 
+    def _taken_mb(self, running: Sequence[InHand]) -> tuple[Counter[int], Counter[int]]:
+        """MB per GPU taken by the jobs in hand and the ended jobs still settling; and the part of
+        the jobs in hand that NVML does not show yet. A model takes its memory a while after its
+        claim (a process start, imports, a CUDA context): until then NVML's free figure still
+        counts that memory as free, and must not be handed out again."""
+        reserved = self._settling_mb()
+        unseen: Counter[int] = Counter()
+        for r in running:
+            reserved[r.gpu] += r.job.vram_mb
+            unseen[r.gpu] += max(0, r.job.vram_mb - r.seen_mb)
+        return reserved, unseen
+
     def rooms(
         self, running: Sequence[InHand], ahead: Mapping[int, int] | None = None
     ) -> list[scheduler.GpuRoom]:
@@ -122,16 +138,15 @@ class Planner:
 
         Idle warm runners count as free: a job that needs their memory evicts them (make_room).
         """
-        reserved = self._settling_mb()
-        count: Counter[int] = Counter()
-        for r in running:
-            reserved[r.gpu] += r.job.vram_mb
-            count[r.gpu] += 1
+        reserved, unseen = self._taken_mb(running)
+        count = Counter(r.gpu for r in running)
         cap, buffer = self._config.max_jobs_per_gpu, self._config.vram_buffer_mb
         rooms = []
         for g in self._inventory.snapshot():
             held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
-            free = gpu.available_mb(g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer)
+            free = gpu.available_mb(
+                g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer, unseen_mb=unseen[g.index]
+            )
             available = min(max(0, g.total_mb - buffer - reserved[g.index]), free + held)
             if cap and count[g.index] >= cap + (ahead or {}).get(g.index, 0):
                 available = 0
@@ -142,10 +157,7 @@ class Planner:
         """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real."""
         if self._pool is None or job.gpu is None:
             return 0
-        reserved = self._settling_mb()
-        for r in running:
-            if r.job.id != job.id:
-                reserved[r.gpu] += r.job.vram_mb
+        reserved, unseen = self._taken_mb([r for r in running if r.job.id != job.id])
         need = job.vram_mb
         if self._models.get(job.model).persistent:  # its own idle runner's memory is its to use
             need -= self._pool.idle_hold_mb(warmpool.RunnerKey(job.model, job.gpu))
@@ -153,7 +165,10 @@ class Planner:
             if g.index == job.gpu:
                 held = self._pool.reserved_mb(g.index)
                 free = gpu.available_mb(
-                    g, reserved_mb=reserved[g.index] + held, buffer_mb=self._config.vram_buffer_mb
+                    g,
+                    reserved_mb=reserved[g.index] + held,
+                    buffer_mb=self._config.vram_buffer_mb,
+                    unseen_mb=unseen[g.index],
                 )
                 return max(0, need - free)
         return 0

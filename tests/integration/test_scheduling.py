@@ -19,7 +19,7 @@ from tests import plans
 from tests.conftest import api_client, png_bytes
 from tests.fakes import FakeInventory
 from tests.integration.test_durability import kinds, running, until
-from tests.integration.test_worker import enqueue
+from tests.integration.test_worker import enqueue, peak_overlap, trace
 
 
 async def _starved_for(manager, make_worker, *, reserve_after_s: float, watch_s: float) -> float | None:
@@ -199,6 +199,38 @@ async def test_gpu_is_held_until_its_memory_returns(manager, make_worker):
         await until(manager, second, lambda j: j.state is JobState.succeeded)
         assert time.monotonic() - freed < 5
     assert (await manager.get(first)).vram_peak_mb == 5_000
+
+
+async def test_memory_nvml_does_not_show_yet_is_not_handed_out_again(manager, make_worker, tmp_path):
+    """NVML's free memory lags a job's start: its model takes its memory seconds after the claim (a
+    Python start, torch's import, a CUDA context). Read meanwhile, the GPU looked as free as before
+    and the worker claimed more jobs on the same memory; on a real GPU they ran out of memory (each
+    re-queued as an out-of-memory run). Here NVML never sees the models: each job's whole need
+    counts as taken until it does."""
+    inventory = FakeInventory([40_000])
+    inventory.set_free(0, 20_000)  # another program holds half the card
+    log = tmp_path / "trace.jsonl"
+    for _ in range(4):
+        await enqueue(manager, vram_mb=9_000, sleep=0.6, steps=1, trace=str(log))
+    await make_worker(inventory=inventory).run()
+    assert peak_overlap(trace(log)) == 2  # 2 x 9 GB fit in the 20 GB free, 4 would not
+
+
+async def test_memory_nvml_already_shows_is_not_counted_twice(manager, make_worker):
+    """Once NVML shows a job's memory in use, its free memory says so: the job's need is not taken
+    off it again."""
+    inventory = FakeInventory([40_000])
+    inventory.set_free(0, 20_000)
+    first = await enqueue(manager, vram_mb=9_000, sleep=3.0, steps=1)
+    async with running(make_worker(inventory=inventory, burst=False)):
+        job = await until(manager, first, lambda j: j.pid is not None)
+        inventory.set_process(job.pid, 9_000)  # the sampler reads the model's memory...
+        inventory.set_free(0, 11_000)  # ...and NVML's free memory is down by as much
+        await asyncio.sleep(1.0)  # two samples
+        second = await enqueue(manager, vram_mb=9_000)
+        done = await until(manager, second, lambda j: j.state.final, timeout_s=10)
+        assert done.state is JobState.succeeded
+        assert (await manager.get(first)).state is JobState.running  # they ran side by side
 
 
 async def test_quarantine_after_abnormal_deaths_and_release_by_admin(engine, make_worker, settings):

@@ -61,6 +61,16 @@ def trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def peak_overlap(runs: list[dict[str, Any]]) -> int:
+    """The most runs (trace lines with a start and an end) that overlapped at one moment."""
+    edges = sorted([(r["start"], 1) for r in runs] + [(r["end"], -1) for r in runs])
+    peak = now = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store):
     job_id = await enqueue(manager, steps=4, sleep=0.8)  # long enough to record its pid
     worker = make_worker()
