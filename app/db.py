@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -136,12 +138,29 @@ def asyncpg_dsn(url: str) -> str:
 
 
 _CONNECTION_ERRORS = (
-    OSError,
+    ConnectionError,  # refused, reset, aborted, a broken pipe
+    socket.gaierror,  # the host name does not resolve
     asyncio.TimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
     asyncpg.InterfaceError,
     asyncpg.AdminShutdownError,
+)
+# Other OSErrors count only with one of these numbers and no file name: a socket that could not
+# connect (ENOENT: the server's unix socket is gone). A full disk, an I/O error or a missing file
+# (which carries its name) is this host's trouble: taken for an outage, it left jobs running, their
+# writes retried and leases renewed, for ever.
+_NETWORK_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.EHOSTUNREACH,
+        errno.EHOSTDOWN,
+        errno.ETIMEDOUT,
+        errno.ENOTCONN,
+        errno.EADDRNOTAVAIL,
+    }
 )
 
 
@@ -158,5 +177,10 @@ def is_unavailable(error: BaseException) -> bool:
 
 def _is_connection_error(error: BaseException | None) -> bool:
     """`error`, or what caused it, is one of the errors of a connection that is not there."""
-    cause = getattr(error, "__cause__", None)
-    return isinstance(error, _CONNECTION_ERRORS) or isinstance(cause, _CONNECTION_ERRORS)
+    return _lost_connection(error) or _lost_connection(getattr(error, "__cause__", None))
+
+
+def _lost_connection(error: BaseException | None) -> bool:
+    if isinstance(error, _CONNECTION_ERRORS):
+        return True
+    return isinstance(error, OSError) and error.filename is None and error.errno in _NETWORK_ERRNOS
