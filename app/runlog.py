@@ -5,12 +5,20 @@ leaves no file: making one is the costliest system call of a no-op job, and woul
 the job's events already say (when it started and ended). The worker's lines wait in memory until
 the model speaks; `close(keep=True)`, for a run that ended badly, writes them even then, so every
 failure has a log that says why. A failing disk never stops the pipes: the tail keeps everything.
+
+A cap (`max_bytes`, GPUJOBS_MAX_LOG_MB) bounds the file, so a model that prints without end cannot
+fill the host's disk. A job's log keeps its head, whole lines up to the cap; what comes after is
+only counted, and at `close()` one line of the worker's says how many bytes were left out, followed
+by the run's last lines (those of the in-memory tail that came after the head). A runner's
+long-lived log (`rotate`) instead moves a full file to `<name>.1`, replacing the older one, and goes
+on in a fresh file. Either way the pipes are read as before and the tail is the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,14 +39,22 @@ def open_log(path: Path) -> BinaryIO:
 
 
 class RunLog:
-    """One append-only log file, made at the model's first byte (or at once, when `eager`)."""
+    """One append-only log file, made at the model's first byte (or at once, when `eager`), kept
+    within `max_bytes` (0: no cap) by keeping its head, or by rotating it (`rotate`)."""
 
-    def __init__(self, path: Path, tag: str, *, eager: bool = False) -> None:
+    def __init__(
+        self, path: Path, tag: str, *, eager: bool = False, max_bytes: int = 0, rotate: bool = False
+    ) -> None:
         self.path = path
         self._tag = tag  # marks the worker's own lines: "[runner] exit code 1"
         self._file: BinaryIO | None = None
         self._waiting: list[bytes] | None = []  # the worker's lines, until the file is made; then None
         self._tail = bytearray()
+        self._max_bytes = max_bytes
+        self._rotate = rotate
+        self._size = 0  # the file's length
+        self._left_out = 0  # bytes past the head, not written (the cap reached, without `rotate`)
+        self._line_ended = True  # whether the last byte written was a newline
         if eager:
             self._open()
 
@@ -61,15 +77,14 @@ class RunLog:
             self._put(line)
 
     def close(self, *, keep: bool = False) -> None:
-        """Close the file; with `keep`, make it for the worker's lines if the model said nothing.
-        Later writes reach only the tail."""
+        """Close the file (a capped one ends with what was left out and the last lines); with `keep`,
+        make it for the worker's lines if the model said nothing. Later writes reach only the tail."""
         if keep and self._waiting:
             self._open()
         self._waiting = None
-        if self._file is not None:
-            with contextlib.suppress(OSError):  # unbuffered: nothing is left to write
-                self._file.close()
-            self._file = None
+        if self._left_out and self._file is not None:
+            self._write(self._ending())
+        self._shut()
 
     def tail(self) -> str:
         """The last TAIL_LINES lines within the last TAIL_BYTES bytes, decoded leniently."""
@@ -86,16 +101,115 @@ class RunLog:
         waiting, self._waiting = self._waiting or [], None
         try:
             self._file = open_log(self.path)
+            self._size = os.fstat(self._file.fileno()).st_size
         except OSError as exc:
             _LOG.error("cannot open a run log: %s", exc, extra={"action": "log_write_failed"})
+            self._shut()
             return
         self._put(b"".join(waiting))
 
     def _put(self, data: bytes) -> None:
+        """Write `data`, or what of it the cap allows."""
+        if self._file is None or not data:
+            return
+        if self._max_bytes and self._rotate:
+            self._put_rotating(data)
+        elif self._left_out or (self._max_bytes and self._size + len(data) > self._max_bytes):
+            self._put_head(data)
+        else:
+            self._write(data)
+
+    def _put_head(self, data: bytes) -> None:
+        """At the cap: write the whole lines that fit, count the rest as left out. Output without a
+        newline (a progress bar redrawn with carriage returns, a piece of an overlong line) fills
+        the head up to the cap."""
+        if not self._left_out:
+            room = max(self._max_bytes - self._size, 0)
+            cut = _lines_within(data, room) or (room if b"\n" not in data else 0)
+            self._write(data[:cut])
+            data = data[cut:]
+            _LOG.warning(
+                "a run log reached its cap; its head and last lines are kept",
+                extra={"action": "log_capped", "path": str(self.path), "max_bytes": self._max_bytes},
+            )
+        self._left_out += len(data)
+
+    def _put_rotating(self, data: bytes) -> None:
+        """Write whole lines while they fit, rotate the file when the next does not.
+
+        The size is the file's own, not a count of ours: two runners of a model on a GPU share a
+        runner.log, and either may have written or rotated it."""
+        while data and self._file is not None:
+            self._size = os.fstat(self._file.fileno()).st_size
+            if self._size + len(data) <= self._max_bytes:
+                self._write(data)
+                return
+            room = max(self._max_bytes - self._size, 0)
+            cut = _lines_within(data, room) or (room if self._size == 0 else 0)
+            self._write(data[:cut])
+            data = data[cut:]
+            if data:
+                self._roll()
+
+    def _roll(self) -> None:
+        """Move the full file to `<name>.1` (replacing an older one) and open a fresh one; when
+        another writer has moved it already, only open the fresh one."""
+        assert self._file is not None
+        try:
+            if _same_file(self.path, self._file):
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                _LOG.info("log rotated", extra={"action": "log_rotated", "path": str(self.path)})
+            self._file.close()
+            self._file = open_log(self.path)
+            self._size = os.fstat(self._file.fileno()).st_size
+        except OSError as exc:
+            _LOG.error("cannot rotate a log: %s", exc, extra={"action": "log_write_failed"})
+            self._shut()
+
+    def _ending(self) -> bytes:
+        """What a capped log ends with: a line saying how many bytes were left out, then the last
+        lines of the tail among them."""
+        last = bytes(self._tail[-min(self._left_out, TAIL_BYTES) :])
+        if len(last) < self._left_out:  # it starts within a line: from the next one
+            last = last[last.find(b"\n") + 1 :]
+        lines = last.split(b"\n")
+        last = b"\n".join(lines[-(TAIL_LINES + last.endswith(b"\n")) :])
+        cap = self._max_bytes
+        size = f"{cap // 2**20} MiB" if cap % 2**20 == 0 else f"{cap} bytes"
+        line = (
+            f"[{self._tag}] log cap of {size} reached: {self._left_out - len(last)} bytes left out; "
+            "the last lines follow\n"
+        )
+        return (b"" if self._line_ended else b"\n") + line.encode() + last
+
+    def _write(self, data: bytes) -> None:
         if self._file is None or not data:
             return
         try:
             self._file.write(data)
         except OSError as exc:
             _LOG.error("cannot write a run log: %s", exc, extra={"action": "log_write_failed"})
-            self.close()
+            self._shut()
+            return
+        self._size += len(data)
+        self._line_ended = data.endswith(b"\n")
+
+    def _shut(self) -> None:
+        """Close the file, if open; nothing more is written to it."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # unbuffered: nothing is left to write
+                self._file.close()
+            self._file = None
+
+
+def _lines_within(data: bytes, room: int) -> int:
+    """The length of the whole lines at the start of `data` that fit in `room` bytes (0: none)."""
+    return data.rfind(b"\n", 0, room) + 1
+
+
+def _same_file(path: Path, file: BinaryIO) -> bool:
+    """Whether `path` still names the open `file` (not a fresh one made since, nor nothing)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(file.fileno()))
+    except FileNotFoundError:
+        return False
