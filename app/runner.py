@@ -305,6 +305,7 @@ class ModelProcess:
         log_path: Path,
         timeout_s: float,
         kill_grace_s: float = 5.0,
+        max_log_bytes: int = 0,
         on_progress: ProgressCallback | None = None,
     ) -> None:
         if not argv:
@@ -314,7 +315,7 @@ class ModelProcess:
         self._argv = tuple(argv)
         self._cwd = cwd
         self._env = dict(env)
-        self._log = RunLog(log_path, "runner")
+        self._log = RunLog(log_path, "runner", max_bytes=max_log_bytes)  # see app/runlog.py for the cap
         self._timeout_s = timeout_s
         self._kill_grace_s = kill_grace_s
         self._on_progress = on_progress

@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     )
     kill_grace_s: float = Field(5, ge=0, description="Seconds between SIGTERM and SIGKILL of a model")
     shutdown_grace_s: float = Field(30, ge=0, description="On SIGTERM, how long running jobs may finish")
+    max_log_mb: float = Field(
+        16,
+        ge=0,
+        description="Largest log file, in MB: past it a job's log keeps its start and its last lines, "
+        "a warm runner's runner.log rotates to runner.log.1 (0 = no cap)",
+    )
     retry_base_s: float = Field(5, ge=0, description="First retry delay; doubles each attempt (jitter)")
     retry_max_s: float = Field(600, ge=0, description="Longest retry delay")
     # Scheduling (README "Scheduling"): aging, reservations and backfill, learned VRAM, OOM, quarantine.

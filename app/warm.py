@@ -107,7 +107,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 class WarmRunner:
     """One persistent model process: `start()`, `run_job()` one job at a time, `close()`."""
 
-    def __init__(self, launch: Launch, *, kill_grace_s: float = 5.0) -> None:
+    def __init__(self, launch: Launch, *, kill_grace_s: float = 5.0, max_log_bytes: int = 0) -> None:
         if not launch.argv or launch.load_timeout_s <= 0 or kill_grace_s < 0:
             raise ValueError("argv must not be empty, load_timeout_s > 0 and kill_grace_s >= 0")
         self.launch, self._grace = launch, kill_grace_s
@@ -115,7 +115,9 @@ class WarmRunner:
         self.created_s = self.last_used_s  # monotonic, like last_used_s
         self.load_s: float | None = None  # from start() to the ready line, once it came
         self._proc: runner.Process | None = None
-        self._log = RunLog(launch.log_path, "warm", eager=True)
+        # Its own log rotates at the cap (a runner may live for weeks); each job's keeps its head and end.
+        self._max_log_bytes = max_log_bytes
+        self._log = RunLog(launch.log_path, "warm", eager=True, max_bytes=max_log_bytes, rotate=True)
         self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: collections.deque[_Event] = collections.deque()
@@ -209,7 +211,8 @@ class WarmRunner:
         if self.state is not RunnerState.IDLE:
             raise RuntimeError(f"run_job() on a runner that is {self.state}")
         line = request.encode()  # a request that cannot be sent fails here, before anything changed
-        job, job_log, started = request.job, RunLog(log_path, "warm"), time.monotonic()
+        job, started = request.job, time.monotonic()
+        job_log = RunLog(log_path, "warm", max_bytes=self._max_log_bytes)
         self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")

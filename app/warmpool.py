@@ -94,8 +94,9 @@ class Pace:
 class WarmPool:
     """The warm runners of one worker."""
 
-    def __init__(self, *, kill_grace_s: float = 5.0, paced: bool = False) -> None:
+    def __init__(self, *, kill_grace_s: float = 5.0, paced: bool = False, max_log_bytes: int = 0) -> None:
         self._grace = kill_grace_s
+        self._max_log_bytes = max_log_bytes  # each runner's log, and each of its jobs' (0: no cap)
         self._paced = paced
         self._held: dict[warm.WarmRunner, _Held] = {}  # oldest first
         self._in_use: dict[warm.WarmRunner, float] = {}  # runner -> when it was handed out
@@ -135,7 +136,7 @@ class WarmPool:
             if runner is not None:
                 return runner  # else this job was told to start one
         how = launch if isinstance(launch, warm.Launch) else launch()
-        runner = warm.WarmRunner(how, kill_grace_s=self._grace)
+        runner = warm.WarmRunner(how, kill_grace_s=self._grace, max_log_bytes=self._max_log_bytes)
         self._held[runner] = _Held(key, hold_mb)
         self.starts[key] += 1
         self._hand_out(runner)

@@ -140,6 +140,11 @@ type = "int"
 min = 0
 max = 10
 default = 0
+[models.{name}.params.noise_kb]
+type = "int"
+min = 0
+max = 1000000
+default = 0
 [models.{name}.params.output]
 type = "bool"
 default = true
@@ -177,6 +182,8 @@ def toy_model(name: str, *, timeout_s: float = 30, max_attempts: int = 3) -> str
         "{trace}",
         "--oom-attempts",
         "{oom_attempts}",
+        "--noise-kb",
+        "{noise_kb}",
     ]
     head = f"""
 [models.{name}]
@@ -204,6 +211,7 @@ def warm_model(name: str, loads: Path, *, idle_vram_mb: int = 1000, timeout_s: f
             ("crash_attempts", "int", "0"),
             ("hang", "bool", "false"),
             ("junk", "bool", "false"),
+            ("noise_kb", "int", "0"),
         )
     )
     return f"""

@@ -49,6 +49,7 @@ class AttemptConfig:
     oom_max_retries: int = 2
     oom_growth: float = 1.5
     sample_interval_s: float = 0.5  # how often the model's GPU memory is read (NVML)
+    max_log_bytes: int = 0  # the cap on the attempt's log (0: none)
 
 
 def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
@@ -208,6 +209,7 @@ class Attempt:
             log_path=log_path,
             timeout_s=spec.timeout_s,
             kill_grace_s=self._config.kill_grace_s,
+            max_log_bytes=self._config.max_log_bytes,
             on_progress=self._on_progress,
         )
         try:

@@ -56,6 +56,7 @@ class WorkerConfig:
     reap_interval_s: float = 5.0
     kill_grace_s: float = 5.0
     shutdown_grace_s: float = 30.0
+    max_log_mb: float = 16.0  # each log file: a job's keeps its head and last lines, a runner's rotates
     retry_base_s: float = 5.0
     retry_max_s: float = 600.0
     python: str = "python3"
@@ -68,6 +69,11 @@ class WorkerConfig:
     warm_paced: bool = False  # jobs wait for a busy runner unless one more would serve them sooner
     # What may be claimed and where: VRAM buffer, jobs per GPU, reservations, batches (the planner's).
     scheduling: planner_.PlannerConfig = field(default_factory=planner_.PlannerConfig)
+
+    @property
+    def max_log_bytes(self) -> int:
+        """The cap on each log file in bytes (0: none)."""
+        return int(self.max_log_mb * 1024 * 1024)
 
 
 class Worker:
@@ -100,8 +106,11 @@ class Worker:
             config.python,
             oom_max_retries=config.oom_max_retries,
             oom_growth=config.oom_growth,
+            max_log_bytes=config.max_log_bytes,
         )
-        self.pool = warmpool.WarmPool(kill_grace_s=config.kill_grace_s, paced=config.warm_paced)
+        self.pool = warmpool.WarmPool(
+            kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
+        )
         self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []

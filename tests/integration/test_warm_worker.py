@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from app.queue.jobs import JobState
+from app.runlog import TAIL_BYTES
 from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id
 from tests.integration.test_durability import alive, running, until
 from tests.integration.test_observability import scrape, value
@@ -80,6 +81,27 @@ async def test_a_quiet_jobs_log_makes_no_file_and_is_served_empty(settings, mana
             log = await http.get(job["links"]["log"])
             assert log.status_code == 200 and log.headers["content-type"].startswith("text/plain")
             assert (said in log.text) if said else log.text == ""
+
+
+async def test_a_runners_log_rotates_at_the_cap_and_its_jobs_logs_are_capped(manager, make_worker, store):
+    """Three jobs print 256 KiB each through one runner, with a 32 KiB cap: the runner's log is
+    runner.log and runner.log.1, each within the cap, and each job's log is capped as a one-shot
+    job's is (its head, what was left out, its last lines)."""
+    ids = [await enqueue(manager, model="warm_a", vram_mb=2000, noise_kb=256) for _ in range(3)]
+    await make_worker(max_jobs_per_gpu=1, max_log_mb=1 / 32).run()
+    assert [(await manager.get(i)).state for i in ids] == [JobState.succeeded] * 3
+    folder = store.runner_dir("warm_a", 0)
+    files = sorted(folder.glob("runner.log*"))
+    assert [p.name for p in files] == ["runner.log", "runner.log.1"]
+    assert all(p.stat().st_size <= 32 * 1024 for p in files)
+    newest = files[0].read_bytes().splitlines()
+    assert newest[-1].startswith(b"[warm] runner pid ") and b" ended: " in newest[-1]
+    for job_id in ids:
+        log = store.log_path(job_id, 1).read_bytes()
+        assert len(log) < 32 * 1024 + TAIL_BYTES + 200
+        head, marker, end = log.partition(b"[warm] log cap of 32768 bytes reached: ")
+        assert marker and head.startswith(b"[warm] job ") and b"noise line 00000000" in head
+        assert b"noise line 00004095" in end and end.splitlines()[-1].startswith(b"[warm] done after")
 
 
 async def test_a_runner_that_dies_mid_job_is_restarted_and_the_job_retried(manager, make_worker, tmp_path):

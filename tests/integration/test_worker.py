@@ -15,6 +15,7 @@ from app import images
 from app.queue import attempt as attempt_
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager, NewJob
+from app.runlog import TAIL_BYTES
 from tests.conftest import png_bytes
 
 
@@ -88,6 +89,24 @@ async def test_toy_job_runs_and_its_result_is_stored(manager, make_worker, store
     assert kinds[:2] == ["submitted", "claimed"] and "started" in kinds
     assert "progress" in kinds and kinds[-1] == "succeeded"
     assert list((store.root / "scratch").glob("*/*")) == []  # the stopped worker removed its lanes
+
+
+async def test_a_model_that_floods_its_log_leaves_a_capped_log_and_succeeds(manager, make_worker, store):
+    """8 MiB of stderr against a 64 KiB cap: the log keeps its head, a line of the worker's saying
+    how much was left out, and the run's last lines. The pipes were read to the end all along (a
+    model must never stall on a full log), so the run ended by itself and the job succeeded."""
+    job_id = await enqueue(manager, noise_kb=8192)
+    await make_worker(max_log_mb=1 / 16).run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.succeeded and job.progress == 1, job.error
+    log = store.log_path(job_id, 1).read_bytes()
+    assert len(log) < 64 * 1024 + TAIL_BYTES + 200
+    head, marker, end = log.partition(b"[runner] log cap of 65536 bytes reached: ")
+    assert marker and head.startswith(b"[runner] started pid ") and b"noise line 00000000" in head
+    left_out = int(end.split(b" ", 1)[0])
+    assert 8 * 2**20 - 64 * 1024 - TAIL_BYTES < left_out < 8 * 2**20
+    last = b"noise line 00131071 " + b"." * 43 + b"\ntoy model stderr line\n[runner] exit code 0\n"
+    assert end.endswith(last)
 
 
 def overlaps(runs: list[dict[str, Any]]) -> int:

@@ -1,4 +1,4 @@
-"""A tiny test model: sleeps, reports progress, writes an output, fails or crashes on request.
+"""A tiny test model: sleeps, reports progress, writes an output, fails, crashes or floods its log on request.
 
 Options come from the registry's argv template (see tests/conftest.py).
 """
@@ -9,6 +9,13 @@ import os
 import signal
 import sys
 import time
+
+
+def noise(kib: int) -> None:
+    """Numbered lines of 64 bytes on stderr, `kib` KiB of them (a model that will not stop talking)."""
+    for i in range(kib * 16):
+        sys.stderr.write(f"noise line {i:08d} {'.' * 43}\n")
+    sys.stderr.flush()
 
 
 def main() -> int:
@@ -23,6 +30,7 @@ def main() -> int:
     parser.add_argument("--output", default="true")
     parser.add_argument("--trace", default="", help="append a JSON line per run to this file")
     parser.add_argument("--oom-attempts", type=int, default=0, help="out of GPU memory while attempt <= this")
+    parser.add_argument("--noise-kb", type=int, default=0, help="print this many KiB of lines to stderr")
     args = parser.parse_args()
 
     job = os.environ.get("GPUJOBS_JOB", "?:0")
@@ -31,6 +39,7 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         time.sleep(args.sleep / max(args.steps, 1))
         print(f"PROGRESS {step / args.steps:.3f} step {step}", flush=True)
+    noise(args.noise_kb)
     print("toy model stderr line", file=sys.stderr, flush=True)
     if args.trace:
         with open(args.trace, "a") as f:

@@ -2,8 +2,8 @@
 
 argv: --loads FILE (one line per load), --load-sleep S, --fail-load. Job params (all optional):
 sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
-group), junk (print to stdout from Python and from the fd), late (a thread reports progress after the
-job ended), bad_input, oom, fail. Writes out.txt.
+group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
+to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail. Writes out.txt.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
     if params.get("junk"):
         print("junk from print()", flush=True)
         os.write(1, b"junk from fd 1\n")
+    for i in range(int(params.get("noise_kb", 0)) * 16):  # numbered lines of 64 bytes
+        sys.stderr.write(f"noise line {i:08d} {'.' * 43}\n")
+    sys.stderr.flush()
     if params.get("late"):  # like a progress thread of the model's that outlives its job
         threading.Timer(0.2, job.progress, (0.99, "late")).start()
     if params.get("spawn"):

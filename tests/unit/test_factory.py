@@ -21,6 +21,7 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
         worker_name="w7",
         lease_s=7,
         kill_grace_s=3,
+        max_log_mb=2,
         warm_idle_s=11,
         vram_buffer_mb=100,
         max_jobs_per_gpu=2,
@@ -46,6 +47,8 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
         11,
     )
     assert config.burst and config.python == sys.executable
+    assert config.max_log_bytes == 2 * 1024 * 1024
+    assert worker.pool._max_log_bytes == config.max_log_bytes
     scheduling = config.scheduling
     assert (scheduling.vram_buffer_mb, scheduling.max_jobs_per_gpu, scheduling.claim_batch) == (100, 2, 3)
     assert (scheduling.gpu_settle_timeout_s, scheduling.reserve_after_s) == (9, 13)
