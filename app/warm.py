@@ -6,7 +6,8 @@
 Kills go to the runner's process group (SIGTERM, `kill_grace_s`, SIGKILL, a last SIGKILL for
 forked helpers). A model error other than bad input or OOM ends the runner too: it may have left
 the model or its CUDA context broken. Nothing restarts a runner; app/warmpool.py starts a fresh one
-for the next job. stderr goes to the runner's log and, during a job, to the job's log as well.
+for the next job. stderr goes to the runner's log and, during a job, to the job's log as well (both
+capped: the runner's rotates, the job's keeps its head and last lines; app/runlog.py).
 Progress reaches `on_progress` in order, never after `run_job()` returns. Use from the loop's thread.
 """
 
