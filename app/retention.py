@@ -4,7 +4,9 @@ The job row stays, with `expired_at` set, so its links answer 410 Gone. The orde
 a crash harmless: a batch is marked expired (and inputs that no unexpired job uses are deleted) in
 one transaction, then the batch's folders are deleted; folders of expired jobs left by a crash in
 between are swept by the next run. Queued, scheduled and running jobs never match, and an expired
-job cannot be retried, so nothing deleted here is needed again.
+job cannot be retried, so nothing deleted here is needed again. An upload of an image whose last
+job is expiring either keeps that image (retention waits for the new job, and sees it) or stores it
+again (the upload waits for retention's transaction): see `sql.ENQUEUE` and `sql.LOCK_INPUTS`.
 
 One process prunes at a time (a PostgreSQL advisory lock): every worker runs `run_forever`, and
 `gpujobs prune` / `POST /admin/prune` call `prune` on demand.

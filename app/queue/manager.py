@@ -642,6 +642,8 @@ class JobManager:
         async with self._engine.begin() as conn:
             rows = (await conn.execute(sql.EXPIRE, {"cutoff": cutoff, "limit": limit})).all()
             ids = [r.id for r in rows]
+            if ids:  # first, so uploads of these images wait, or are waited for (sql.ENQUEUE)
+                await conn.execute(sql.LOCK_INPUTS, {"ids": ids})
             detached = (await conn.execute(sql.DETACH_UNUSED_INPUTS, {"ids": ids})).all() if ids else []
             inputs = [r.input_id for r in detached]
             deleted = (await conn.execute(sql.DELETE_INPUTS, {"ids": inputs})).all() if inputs else []

@@ -43,6 +43,11 @@ FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_
 #   'queue_full' when the count reached :queue_limit; nothing is written;
 # - else 'queued': the image is stored once per content (`found` by sha256, else inserted; on a
 #   concurrent duplicate the row that won comes back), the job, its `submitted` event, NOTIFYs.
+#   `found` locks the row it finds (FOR KEY SHARE, as the job's foreign key check would, later):
+#   retention deletes an image whose last job expired, and could do so between this read and the
+#   job's insert, which then failed on the foreign key. Retention locks the rows it may delete
+#   first (LOCK_INPUTS); whichever comes second waits for the other's end. Retention then sees the
+#   new job and keeps the image, or this read skips the deleted row and the image is stored again.
 # Returns one row: `outcome`, `jobs_waiting` (the count, or NULL), then the job's columns (NULL when
 # full, or when a concurrent request took the idempotency key first: the caller then reads that job
 # with FIND_IDEMPOTENT).
@@ -68,7 +73,7 @@ ENQUEUE = text(
             ELSE 'queued'
         END AS outcome, (SELECT waiting FROM counted) AS waiting
     ), found AS (
-        SELECT id FROM inputs WHERE sha256 = :sha256
+        SELECT id FROM inputs WHERE sha256 = :sha256 FOR KEY SHARE
     ), stored AS (
         INSERT INTO inputs (sha256, media_type, width, height, bytes, data)
         SELECT :sha256, :media_type, CAST(:width AS integer), CAST(:height AS integer),
@@ -709,6 +714,19 @@ EXPIRE = text(
         SELECT id, 'expired', attempt, jsonb_build_object('by', 'retention') FROM expired
     )
     SELECT id, input_id FROM expired
+    """
+)
+
+# Lock the inputs of :ids before DETACH_UNUSED_INPUTS reads which are still used (a statement of
+# its own, so that read's snapshot comes after the wait): an upload that found one of these images
+# holds its row until its job is committed, and one that comes later waits for this transaction
+# (ENQUEUE says why). An upload locks one image, and one prune runs at a time: no deadlock.
+LOCK_INPUTS = text(
+    """
+    SELECT id FROM inputs
+    WHERE id IN (SELECT input_id FROM jobs WHERE id = ANY(CAST(:ids AS uuid[])))
+    ORDER BY id
+    FOR UPDATE
     """
 )
 
