@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from app import errors
 from app.queue.jobs import Job, ResultFile
@@ -43,6 +44,17 @@ class ExpectedOutput:
     media_type: str
     required: bool = True
     max_bytes: int = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """A file a link names, open for reading (`path` and `file` None: a log that holds nothing
+    yet). Once open, it reads whole to its end even if retention deletes it meanwhile."""
+
+    path: Path | None
+    file: BinaryIO | None
+    media_type: str
+    sha256: str | None
 
 
 class OutputInvalid(errors.AppError):
@@ -211,6 +223,23 @@ class ResultStore:
         if path.is_symlink() or not path.resolve().is_relative_to(self.root) or not path.is_file():
             raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
         return path, media_type, sha
+
+    def open(self, job: Job, name: str) -> Download:
+        """The file a link names (see `resolve`), opened; FileNotFound if it is not on disk, or no
+        longer: retention may delete it between `resolve` and the open."""
+        path, media_type, sha = self.resolve(job, name)
+        if path is None:
+            return Download(None, None, media_type, sha)
+        try:
+            # No link (a link put in its place since is refused), and no wait on a FIFO.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk") from exc
+        file = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            file.close()
+            raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
+        return Download(path, file, media_type, sha)
 
 
 def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
+from starlette.types import Receive, Scope, Send
 
-from app import errors
-from app.api.deps import ServicesDep
+from app import errors, storage
+from app.api.deps import Services, ServicesDep
 from app.api.schemas import ErrorPublic
+from app.queue.jobs import Job
 
 router = APIRouter(tags=["files"])
 
@@ -32,21 +38,76 @@ async def download(
     services.signer.verify(job_id, name, exp, sig)
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
-        raise errors.Gone(f"the files of job {job_id} were deleted by retention on {job.expired_at:%Y-%m-%d}")
-    path, media_type, sha256 = services.store.resolve(job, name)
+        raise gone(job)
+    found = await open_download(services, job, name)
+    if found.file is None:  # a log that holds nothing: the run printed nothing (yet)
+        return Response(b"", media_type=found.media_type, headers={"Cache-Control": "no-cache"})
     headers = {"Cache-Control": "private, max-age=3600"}
-    if path is None:  # a log that holds nothing: the run printed nothing (yet)
-        return Response(b"", media_type=media_type, headers={"Cache-Control": "no-cache"})
-    if sha256 is not None:
-        headers["ETag"] = f'"{sha256}"'
+    if found.sha256 is not None:
+        headers["ETag"] = f'"{found.sha256}"'
         if matches(request.headers.get("if-none-match", ""), headers["ETag"]):
+            found.file.close()
             return Response(status_code=304, headers=headers)
-    return FileResponse(path, media_type=media_type, filename=name, headers=headers)
+    return OpenFileResponse(found, filename=name, headers=headers)
 
 
 # Download tools ask HEAD for the size (and Accept-Ranges) before their ranged GETs. The same route;
 # left out of the OpenAPI document, where it would repeat GET's operation id.
 router.add_api_route("/files/{job_id}/{name}", download, methods=["HEAD"], include_in_schema=False)
+
+
+def gone(job: Job) -> errors.Gone:
+    """410 for an expired job's link."""
+    assert job.expired_at is not None
+    return errors.Gone(f"the files of job {job.id} were deleted by retention on {job.expired_at:%Y-%m-%d}")
+
+
+async def open_download(services: Services, job: Job, name: str) -> storage.Download:
+    """The file a link names, opened. Retention marks a job expired, then deletes its files, so a
+    file missing now (or a log holding nothing) may be one it deleted since `job` was read: the
+    job is read again, and an expired one is 410 rather than 404 (or an empty log)."""
+    try:
+        found = services.store.open(job, name)
+    except errors.FileNotFound:
+        if (again := await services.manager.get(job.id)).expired_at is not None:
+            raise gone(again) from None
+        raise
+    if found.file is None and (again := await services.manager.get(job.id)).expired_at is not None:
+        raise gone(again)
+    return found
+
+
+class OpenFileResponse(FileResponse):
+    """A FileResponse (Range, If-Range, HEAD) of a file the route opened. FileResponse opens its
+    path when it sends the body, after the route returned; retention could delete the file in
+    between (a 500, or headers with no body). An open file reads whole though its name is gone."""
+
+    def __init__(self, found: storage.Download, *, filename: str, headers: Mapping[str, str]) -> None:
+        assert found.path is not None and found.file is not None
+        self._file = found.file
+        super().__init__(
+            found.path,
+            headers=headers,
+            media_type=found.media_type,
+            filename=filename,
+            stat_result=os.fstat(self._file.fileno()),  # the open file's size: Content-Length
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Not offered "http.response.pathsend": the server would open the path itself.
+        offered = scope.get("extensions") or {}
+        extensions = {k: v for k, v in offered.items() if k != "http.response.pathsend"}
+        try:
+            await super().__call__({**scope, "extensions": extensions}, receive, send)
+        finally:
+            self._file.close()  # also when no body was sent: HEAD, 416, a client gone
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        # Where FileResponse opens its path for the body (Starlette 1.8 on: pyproject.toml). Were it
+        # no longer called, tests/integration/test_retention_races.py would fail.
+        self._file.seek(0)
+        yield anyio.wrap_file(self._file)
 
 
 def matches(if_none_match: str, etag: str) -> bool:

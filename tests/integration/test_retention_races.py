@@ -1,20 +1,25 @@
-"""Retention racing uploads: each race is made to happen at its exact moment.
+"""Retention racing uploads and downloads: each race is made to happen at its exact moment.
 
 Uploads: a second connection holds a lock that pauses one side in the middle of its statement
-while the other side runs, and the test waits until PostgreSQL reports the waits.
+while the other side runs, and the test waits until PostgreSQL reports the waits. Downloads: a
+method of the API's manager or store is wrapped to do retention's work right after it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from app import images, retention
 from app.queue.manager import JobManager, NewJob
+from tests.conftest import api_client
 from tests.integration.test_retention import WEEK_S, age, image
 from tests.integration.test_worker import enqueue
 
@@ -93,3 +98,131 @@ async def test_an_upload_during_retention_deleting_its_image_stores_it_again(man
     assert report.jobs == 1 and report.inputs_deleted == 1
     assert job.input_id is not None and (await manager.input_by_id(job.input_id))[1] == image(1)
     assert (await manager.get(old)).input_id is None and (await manager.get(earlier)).input_id is None
+
+
+async def done_jobs(manager: JobManager, make_worker: Any, count: int) -> list[uuid.UUID]:
+    """`count` jobs run to success, each with an image of its own."""
+    jobs = [await enqueue(manager, image=image(10 + n)) for n in range(count)]
+    await make_worker().run()
+    return jobs
+
+
+def open_descriptors(path: Path) -> list[int]:
+    """This process's file descriptors open on `path` (deleted or not)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if target.removesuffix(" (deleted)") == str(path):
+            found.append(int(fd))
+    return found
+
+
+async def test_a_download_while_retention_deletes_the_files_is_gone(
+    settings, manager, make_worker, engine, store
+):
+    """A download reads its job, then looks for the file. Retention could expire the job and
+    delete its files in between: the link answered 404 (a log: 200, empty) where a moment later it
+    answers 410. A file found missing now sends the route back to the job."""
+    jobs = await done_jobs(manager, make_worker, 4)
+    async with api_client(settings) as http:
+        shown = [(await http.get(f"/jobs/{job_id}")).json() for job_id in jobs]
+        services = http.app.state.services
+        read = services.manager.get
+        raced: set[uuid.UUID] = set()
+
+        async def read_then_prune(job_id: uuid.UUID, **kwargs: Any) -> Any:
+            job = await read(job_id, **kwargs)
+            if job_id not in raced:  # the route's first read of the job
+                raced.add(job_id)
+                await retention.Pruner(manager, store.root).prune(older_than_s=WEEK_S)
+            return job
+
+        services.manager.get = read_then_prune
+        requests = [
+            ("GET", shown[0]["files"][0]["url"]),
+            ("HEAD", shown[1]["files"][0]["url"]),
+            ("GET", shown[2]["links"]["log"]),
+            ("GET", f"/jobs/{jobs[3]}/input"),
+        ]
+        for job_id, (method, url) in zip(jobs, requests, strict=True):
+            await age(engine, job_id)  # retention takes this one job when it runs
+            answer = await http.request(method, url)
+            assert answer.status_code == 410, (method, url, answer.status_code, answer.text)
+            assert method == "HEAD" or "deleted by retention" in answer.json()["detail"]
+            assert (await manager.get(job_id)).expired_at is not None
+
+
+@pytest.mark.parametrize("expired", [True, False], ids=["expired", "missing"])
+async def test_a_file_deleted_after_the_route_found_it_is_not_a_500(
+    settings, manager, make_worker, engine, store, expired
+):
+    """Retention marks a job expired, then deletes its files. A download that read the job before
+    the mark and found its file before the deletion answered with a path gone by the time the
+    response opened it: a 500. Now 410, and 404 for a file missing from a job not expired."""
+    [job_id] = await done_jobs(manager, make_worker, 1)
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        services = http.app.state.services
+        read, resolve = services.manager.get, services.store.resolve
+
+        async def read_then_expire(job_id: uuid.UUID, **kwargs: Any) -> Any:
+            job = await read(job_id, **kwargs)
+            if expired:
+                async with engine.begin() as conn:
+                    expire = "UPDATE jobs SET expired_at = coalesce(expired_at, now()) WHERE id = :id"
+                    await conn.execute(text(expire), {"id": job_id})
+            return job
+
+        def resolve_then_delete(job: Any, name: str) -> Any:
+            found = resolve(job, name)
+            found[0].unlink()
+            return found
+
+        services.manager.get, services.store.resolve = read_then_expire, resolve_then_delete
+        answer = await http.get(url)
+    assert answer.status_code == (410 if expired else 404), answer.text
+    assert ("deleted by retention" if expired else "not on disk") in answer.json()["detail"]
+
+
+async def test_a_download_sends_the_whole_file_it_opened_though_retention_deletes_it(
+    settings, manager, make_worker, store
+):
+    """Once the route has opened the file, all of it is sent (ranges and HEAD as before), though
+    retention deletes it before the response reads it; and the file is closed after."""
+    [job_id] = await done_jobs(manager, make_worker, 1)
+    path = store.resolve(await manager.get(job_id), "out.txt")[0]
+    content = path.read_bytes()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        services = http.app.state.services
+        opener = services.store.open
+
+        def open_then_delete(job: Any, name: str) -> Any:
+            opened = opener(job, name)
+            path.unlink()
+            return opened
+
+        services.store.open = open_then_delete
+        for method, ranges, status in (
+            ("GET", None, 200),
+            ("GET", "bytes=0-3", 206),
+            ("GET", "bytes=0-1,5-6", 206),
+            ("HEAD", None, 200),
+            ("GET", "bytes=999-", 416),
+        ):
+            path.write_bytes(content)
+            answer = await http.request(method, url, headers={"Range": ranges} if ranges else {})
+            assert answer.status_code == status, (method, ranges, answer.text)
+            assert not path.exists() and open_descriptors(path) == []
+            if method == "HEAD":
+                assert answer.headers["content-length"] == str(len(content)) and answer.content == b""
+            elif ranges is None:
+                assert answer.content == content and answer.headers["etag"].startswith('"')
+            elif ranges == "bytes=0-3":
+                assert answer.content == content[:4]
+            elif status == 206:
+                assert answer.headers["content-type"].startswith("multipart/byteranges")
+                assert content[:2] in answer.content and content[5:7] in answer.content
