@@ -118,7 +118,9 @@ class Settings(BaseSettings):
     oom_max_retries: int = Field(2, ge=0, description="Out-of-memory re-queues with a larger estimate")
     oom_growth: float = Field(1.5, gt=1, description="Factor the VRAM estimate grows by after an OOM")
     gpu_settle_timeout_s: float = Field(
-        30, ge=0, description="After a job ends, how long its GPU memory may take to come back"
+        30,
+        ge=0,
+        description="How long NVML may take to show a job's GPU memory taken (from its start) or freed",
     )
     warm_idle_s: float = Field(300, gt=0, description="A warm runner with no job for this long is stopped")
     warm_paced: bool = Field(

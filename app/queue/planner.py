@@ -3,8 +3,9 @@
 Budgets: each GPU's free MB (DESIGN.md "Claiming"), less the jobs running on it, less the memory
 of jobs that ended but whose processes NVML still shows (a GPU is not offered again until its
 memory is back, or `gpu_settle_timeout_s` passed). NVML's free figure is further lowered by the
-part of the running jobs' needs it does not show yet (a model takes its memory seconds after
-its claim). Claims, in order, while a reservation holds:
+part of the running jobs' needs it does not show yet (a model takes its memory seconds after its
+claim), for `gpu_settle_timeout_s` from the job's start at most. Claims, in order, while a
+reservation holds:
 
     1. any job, on the GPUs that are not held
     2. on the held GPU: jobs that outrank the reserved one
@@ -122,12 +123,18 @@ class Planner:
         """MB per GPU taken by the jobs in hand and the ended jobs still settling; and the part of
         the jobs in hand that NVML does not show yet. A model takes its memory a while after its
         claim (a process start, imports, a CUDA context): until then NVML's free figure still
-        counts that memory as free, and must not be handed out again."""
+        counts that memory as free, and must not be handed out again.
+
+        For `gpu_settle_timeout_s` from a job's start at most: where NVML cannot tie memory to our
+        processes (a container without the host's pid namespace), nothing is ever seen, and each
+        running job would count twice for as long as it ran."""
         reserved = self._settling_mb()
         unseen: Counter[int] = Counter()
+        since = time.monotonic() - self._config.gpu_settle_timeout_s
         for r in running:
             reserved[r.gpu] += r.job.vram_mb
-            unseen[r.gpu] += max(0, r.job.vram_mb - r.seen_mb)
+            if r.started_s > since:
+                unseen[r.gpu] += max(0, r.job.vram_mb - r.seen_mb)
         return reserved, unseen
 
     def rooms(

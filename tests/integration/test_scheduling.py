@@ -233,6 +233,23 @@ async def test_memory_nvml_already_shows_is_not_counted_twice(manager, make_work
         assert (await manager.get(first)).state is JobState.running  # they ran side by side
 
 
+async def test_memory_nvml_cannot_tie_to_a_job_is_trusted_once_the_settle_time_passed(manager, make_worker):
+    """In a container NVML lists the host's pids, so no job's processes are ever seen holding
+    memory. Counted as not taken yet for as long as it ran, every running job's need came off
+    NVML's free figure a second time, and a GPU held half of what fits. After
+    `gpu_settle_timeout_s` from a job's start, NVML's free figure is taken as it is."""
+    inventory = FakeInventory([40_000])
+    inventory.set_free(0, 20_000)
+    first = await enqueue(manager, vram_mb=9_000, sleep=4.0, steps=1)
+    async with running(make_worker(inventory=inventory, burst=False, gpu_settle_timeout_s=1.0)):
+        await until(manager, first, lambda j: j.pid is not None)
+        inventory.set_free(0, 11_000)  # NVML shows the memory taken, but not by whom
+        second = await enqueue(manager, vram_mb=9_000)
+        done = await until(manager, second, lambda j: j.state.final, timeout_s=10)
+        assert done.state is JobState.succeeded
+        assert (await manager.get(first)).state is JobState.running  # they ran side by side
+
+
 async def test_quarantine_after_abnormal_deaths_and_release_by_admin(engine, make_worker, settings):
     strict = JobManager(engine, quarantine_after=2)
     job_id = await enqueue(strict, signal="SIGSEGV", max_attempts=5)
