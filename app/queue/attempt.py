@@ -111,7 +111,8 @@ class Attempt:
         self.started_s = time.monotonic()
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
         self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory
-        self.seen_mb = 0  # what they held at the last reading
+        self.seen_mb = 0  # what they held at the last reading, at least what is known to be loaded
+        self._loaded_mb = 0  # a warm runner's model, in GPU memory before the job came
         self._process: runner.ModelProcess | None = None
         self._stop_reason: str | None = None
         self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
@@ -235,11 +236,9 @@ class Attempt:
         job, spec = self.job, self.spec
         key = warmpool.RunnerKey(spec.name, job.gpu)
         try:
+            hold_mb = spec.idle_vram_mb or spec.base_mb
             runner = await self._pool.acquire(
-                key,
-                functools.partial(self._launch, key),
-                hold_mb=spec.idle_vram_mb or spec.base_mb,
-                give_up=self._stopped,
+                key, functools.partial(self._launch, key), hold_mb=hold_mb, give_up=self._stopped
             )
         except warmpool.GaveUp:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
@@ -249,6 +248,7 @@ class Attempt:
             # As for a one-shot run: a missing program fails at once; a failed load is retried.
             return self._failure(f"the warm runner did not start: {exc}", retryable=not exc.permanent)
         self._runner = runner
+        self.seen_mb = self._loaded_mb = hold_mb  # loaded: NVML's free figure counts it already
         # What the success event says of the runner: its pid, which of its jobs this is, and the
         # model's load when this job was its first (the job waited for it).
         about: dict[str, Any] = {"runner_pid": runner.pid, "runner_job": runner.jobs_done + 1}
@@ -443,7 +443,8 @@ class Attempt:
         while True:
             usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
             self.gpu_pids.update(usage)
-            total = self.seen_mb = sum(usage.values())
+            total = sum(usage.values())
+            self.seen_mb = max(total, self._loaded_mb)
             if total and total > (self.peak_mb or 0):
                 self.peak_mb = total
             await asyncio.sleep(self._config.sample_interval_s)

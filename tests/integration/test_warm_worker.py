@@ -15,6 +15,7 @@ from sqlalchemy import text
 from app.queue.jobs import JobState
 from app.runlog import TAIL_BYTES
 from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id
+from tests.fakes import FakeInventory
 from tests.integration.test_durability import alive, running, until
 from tests.integration.test_observability import scrape, value
 from tests.integration.test_worker import enqueue
@@ -189,6 +190,24 @@ async def test_eviction_frees_vram_for_another_model(manager, make_worker, tmp_p
         assert job.state is JobState.succeeded
         assert not alive(pid_a)  # evicted: 6000 + 6000 do not fit in 10 GB
         assert len(loads(tmp_path, "warm_b")) == 1 and worker.pool.reserved_mb(0) == 6000
+
+
+async def test_a_loaded_runners_memory_is_not_counted_twice_when_it_takes_a_job(manager, make_worker):
+    """A job handed to a loaded runner adds nothing NVML does not show already: the runner's model
+    is in GPU memory. Until the job's first memory reading (never, where NVML cannot tie memory to
+    our processes) its whole need was taken off NVML's free figure again, and a job that fits
+    beside it waited for it to end."""
+    inventory = FakeInventory([20_000])
+    first = await enqueue(manager, model="warm_a", vram_mb=6000)
+    async with running(make_worker(inventory=inventory, burst=False)):
+        await until(manager, first, lambda j: j.state is JobState.succeeded)
+        inventory.set_free(0, 14_000)  # the idle runner's model, in GPU memory
+        warm_job = await enqueue(manager, model="warm_a", vram_mb=6000, sleep=2.0, steps=2)
+        await until(manager, warm_job, lambda j: j.state is JobState.running)
+        other = await enqueue(manager, vram_mb=9000)  # 14 GB free beside the runner and its job
+        done = await until(manager, other, lambda j: j.state.final)
+        assert done.state is JobState.succeeded
+        assert (await manager.get(warm_job)).state is JobState.running  # side by side
 
 
 async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_path):
