@@ -107,7 +107,7 @@ class Attempt:
         self._image = image  # (media type, bytes) when the claim brought it
         self._pool = pool  # warm runners, for persistent models
         self._runner: warm.WarmRunner | None = None
-        self._capacity_mb = capacity_mb  # the GPU's size less the buffer: the most an estimate may grow to
+        self._capacity_mb = capacity_mb  # the largest GPU less the buffer: the most an estimate may grow to
         self.started_s = time.monotonic()
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
         self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory

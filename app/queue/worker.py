@@ -334,7 +334,7 @@ class Worker:
             store=self._store,
             config=self._attempt_config,
             inventory=self._inventory,
-            capacity_mb=self._capacity_mb(job.gpu),
+            capacity_mb=self._capacity_mb(),
             image=image,
             pool=self.pool,
             lane=lane,
@@ -379,10 +379,12 @@ class Worker:
             await asyncio.sleep(max(0.1, min(30.0, idle_s / 2)))
             self._settle(await self.pool.idle_close(idle_s))
 
-    def _capacity_mb(self, gpu_index: int | None) -> int:
-        """The most a job may use on this GPU: its size less the buffer."""
-        sizes = {g.index: g.total_mb for g in self._inventory.snapshot()}
-        return max(0, sizes.get(gpu_index or 0, 0) - self._config.scheduling.vram_buffer_mb)
+    def _capacity_mb(self) -> int:
+        """The most a job may use here: the largest GPU's size less the buffer. Not the size of the
+        GPU a job ran on: placed on the smallest that fits, a job out of memory there grows onto
+        a larger one."""
+        largest = max((g.total_mb for g in self._inventory.snapshot()), default=0)
+        return max(0, largest - self._config.scheduling.vram_buffer_mb)
 
     def _model_ended(self, run: attempt_.Attempt) -> None:
         """The model of `run` is done with the GPU: its slot may take the next job while the

@@ -184,6 +184,18 @@ async def test_out_of_memory_gives_up_after_its_retries(manager, make_worker):
     assert job.error is not None and "still out of memory with 2 larger retries" in job.error
 
 
+async def test_out_of_memory_grows_past_a_small_gpu_to_a_larger_one(manager, make_worker):
+    """GPUs of different sizes: the job is placed on the one it fits most tightly (24 GB). Its
+    estimate, capped at that GPU's size, stopped growing there, and after a second out-of-memory
+    run it failed ("the whole GPU") though the 80 GB GPU beside it could run it. The cap is the
+    largest GPU the worker has."""
+    job_id = await enqueue(manager, vram_mb=20_000, oom_attempts=2, max_attempts=1, trace="none")
+    async with running(make_worker([24_576, 81_920], burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.succeeded, job.error
+    assert job.oom_retries == 2 and job.vram_mb == 45_000 and job.gpu == 1
+
+
 async def test_gpu_is_held_until_its_memory_returns(manager, make_worker):
     inventory = FakeInventory([10_240])
     first = await enqueue(manager, vram_mb=6000, sleep=2.0, steps=1)  # seen by the sampler
