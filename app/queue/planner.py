@@ -137,17 +137,15 @@ class Planner:
                 unseen[r.gpu] += max(0, r.job.vram_mb - r.seen_mb)
         return reserved, unseen
 
-    def rooms(
-        self, running: Sequence[InHand], ahead: Mapping[int, int] | None = None
-    ) -> list[scheduler.GpuRoom]:
-        """Each GPU's capacity and what it can hand out now (0 at the per-GPU job cap, raised on a
-        GPU by `ahead[gpu]` jobs claimed ahead: see `free_slots`).
+    def rooms(self, running: Sequence[InHand]) -> list[scheduler.GpuRoom]:
+        """Each GPU's capacity and the memory it can hand out now. Memory only: a GPU at its job
+        cap still shows its room (the claim leaves it out by its slots, `free_slots`), so that a
+        reservation looked at then still sees what the GPU will have for its job.
 
         Idle warm runners count as free: a job that needs their memory evicts them (make_room).
         """
         reserved, unseen = self._taken_mb(running)
-        count = Counter(r.gpu for r in running)
-        cap, buffer = self._config.max_jobs_per_gpu, self._config.vram_buffer_mb
+        buffer = self._config.vram_buffer_mb
         rooms = []
         for g in self._inventory.snapshot():
             held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
@@ -155,8 +153,6 @@ class Planner:
                 g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer, unseen_mb=unseen[g.index]
             )
             available = min(max(0, g.total_mb - buffer - reserved[g.index]), free + held)
-            if cap and count[g.index] >= cap + (ahead or {}).get(g.index, 0):
-                available = 0
             rooms.append(scheduler.GpuRoom(g.index, max(0, g.total_mb - buffer), available))
         return rooms
 
@@ -208,12 +204,16 @@ class Planner:
     ) -> list[Claimed]:
         """Claim the jobs this worker should start next (at most `claim_batch`), best first;
         `ahead`: jobs per GPU it may claim beyond the cap (see `free_slots`)."""
-        rooms = self.rooms(running, ahead)
-        budgets = {r.index: r.available_mb for r in rooms if r.available_mb > 0}
+        rooms = self.rooms(running)
+        slots = self.free_slots(running, ahead)
+        budgets = {
+            r.index: r.available_mb
+            for r in rooms
+            if r.available_mb > 0 and (slots is None or slots.get(r.index, 0) > 0)
+        }
         await self._refresh(rooms, running)
         open_, held = scheduler.split_budgets(budgets, self.reservation)
         models = list(self._models.models)
-        slots = self.free_slots(running, ahead)
         warm = self._warm()
 
         async def take(

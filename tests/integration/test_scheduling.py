@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from sqlalchemy import text
 
 from app import db, scheduler
+from app.queue import planner as planner_
 from app.queue import sql
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -164,6 +166,26 @@ async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_
     assert [c.job.id for c in first] == [short]  # ends well before the reserved job starts
     assert await planner.claim([], **claim) == []  # 37.5 s expected: would delay the reserved job
     assert (await manager.get(long)).state is JobState.queued
+
+
+async def test_a_gpu_at_its_job_cap_is_still_held_for_a_big_job(manager, make_worker):
+    """With max_jobs_per_gpu, a GPU at its cap offered 0 MB. The reservation, looked at then (a new
+    job's NOTIFY wakes a worker at its cap), saw no memory and no running job's end that would make
+    room: it was let go, and the next slot to free went to a small job again."""
+    worker = make_worker([10_240], max_jobs_per_gpu=2, reserve_after_s=0)
+    planner = worker.planner
+    claim = dict(worker_id="test:w1", host="h", lease_s=10)
+    first = [await enqueue(manager, vram_mb=3_000) for _ in range(2)]
+    big = await enqueue(manager, vram_mb=8_000)
+    await enqueue(manager, vram_mb=3_000)
+    taken = await planner.claim([], **claim)
+    assert [c.job.id for c in taken] == first  # the big job fits the whole GPU, but not beside them
+    now = time.monotonic()
+    in_hand = [planner_.InHand(c.job, 0, now) for c in taken]
+    planner._reservation_at = -math.inf  # look now, with both slots taken
+    assert await planner.claim(in_hand, **claim) == []
+    assert planner.reservation is not None and planner.reservation.job_id == big
+    assert await planner.claim(in_hand[1:], **claim) == []  # one ended: its slot waits for the big job
 
 
 async def test_out_of_memory_requeues_bigger_without_spending_an_attempt(manager, make_worker):
