@@ -148,13 +148,16 @@ class Planner:
         buffer = self._config.vram_buffer_mb
         rooms = []
         for g in self._inventory.snapshot():
-            held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
-            free = gpu.available_mb(
-                g, reserved_mb=reserved[g.index] + held, buffer_mb=buffer, unseen_mb=unseen[g.index]
-            )
-            available = min(max(0, g.total_mb - buffer - reserved[g.index]), free + held)
+            available = max(0, self._room_mb(g, reserved[g.index], unseen[g.index]))
             rooms.append(scheduler.GpuRoom(g.index, max(0, g.total_mb - buffer), available))
         return rooms
+
+    def _room_mb(self, g: gpu.Gpu, reserved_mb: int, unseen_mb: int) -> int:
+        """gpu.available_mb, with idle warm runners' memory (which NVML shows taken) as free, and
+        not raised to 0: NVML's free figure below the buffer is a deficit that memory pays first."""
+        held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
+        buffer = self._config.vram_buffer_mb
+        return min(g.total_mb - buffer - reserved_mb, g.free_mb - buffer - unseen_mb + held)
 
     def shortfall_mb(self, job: Job, running: Sequence[InHand]) -> int:
         """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real."""
@@ -165,14 +168,8 @@ class Planner:
         if self._models.get(job.model).persistent:  # its own idle runner's memory is its to use
             need -= self._pool.idle_hold_mb(warmpool.RunnerKey(job.model, job.gpu))
         for g in self._inventory.snapshot():
-            if g.index == job.gpu:
-                held = self._pool.reserved_mb(g.index)
-                free = gpu.available_mb(
-                    g,
-                    reserved_mb=reserved[g.index] + held,
-                    buffer_mb=self._config.vram_buffer_mb,
-                    unseen_mb=unseen[g.index],
-                )
+            if g.index == job.gpu:  # what it has with the runners kept, below 0 if they must pay a deficit
+                free = self._room_mb(g, reserved[g.index], unseen[g.index]) - self._pool.reserved_mb(g.index)
                 return max(0, need - free)
         return 0
 

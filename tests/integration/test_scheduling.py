@@ -267,6 +267,25 @@ async def test_memory_nvml_already_shows_is_not_counted_twice(manager, make_work
         assert (await manager.get(first)).state is JobState.running  # they ran side by side
 
 
+async def test_an_idle_runners_memory_first_pays_what_the_buffer_lacks(manager, make_worker):
+    """An idle warm runner's memory counts as free (a job that needs it evicts the runner), but
+    NVML's free figure below the buffer is a deficit that memory pays first. It was added to a
+    figure already raised to 0, and the worker handed out the buffer: 6 GB here, where evicting
+    the runner leaves 5 GB above the buffer."""
+    inventory = FakeInventory([10_240])
+    first = await enqueue(manager, model="warm_a", vram_mb=6000)
+    async with running(make_worker(inventory=inventory, burst=False, vram_buffer_mb=2000)) as worker:
+        await until(manager, first, lambda j: j.state is JobState.succeeded)
+        assert worker.pool.reserved_mb(0) == 6000  # idle, its model in GPU memory...
+        inventory.set_free(0, 1000)  # ...beside another program's 3,240 MB
+        [room] = worker.planner.rooms(worker.in_hand())
+        assert room.available_mb == 1000 - 2000 + 6000
+        too_big = await enqueue(manager, vram_mb=5500)
+        await asyncio.sleep(1.0)
+        assert (await manager.get(too_big)).state is JobState.queued
+        assert worker.pool.reserved_mb(0) == 6000  # and the runner was not evicted for it
+
+
 async def test_memory_nvml_cannot_tie_to_a_job_is_trusted_once_the_settle_time_passed(manager, make_worker):
     """In a container NVML lists the host's pids, so no job's processes are ever seen holding
     memory. Counted as not taken yet for as long as it ran, every running job's need came off
