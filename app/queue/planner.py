@@ -277,6 +277,9 @@ class Planner:
             job_id, vram_mb, effective, waited_s = head
             waiting = scheduler.Waiting(job_id, vram_mb, effective, waited_s)
             ends = [scheduler.Running(r.gpu, r.job.vram_mb, self._expected_end(r)) for r in running]
+            # Ended jobs whose memory NVML still shows (rooms() counted it taken) give it back any
+            # moment: without them a GPU drained for the job looked as if it never would fit.
+            ends += [scheduler.Running(e.gpu, e.vram_mb, now) for e in self._settling]
             self.reservation = scheduler.reserve(
                 waiting, rooms, ends, now, after_s=self._config.reserve_after_s
             )

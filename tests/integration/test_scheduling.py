@@ -188,6 +188,29 @@ async def test_a_gpu_at_its_job_cap_is_still_held_for_a_big_job(manager, make_wo
     assert await planner.claim(in_hand[1:], **claim) == []  # one ended: its slot waits for the big job
 
 
+async def test_a_held_gpu_stays_held_while_an_ended_jobs_memory_comes_back(manager, make_worker):
+    """A job on the held GPU ends; NVML still shows its memory for a moment, so it is counted as
+    taken (settling). The reservation, looked at then, counted only running jobs as ever giving
+    memory back: it found no time the big job would fit, let the GPU go, and a small job took the
+    memory the GPU had been drained for."""
+    inventory = FakeInventory([10_240])
+    worker = make_worker(inventory=inventory, reserve_after_s=0)
+    planner = worker.planner
+    claim = dict(worker_id="test:w1", host="h", lease_s=10)
+    await enqueue(manager, vram_mb=3_000)
+    await enqueue(manager, vram_mb=3_000)
+    still, ended = await planner.claim([], **claim)
+    inventory.set_free(0, 10_240 - 6_000)
+    inventory.set_process(111, 3_000)  # the ended job's process, not gone yet
+    planner.settle(0, 3_000, {111}, ended.job.id)
+    big = await enqueue(manager, vram_mb=8_000)
+    await enqueue(manager, vram_mb=3_000)
+    in_hand = [planner_.InHand(still.job, 0, time.monotonic(), seen_mb=3_000)]
+    planner._reservation_at = -math.inf  # look now
+    assert await planner.claim(in_hand, **claim) == []
+    assert planner.reservation is not None and planner.reservation.job_id == big
+
+
 async def test_out_of_memory_requeues_bigger_without_spending_an_attempt(manager, make_worker):
     job_id = await enqueue(manager, vram_mb=4000, oom_attempts=1, max_attempts=1)
     async with running(make_worker(burst=False)):
