@@ -24,6 +24,11 @@ from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vr
 # start about 0.12 s of CPU on a 2-core VM (`import app.db`: 634 ms, with `app.tables` 752 ms).
 
 
+# An aging step longer than this (100 years) is never reached by a queued job. Longer ones are
+# out of PostgreSQL's interval and timestamp ranges, and AGE_QUEUED would fail on them.
+AGE_STEP_NEVER_S = 100 * 365.25 * 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class NewInput:
     """A checked image, ready to store."""
@@ -462,6 +467,8 @@ class JobManager:
     async def age_queued(self, *, step_s: float, max_boost: int, chunk: int = 1000) -> int:
         """Raise the effective priority of jobs that have waited, `chunk` jobs per statement (each
         its own transaction, so no lock is held for long); returns how many were raised."""
+        if not step_s < AGE_STEP_NEVER_S:  # inf or NaN too: no job ever gains a point
+            return 0
         values = {"step_s": step_s, "max_boost": max_boost, "chunk": chunk}
         raised = 0
         while True:

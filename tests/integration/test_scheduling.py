@@ -148,6 +148,17 @@ async def test_a_job_at_the_most_is_not_read_again(manager, engine):
     assert (await manager.get(job)).age_boost == 3
 
 
+async def test_an_endless_age_step_ages_nothing_and_keeps_the_worker(manager, make_worker):
+    """GPUJOBS_AGE_STEP_S=inf (or 1e12: longer than any wait) is accepted at start and means no job
+    ever gains a point. Its interval was out of PostgreSQL's range: every reap round raised, and the
+    dead reaper stopped the worker."""
+    job = await enqueue(manager)
+    worker = make_worker(burst=False, age_step_s=math.inf)
+    assert await worker.reap() == 0
+    assert await manager.age_queued(step_s=1e12, max_boost=10) == 0
+    assert (await manager.get(job)).age_boost == 0
+
+
 async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_worker):
     inventory = FakeInventory([10_240])
     inventory.set_free(0, 6_000)  # memory held elsewhere: the reserved 8 GB job cannot start yet
