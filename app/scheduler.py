@@ -171,6 +171,7 @@ def learned_vram_mb(
 
 
 def after_oom_mb(vram_mb: int, peak_mb: int | None, *, growth: float, capacity_mb: int) -> int:
-    """A larger estimate after an out-of-memory failure: grown, at least the observed peak."""
-    grown = max(math.ceil(vram_mb * growth), (peak_mb or 0) + 1)
+    """A larger estimate after an out-of-memory failure: grown, at least the observed peak, at most
+    `capacity_mb` (capped before rounding: a huge growth is a float too large for an integer)."""
+    grown = max(math.ceil(min(vram_mb * growth, capacity_mb)), (peak_mb or 0) + 1)
     return min(grown, capacity_mb)

@@ -77,6 +77,13 @@ def test_after_oom_grows_to_at_least_the_peak_and_at_most_the_gpu():
     assert scheduler.after_oom_mb(20_000, None, growth=1.5, capacity_mb=24_000) == 24_000
 
 
+def test_after_oom_with_an_endless_growth_is_the_whole_gpu():
+    """GPUJOBS_OOM_GROWTH=inf (or 1e400) is accepted at start: the estimate became an infinite
+    float, and rounding it up raised OverflowError instead of giving the whole GPU."""
+    assert scheduler.after_oom_mb(4000, None, growth=math.inf, capacity_mb=24_000) == 24_000
+    assert scheduler.after_oom_mb(4000, 9000, growth=1e308, capacity_mb=24_000) == 24_000
+
+
 def test_a_stream_of_small_jobs_cannot_starve_a_big_one():
     """Simulated clock: with a reservation the big job starts once the held GPU drains."""
     now, gpu_mb, small_mb, big_mb = 0.0, 10_000, 3_000, 8_000
