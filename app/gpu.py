@@ -248,10 +248,17 @@ def _virtual_fallback(reason: str, sizes: list[int] | None, default_mb: int) -> 
     return inventory
 
 
+def room_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int, unseen_mb: int = 0, evictable_mb: int = 0) -> int:
+    """MB this GPU may still hand out: min(total - buffer - reserved, free - buffer - unseen +
+    evictable); below 0 when NVML's free figure falls short of the buffer (a deficit, which memory
+    made free pays first). `unseen_mb`: memory of jobs in hand that NVML's free figure does not show
+    yet; `evictable_mb`: memory NVML shows taken that can be had back (idle warm runners)."""
+    return min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb - unseen_mb + evictable_mb)
+
+
 def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int, unseen_mb: int = 0) -> int:
-    """MB this GPU may still hand out: min(total - buffer - reserved, free - buffer - unseen), at
-    least 0. `unseen_mb`: memory of jobs in hand that NVML's free figure does not show yet."""
-    return max(0, min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb - unseen_mb))
+    """`room_mb`, at least 0."""
+    return max(0, room_mb(gpu, reserved_mb=reserved_mb, buffer_mb=buffer_mb, unseen_mb=unseen_mb))
 
 
 def fits(need_mb: int, budget_mb: int) -> bool:

@@ -153,11 +153,15 @@ class Planner:
         return rooms
 
     def _room_mb(self, g: gpu.Gpu, reserved_mb: int, unseen_mb: int) -> int:
-        """gpu.available_mb, with idle warm runners' memory (which NVML shows taken) as free, and
-        not raised to 0: NVML's free figure below the buffer is a deficit that memory pays first."""
+        """gpu.room_mb (possibly below 0), with idle warm runners' memory as free."""
         held = self._pool.reserved_mb(g.index) if self._pool is not None else 0
-        buffer = self._config.vram_buffer_mb
-        return min(g.total_mb - buffer - reserved_mb, g.free_mb - buffer - unseen_mb + held)
+        return gpu.room_mb(
+            g,
+            reserved_mb=reserved_mb,
+            buffer_mb=self._config.vram_buffer_mb,
+            unseen_mb=unseen_mb,
+            evictable_mb=held,
+        )
 
     def shortfall_mb(self, job: Job, running: Sequence[InHand]) -> int:
         """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real."""
