@@ -20,7 +20,10 @@ from app import errors
 class Settings(BaseSettings):
     """The service's configuration. Field docs are the README's configuration table."""
 
-    model_config = SettingsConfigDict(env_prefix="GPUJOBS_", env_file=None, extra="ignore")
+    # allow_inf_nan: `inf` passed every `ge=0`, and an endless lease or delay broke SQL intervals.
+    model_config = SettingsConfigDict(
+        env_prefix="GPUJOBS_", env_file=None, extra="ignore", allow_inf_nan=False
+    )
 
     database_url: str | None = Field(
         None, description="PostgreSQL URL; unset = embedded PostgreSQL in <storage_dir>/pgdata"

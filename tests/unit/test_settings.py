@@ -35,6 +35,21 @@ def test_bad_setting_is_named(monkeypatch, env, value, needle):
     assert needle in caught.value.message
 
 
+FLOAT_SETTINGS = sorted(name for name, field in Settings.model_fields.items() if field.annotation is float)
+
+
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "Infinity", "nan"])
+def test_a_setting_that_is_not_a_finite_number_is_refused(monkeypatch, name, value):
+    """`inf` passed every `ge=0` check: an endless lease, retry delay or aging step then reached
+    PostgreSQL as an interval it cannot hold, and the worker's loops raised until it stopped."""
+    env = f"GPUJOBS_{name.upper()}"
+    monkeypatch.setenv(env, value)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    assert env in caught.value.message and "finite" in caught.value.message
+
+
 def test_cli_refuses_bad_settings_with_the_name(monkeypatch):
     import subprocess
     import sys
