@@ -3,8 +3,9 @@
 Workers record each run's peak GPU memory (NVML, per process group). Once a model has
 `min_samples` recorded peaks, a new job is admitted on a high percentile of observed ÷ declared,
 times its own declared estimate (so input size still scales it), plus a margin, and never above
-the declared figure (or the declared maximum) unless the operator allows it. Without NVML no
-peaks are recorded and the declared estimate is used as is.
+the declared figure (or the declared maximum) unless the operator allows it; then never above the
+largest GPU its workers have reported, less the buffer (a job no GPU can take waits for good).
+Without NVML no peaks are recorded and the declared estimate is used as is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class LearningConfig:
     percentile: float = 95.0
     margin_mb: int = 256
     above_declared: bool = False
+    buffer_mb: int = 512  # the workers' vram_buffer_mb: what a GPU never hands out
     ttl_s: float = 30.0
 
 
@@ -35,11 +37,14 @@ class VramLearner:
         self._manager = manager
         self._config = config
         self._ratios: dict[str, tuple[list[float], int]] = {}
+        self._largest: dict[str, int] = {}
         self._read_at = -float("inf")
 
     async def _observed(self) -> dict[str, tuple[list[float], int]]:
         if time.monotonic() - self._read_at > self._config.ttl_s:
             self._ratios = await self._manager.vram_ratios()
+            if self._config.above_declared:
+                self._largest = await self._manager.largest_gpus()
             self._read_at = time.monotonic()
         return self._ratios
 
@@ -47,7 +52,10 @@ class VramLearner:
         """(MB to admit the job on, the declared estimate)."""
         declared = spec.estimate_vram_mb(megapixels)
         ratios, _ = (await self._observed()).get(spec.name, ([], 0))
-        cap = None if self._config.above_declared else (spec.max_vram_mb or declared)
+        cap: int | None = spec.max_vram_mb or declared
+        if self._config.above_declared:
+            largest = self._largest.get(spec.name)
+            cap = None if largest is None else max(declared, largest - self._config.buffer_mb)
         learned = scheduler.learned_vram_mb(
             declared,
             ratios,

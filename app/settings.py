@@ -116,7 +116,8 @@ class Settings(BaseSettings):
     learned_vram_percentile: float = Field(95, gt=0, le=100, description="Percentile of observed peaks used")
     learned_vram_margin_mb: int = Field(256, ge=0, description="Added to the learned VRAM estimate")
     learned_vram_above_declared: bool = Field(
-        False, description="Let a learned estimate exceed the model's declared maximum"
+        False,
+        description="Let a learned estimate exceed the model's declared maximum (not the largest GPU seen)",
     )
     oom_max_retries: int = Field(2, ge=0, description="Out-of-memory re-queues with a larger estimate")
     oom_growth: float = Field(1.5, gt=1, description="Factor the VRAM estimate grows by after an OOM")

@@ -60,6 +60,7 @@ def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.
                 percentile=settings.learned_vram_percentile,
                 margin_mb=settings.learned_vram_margin_mb,
                 above_declared=settings.learned_vram_above_declared,
+                buffer_mb=settings.vram_buffer_mb,
             ),
         ),
     )

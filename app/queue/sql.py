@@ -823,6 +823,19 @@ RUN_TIMES = text(
     """
 )
 
+# Per model, the largest GPU (total MB) that a worker serving it reported, among the workers alive
+# or seen within :recent_s: what a learned estimate above the declared one may grow to.
+LARGEST_GPUS = text(
+    """
+    SELECT m.model, max(CAST(g.gpu ->> 'total_mb' AS integer)) AS total_mb
+    FROM workers AS w
+    CROSS JOIN LATERAL jsonb_array_elements_text(w.models) AS m(model)
+    CROSS JOIN LATERAL jsonb_array_elements(w.gpus) AS g(gpu)
+    WHERE w.state IN ('running', 'stopping') OR w.heartbeat_at > now() - make_interval(secs => :recent_s)
+    GROUP BY m.model
+    """
+)
+
 # Observed peak ÷ declared estimate per model, from recent runs that recorded a peak.
 VRAM_RATIOS = text(
     """

@@ -369,6 +369,31 @@ class ModelMemory(FakeInventory):
         return found
 
 
+async def test_a_learned_estimate_above_the_declared_one_stays_within_the_largest_gpu(
+    manager, make_worker, settings, tmp_path
+):
+    """With GPUJOBS_LEARNED_VRAM_ABOVE_DECLARED, the percentile plus its margin could pass every
+    GPU's size (a model seen at 23.8 GB on 24 GB cards, plus 1 GB): no worker could ever take the
+    job, which stayed queued for good. Now it is capped at the largest GPU a worker of the model
+    has reported, less the buffer."""
+    marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
+    for _ in range(3):
+        await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)
+    await make_worker(inventory=ModelMemory([24_576], 23_800, marker)).run()
+    overrides = {
+        "learned_vram_min_samples": 3,
+        "learned_vram_margin_mb": 1024,
+        "learned_vram_above_declared": True,
+        "vram_buffer_mb": 512,
+    }
+    async with api_client(settings, **overrides) as http:
+        response = await http.post(
+            "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
+        )
+    assert response.status_code == 201, response.text
+    assert response.json()["vram_mb"] == 24_576 - 512
+
+
 async def test_learned_vram_replaces_the_declared_estimate(manager, make_worker, settings, tmp_path):
     marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
     for _ in range(3):
