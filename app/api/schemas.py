@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app import links as links_
 from app.queue.jobs import Job, JobState
@@ -158,6 +158,8 @@ class ErrorPublic(BaseModel):
 class RetryFilter(BaseModel):
     """Which failed jobs to queue again."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt filter must not widen to every job
+
     model: Text | None = None
     error_contains: Text | None = Field(None, max_length=500)
     since: datetime | None = Field(None, description="Finished at or after")
@@ -278,6 +280,8 @@ class StatsPublic(BaseModel):
 
 class PruneRequest(BaseModel):
     """What to prune."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt `dry_run` must not delete for real
 
     older_than_s: float | None = Field(
         None,

@@ -278,3 +278,25 @@ async def test_admin_stats(settings, manager, make_worker, store, make_key):
     results = sum(p.stat().st_size for p in (store.root / "results").rglob("*") if p.is_file())
     assert stats["storage_bytes"]["results"] == results > 0
     assert stats["storage_bytes"]["logs"] > 0 and stats["storage_bytes"]["total"] >= results
+
+
+async def test_admin_actions_refuse_fields_they_do_not_know(settings, manager, make_worker, engine):
+    """A misspelt field is not a missing one: `{"dry-run": true}` pruned for real, and a retry filter
+    with a typo (`modle`) queued every failed job of every model again."""
+    from tests.integration.test_retention import age
+
+    failed = await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    await age(engine, failed)  # finished ten days ago
+    async with api_client(settings) as http:
+        for path, body, field in (
+            ("/admin/prune", {"older_than_s": 86_400, "dry-run": True}, "dry-run"),
+            ("/admin/jobs/retry", {"modle": "toy_timeout"}, "modle"),
+        ):
+            answer = await http.post(path, json=body)
+            assert answer.status_code == 422, (path, answer.text)
+            assert [e["loc"] for e in answer.json()["detail"]] == [["body", field]], answer.text
+        job = (await http.get(f"/jobs/{failed}")).json()
+        assert job["state"] == "failed" and job["expired_at"] is None  # neither retried nor pruned
+        dry = await http.post("/admin/prune", json={"older_than_s": 86_400, "dry_run": True})
+        assert dry.json()["jobs"] == 1  # the fields it knows still work
