@@ -52,6 +52,10 @@ ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out
 # How long a hole in the event ids may stay open (a transaction not yet committed) before it is
 # taken for a rolled-back insert and skipped.
 GAP_WAIT_S: Final = 10.0
+# The most a scrape waits on the database: well inside Prometheus's scrape timeout (10 s by
+# default), so a database that takes connections and never answers reads as down, not as a
+# failed scrape that loses every series (asyncpg alone waits 60 s for a connection).
+READ_TIMEOUT_S: Final = 5.0
 
 
 @dataclass(slots=True)
@@ -178,22 +182,27 @@ class DatabaseMetrics:
         self._workers: list[records.WorkerInfo] = []
 
     async def refresh(self, *, budget_s: float = 2.0) -> None:
-        """Read what changed since the last refresh, unless that was less than `cache_s` ago."""
+        """Read what changed since the last refresh, unless that was less than `cache_s` ago.
+
+        A failed read counts as a refresh too: while the database is away, the scrapes within
+        `cache_s` of one that waited on it answer at once (database_up 0) instead of each waiting
+        up to READ_TIMEOUT_S again, one after another behind the lock."""
         async with self._lock:
             now = time.monotonic()
             if self._refreshed_at is not None and now - self._refreshed_at < self._cache_s:
                 return
             try:
-                await self._tail(now + budget_s)
-                self._depth = await self._manager.queue_depth()
-                self._workers = await self._manager.workers(recent_s=0)
+                async with asyncio.timeout(READ_TIMEOUT_S):
+                    await self._tail(now + budget_s)
+                    self._depth = await self._manager.queue_depth()
+                    self._workers = await self._manager.workers(recent_s=0)
             except Exception as exc:
                 if not db.is_unavailable(exc):
                     raise
                 log.warning("metrics: database unavailable", extra={"action": "db_down"})
                 self._up = 0
-                return
-            self._up = 1
+            else:
+                self._up = 1
             self._refreshed_at = time.monotonic()
 
     async def _tail(self, deadline: float) -> None:

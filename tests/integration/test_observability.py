@@ -300,3 +300,33 @@ async def test_admin_actions_refuse_fields_they_do_not_know(settings, manager, m
         assert job["state"] == "failed" and job["expired_at"] is None  # neither retried nor pruned
         dry = await http.post("/admin/prune", json={"older_than_s": 86_400, "dry_run": True})
         assert dry.json()["jobs"] == 1  # the fields it knows still work
+
+
+async def test_metrics_answer_in_time_while_the_database_does_not(settings):
+    """A database host that takes connections and never answers (a partition, a hung server) held
+    every scrape for asyncpg's 60 s connect timeout, past any scrape timeout: Prometheus then lost
+    every series, `gpujobs_metrics_database_up` included, instead of reading that one as 0."""
+    held: list[asyncio.StreamWriter] = []
+    hang = asyncio.Event()  # until set, connections are dropped at once (a quick start-up)
+
+    async def database(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        if not hang.is_set():
+            writer.close()
+
+    server = await asyncio.start_server(database, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hung = f"postgresql+asyncpg://nobody:secret@127.0.0.1:{port}/nothing"
+    try:
+        async with api_client(settings, key=None, database_url=hung) as http:
+            hang.set()
+            for _ in range(2):  # and the next scrape does not wait on the database again
+                started = time.monotonic()
+                answer = await http.get("/metrics", timeout=30)
+                assert answer.status_code == 200 and time.monotonic() - started < 10
+                assert "gpujobs_metrics_database_up 0.0" in answer.text
+            hang.clear()  # the connections still trying fail now: the app's shutdown waits on none
+            for writer in held:
+                writer.close()
+    finally:
+        server.close()
