@@ -47,9 +47,11 @@ def _settings() -> Settings:
 @contextlib.contextmanager
 def database(settings: Settings) -> Iterator[Settings]:
     """Settings with a database URL: the configured one, or the embedded server (migrated), which
-    is stopped on the way out, SIGTERM included."""
+    is stopped on the way out, SIGTERM included. A database that cannot be reached, or refuses the
+    connection, ends the command with a message (exit code 2), not a traceback."""
     if settings.database_url:
-        yield settings
+        with _connection_errors(settings.database_url):
+            yield settings
         return
     from app import migrate
 
@@ -57,10 +59,36 @@ def database(settings: Settings) -> Iterator[Settings]:
     with _exit_on_sigterm():
         url = server.start()
         try:
-            migrate.upgrade(url)
-            yield settings.model_copy(update={"database_url": url})
+            with _connection_errors(url):
+                migrate.upgrade(url)
+                yield settings.model_copy(update={"database_url": url})
         finally:
             server.stop()
+
+
+# SQLSTATE classes of a connection PostgreSQL turned away: 28 (authentication), 3D (no such database).
+_REFUSED_CLASSES = ("28", "3D")
+
+
+@contextlib.contextmanager
+def _connection_errors(url: str) -> Iterator[None]:
+    """Turn a database that is away, or that refuses the connection, into `error: ...` and exit 2."""
+    from app import db
+
+    try:
+        yield
+    except Exception as exc:
+        cause = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
+        code = getattr(cause, "pgcode", None) or getattr(cause, "sqlstate", None)
+        if db.is_unavailable(exc):
+            what = "cannot reach the database"
+        elif isinstance(code, str) and code[:2] in _REFUSED_CLASSES:
+            what = "the database refused the connection"
+        else:
+            raise
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        typer.echo(f"error: {what} at {logs.mask(url)}: {reason}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @contextlib.contextmanager

@@ -133,3 +133,37 @@ def test_the_client_commands_load_no_database_code():
     loaded = modules_loaded_by("app.cli")
     assert "app.client" in loaded
     assert not {"sqlalchemy", "asyncpg", "pydantic_settings", "app.db", "app.auth"} & loaded
+
+
+async def test_database_commands_say_why_they_cannot_use_the_database(settings, tmp_path):
+    """`serve`, `worker`, `migrate` and `keys` printed a traceback of some 500 lines, and exited 1,
+    when the database was down or the URL named a database that does not exist."""
+    from sqlalchemy.engine import make_url
+
+    from tests.conftest import free_port, worker_env
+
+    refused = "postgresql+asyncpg://gpujobs:hunter2@127.0.0.1:9/jobs"
+    missing = make_url(settings.database_url).set(database="no_such_db").render_as_string(hide_password=False)
+    cases = [
+        (refused, ["keys", "list"], "cannot reach the database"),
+        (refused, ["keys", "create", "alice"], "cannot reach the database"),
+        (refused, ["migrate"], "cannot reach the database"),
+        (refused, ["worker", "--burst"], "cannot reach the database"),
+        (refused, ["serve", "--no-worker", "--port", str(free_port())], "cannot reach the database"),
+        (missing, ["keys", "list"], 'database "no_such_db" does not exist'),
+        (missing, ["migrate"], 'database "no_such_db" does not exist'),
+    ]
+    for url, args, why in cases:
+        env = {**worker_env(settings, "cli"), "GPUJOBS_DATABASE_URL": url}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "app", *args,
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(120):
+            _, err = await process.communicate()
+        stderr = err.decode()
+        assert process.returncode == 2, (args, stderr[-2000:])
+        assert "Traceback" not in stderr and "─" not in stderr, (args, stderr[-2000:])  # nor rich's
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert why in line and "hunter2" not in stderr, (args, line)
+        assert make_url(url).render_as_string(hide_password=True).split("@")[-1] in line, line
