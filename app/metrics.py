@@ -56,6 +56,9 @@ GAP_WAIT_S: Final = 10.0
 # default), so a database that takes connections and never answers reads as down, not as a
 # failed scrape that loses every series (asyncpg alone waits 60 s for a connection).
 READ_TIMEOUT_S: Final = 5.0
+# How long a worker that died (not one that stopped) keeps its heartbeat age and job count in
+# the series: as long as GET /admin/workers lists it.
+DEAD_WORKERS_SHOWN_S: Final = 86_400.0
 
 
 @dataclass(slots=True)
@@ -170,9 +173,12 @@ def _histogram(name: str, doc: str, by_model: dict[str, Buckets]) -> HistogramMe
 class DatabaseMetrics:
     """The series read from the database, refreshed at most every `cache_s` (a prometheus Collector)."""
 
-    def __init__(self, manager: manager_.JobManager, *, cache_s: float, batch: int = 5000) -> None:
+    def __init__(
+        self, manager: manager_.JobManager, *, cache_s: float, dead_after_s: float, batch: int = 5000
+    ) -> None:
         self._manager = manager
         self._cache_s = cache_s
+        self._dead_after_s = dead_after_s
         self._batch = batch
         self._lock = asyncio.Lock()
         self._refreshed_at: float | None = None
@@ -195,7 +201,7 @@ class DatabaseMetrics:
                 async with asyncio.timeout(READ_TIMEOUT_S):
                     await self._tail(now + budget_s)
                     self._depth = await self._manager.queue_depth()
-                    self._workers = await self._manager.workers(recent_s=0)
+                    self._workers = await self._manager.workers(recent_s=DEAD_WORKERS_SHOWN_S)
             except Exception as exc:
                 if not db.is_unavailable(exc):
                     raise
@@ -228,11 +234,17 @@ class DatabaseMetrics:
         for (state, model), count in sorted(totals.items()):
             depth.add_metric([state, model], count)
         yield depth
-        yield from worker_families(self._workers)
+        yield from worker_families(self._workers, dead_after_s=self._dead_after_s)
 
 
-def worker_families(workers: Sequence[records.WorkerInfo]) -> Iterable[Metric]:
-    """Per worker and GPU gauges from the workers' last heartbeat snapshots."""
+def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: float) -> Iterable[Metric]:
+    """Per worker and GPU gauges from the workers' last heartbeat snapshots.
+
+    A worker that stopped cleanly is left out. One that died (marked dead, or silent for
+    `dead_after_s`) keeps its heartbeat age, which goes on growing for alerts to see, and its
+    running jobs (none once they are taken back); its GPUs are left out, since the snapshot of a
+    dead worker's reservations, jobs and runners is no longer true.
+    """
     age = GaugeMetricFamily(
         "gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat", labels=["worker"]
     )
@@ -258,8 +270,12 @@ def worker_families(workers: Sequence[records.WorkerInfo]) -> Iterable[Metric]:
         labels=["worker", "gpu", "model"],
     )
     for w in workers:
+        if w.state == "stopped":
+            continue
         age.add_metric([w.id], w.heartbeat_age_s)
         running.add_metric([w.id], len(w.running_jobs))
+        if w.state not in ("running", "stopping") or w.heartbeat_age_s >= dead_after_s:
+            continue
         for g in w.gpus:
             index = str(g.get("index", "?"))
             labels = [w.id, index, str(g.get("name", ""))]
@@ -290,10 +306,15 @@ class Metrics:
     """One API process's registry: database series, HTTP latency, stream count, process stats."""
 
     def __init__(
-        self, manager: manager_.JobManager, *, cache_s: float, subscribers: Callable[[], int]
+        self,
+        manager: manager_.JobManager,
+        *,
+        cache_s: float,
+        dead_after_s: float,
+        subscribers: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry()
-        self.database = DatabaseMetrics(manager, cache_s=cache_s)
+        self.database = DatabaseMetrics(manager, cache_s=cache_s, dead_after_s=dead_after_s)
         self.registry.register(self.database)
         self.registry.register(
             _Gauge("gpujobs_stream_subscribers", "Open job streams in this process", lambda: subscribers())

@@ -127,7 +127,10 @@ class Observability:
         self.feed = notify.JobFeed(db.asyncpg_dsn(settings.database_url))
         app.state.feed = self.feed
         app.state.metrics = metrics.Metrics(
-            services.manager, cache_s=settings.metrics_cache_s, subscribers=lambda: self.feed.subscribers
+            services.manager,
+            cache_s=settings.metrics_cache_s,
+            dead_after_s=max(settings.lease_s, 3 * settings.heartbeat_interval_s),  # as the reaper judges
+            subscribers=lambda: self.feed.subscribers,
         )
         app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)
         app.state.disk_usage = retention.DiskUsage(settings.storage_dir)

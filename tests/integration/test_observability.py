@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +137,66 @@ async def test_worker_and_gpu_gauges_come_from_heartbeats(settings, manager, mak
         [g] = w["gpus"]
         assert (g["total_mb"], g["free_mb"], g["reserved_mb"], g["running_jobs"]) == (8192, 8192, 3000, 1)
         await manager.cancel(job_id, owner=None, by="test")
+
+
+async def test_a_dead_workers_gpus_leave_and_its_heartbeat_age_stays(
+    settings, manager, make_worker, spawn_worker
+):
+    """After a worker's kill -9, its GPUs went on showing the job's reservation and a running job
+    (until another worker marked it dead, or for ever without one); then all of its series
+    vanished at once, heartbeat age included, some 20 s after its last heartbeat with the default
+    settings: the documented `heartbeat_age_seconds > 30` alert could never fire."""
+    job_id = await enqueue(manager, sleep=30, steps=30, vram_mb=3000)
+    dead = ""
+
+    async def scrape_until(check: Callable[[dict[Any, float]], bool]) -> dict[Any, float]:
+        deadline = time.monotonic() + 20
+        while not check(samples := await scrape(http)):
+            assert time.monotonic() < deadline, {k: v for k, v in samples.items() if dead in str(k)}
+            await asyncio.sleep(0.1)
+        return samples
+
+    async with api_client(settings, metrics_cache_s=0) as http:
+        first = spawn_worker("gone")
+        job = await until(manager, job_id, lambda j: j.pid is not None)
+        dead = str(job.worker_id)
+        gpu = {"worker": dead, "gpu": "0", "name": "virtual-0"}
+        await scrape_until(lambda s: value(s, "gpujobs_gpu_memory_reserved_bytes", **gpu) == 3000 * MB)
+        first.send_signal(signal.SIGKILL)
+        first.wait(5)
+        try:
+            # Nobody has marked it dead yet, but it stopped heartbeating longer ago than the limit.
+            stale = await scrape_until(
+                lambda s: value(s, "gpujobs_worker_heartbeat_age_seconds", worker=dead) > 3.5
+            )
+            assert not [
+                k for k in stale if dict(k[1]).get("worker") == dead and k[0].startswith("gpujobs_gpu")
+            ]
+            # Another worker's reaper takes the job back and marks it dead (the job does not fit
+            # its GPU); its age keeps growing where an alert sees it.
+            async with running(make_worker([2000], burst=False, name="reaper")):
+                await until(manager, job_id, lambda j: j.state is JobState.queued)
+                deadline = time.monotonic() + 20
+                while True:
+                    [state] = [w.state for w in await manager.workers() if w.id == dead]
+                    if state == "dead":
+                        break
+                    assert time.monotonic() < deadline, state
+                    await asyncio.sleep(0.1)
+                after = await scrape(http)
+            assert value(after, "gpujobs_worker_heartbeat_age_seconds", worker=dead) > value(
+                stale, "gpujobs_worker_heartbeat_age_seconds", worker=dead
+            )
+            assert value(after, "gpujobs_worker_running_jobs", worker=dead) == 0
+            assert not [
+                k for k in after if dict(k[1]).get("worker") == dead and k[0].startswith("gpujobs_gpu")
+            ]
+            reaper = {"worker": worker_id("reaper"), "gpu": "0", "name": "fake-0"}
+            assert value(after, "gpujobs_gpu_memory_total_bytes", **reaper) == 2000 * MB  # live ones stay
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            await manager.cancel(job_id, owner=None, by="test")
 
 
 async def test_healthz_and_readyz(settings, make_worker):
