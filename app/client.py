@@ -2,7 +2,8 @@
 
 It talks to a running API (`--url` or GPUJOBS_URL) with an API key (`--key` or GPUJOBS_API_KEY).
 `submit --wait` follows the job's event stream (GET /jobs/{id}/stream) with a progress bar, resuming
-with Last-Event-ID when the connection drops, then downloads the results. Exit codes: 0 done,
+with Last-Event-ID when the connection drops (and after Retry-After when the stream answers 429 or
+a 5xx of an API or database away for a moment), then downloads the results. Exit codes: 0 done,
 1 the job failed or was canceled, 2 the request was refused or the server could not be reached.
 """
 
@@ -32,6 +33,10 @@ jobs = typer.Typer(help="List, show, cancel and retry jobs.", no_args_is_help=Tr
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
 RECONNECTS = 20
+# Answers to a GET that mean "not now" (the database away, the API restarting behind a load
+# balancer, too many requests): a stream is asked again, after Retry-After when the answer has one.
+TRY_AGAIN = frozenset({429, 502, 503, 504})
+RETRY_AFTER_MAX_S = 30.0
 
 Url = Annotated[str, typer.Option("--url", envvar="GPUJOBS_URL", help="The API's base URL")]
 Key = Annotated[
@@ -218,8 +223,19 @@ def follow(http: httpx.Client, job_id: str) -> None:
         task = bar.add_task("queued", total=1.0)
         for attempt in range(RECONNECTS):
             headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
+            pause_s = min(0.5 * 2**attempt, 10)
             try:
                 with http.stream("GET", f"/jobs/{job_id}/stream", headers=headers) as response:
+                    if response.status_code in TRY_AGAIN:
+                        response.read()
+                        pause_s = retry_after_s(response, pause_s)
+                        stderr().print(
+                            f"stream answered {response.status_code} ({detail_of(response)}); "
+                            f"retrying in {pause_s:g} s",
+                            highlight=False,
+                        )
+                        time.sleep(pause_s)
+                        continue
                     if response.status_code != 200:
                         response.read()
                         fail(f"{response.status_code}: {response.text}")
@@ -235,8 +251,26 @@ def follow(http: httpx.Client, job_id: str) -> None:
                             return
             except httpx.HTTPError as exc:
                 stderr().print(f"stream interrupted ({exc}); reconnecting", highlight=False)
-            time.sleep(min(0.5 * 2**attempt, 10))
+            time.sleep(pause_s)
     fail(f"lost the stream of job {job_id} {RECONNECTS} times")
+
+
+def retry_after_s(response: httpx.Response, default_s: float) -> float:
+    """The answer's Retry-After in seconds (bounded), or `default_s` without a usable one."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return default_s
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX_S) if seconds == seconds else default_s
+
+
+def detail_of(response: httpx.Response) -> str:
+    """The server's `detail` message, or the body's text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    return str(body.get("detail", body)) if isinstance(body, dict) else str(body)
 
 
 # -- jobs ---------------------------------------------------------------------------------------

@@ -167,3 +167,40 @@ async def test_database_commands_say_why_they_cannot_use_the_database(settings, 
         [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert why in line and "hunter2" not in stderr, (args, line)
         assert make_url(url).render_as_string(hide_password=True).split("@")[-1] in line, line
+
+
+class Unavailable:
+    """ASGI middleware answering the first `n` GETs of a job stream 503 with Retry-After, as the
+    API does while its database is away (and a load balancer while the API restarts)."""
+
+    def __init__(self, app: Any, n: int) -> None:
+        self.app, self.left = app, n
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/stream") and self.left > 0:
+            self.left -= 1
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"detail": "database unavailable"}'})
+            return
+        await self.app(scope, receive, send)
+
+
+async def test_submit_wait_rides_out_a_503_from_the_stream(settings, make_key, tmp_path):
+    """The job was accepted and runs: a 503 on its stream (the database away for a moment, with
+    Retry-After) made `submit --wait` give up at once, exit 2, without the results."""
+    from app.api.main import create_app
+    from tests.conftest import http_client, serving
+
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("cli-user")
+    app = create_app(settings.model_copy(update={"run_worker": True}))
+    app.add_middleware(Unavailable, n=2)
+    async with serving(app) as base, http_client(base, key) as http:
+        code, stdout, stderr = await gpujobs(
+            http, key, "submit", str(image), "-m", "toy", "-p", "sleep=0.5", "--wait", "--out", str(tmp_path)
+        )
+    assert code == 0, stderr
+    assert "succeeded" in stdout and (tmp_path / "out.txt").exists()
+    assert stderr.count("503") == 2 and "retrying" in stderr
