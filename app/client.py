@@ -4,7 +4,8 @@ It talks to a running API (`--url` or GPUJOBS_URL) with an API key (`--key` or G
 `submit --wait` follows the job's event stream (GET /jobs/{id}/stream) with a progress bar, resuming
 with Last-Event-ID when the connection drops (and after Retry-After when the stream answers 429 or
 a 5xx of an API or database away for a moment), then downloads the results. Exit codes: 0 done,
-1 the job failed or was canceled, 2 the request was refused or the server could not be reached.
+1 the job failed or was canceled, 2 the request was refused, the server could not be reached, or
+what answered is not the API.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
     except httpx.HTTPError as exc:
         fail(f"cannot reach {http.base_url}: {exc}")
     if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        fail(f"{response.status_code}: {detail}")
-    return response.json()
+        fail(f"{response.status_code}: {detail_of(response)}")
+    try:
+        if response.status_code < 300:
+            return response.json()
+    except ValueError:
+        pass
+    kind = response.headers.get("content-type", "no content type")
+    fail(
+        f"{response.request.url} answered {response.status_code} ({kind}): not the API; "
+        "is --url (GPUJOBS_URL) the API's address?"
+    )
 
 
 def parse_params(pairs: list[str]) -> dict[str, Any]:

@@ -204,3 +204,18 @@ async def test_submit_wait_rides_out_a_503_from_the_stream(settings, make_key, t
     assert code == 0, stderr
     assert "succeeded" in stdout and (tmp_path / "out.txt").exists()
     assert stderr.count("503") == 2 and "retrying" in stderr
+
+
+async def test_an_answer_that_is_not_the_apis_is_an_error_not_a_traceback(settings, make_key, tmp_path):
+    """`--url` pointing at the web page (or any server that answers HTML) crashed the client with a
+    JSONDecodeError traceback and exit code 1."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("cli-user")
+    async with api_client(settings) as http:
+        code, stdout, _ = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--json")
+        job_id = json.loads(stdout)["id"]
+        http.base_url = http.base_url.join("/ui/")  # the web page's pages, not the API
+        code, stdout, stderr = await gpujobs(http, key, "jobs", "show", job_id)
+    assert code == 2 and "Traceback" not in stderr and key not in stderr, stderr[-2000:]
+    assert "not the API" in stderr and "--url" in stderr, stderr
