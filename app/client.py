@@ -140,7 +140,8 @@ def submit(
     priority: Annotated[int, typer.Option(help="Higher runs first")] = 0,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends")] = False,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Download the results here (implies --wait)")
+        Path | None,
+        typer.Option("--out", file_okay=False, help="Download the results here (implies --wait)"),
     ] = None,
     url: Url = DEFAULT_URL,
     key: Key = None,

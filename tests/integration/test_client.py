@@ -219,3 +219,18 @@ async def test_an_answer_that_is_not_the_apis_is_an_error_not_a_traceback(settin
         code, stdout, stderr = await gpujobs(http, key, "jobs", "show", job_id)
     assert code == 2 and "Traceback" not in stderr and key not in stderr, stderr[-2000:]
     assert "not the API" in stderr and "--url" in stderr, stderr
+
+
+async def test_submit_refuses_an_out_that_is_a_file_before_it_uploads(settings, make_key, tmp_path):
+    """`--out` naming a file was found out only after the job had run, by a FileExistsError
+    traceback (exit 1), with the job's results left on the server."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    taken = tmp_path / "results.txt"
+    taken.write_text("mine")
+    key = await make_key("cli-user")
+    async with api_client(settings, run_worker=True) as http:
+        code, _, stderr = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--out", str(taken))
+        listed = (await http.get("/jobs")).json()["jobs"]
+    assert code == 2 and "Traceback" not in stderr and "results.txt" in stderr, stderr[-2000:]
+    assert listed == [] and taken.read_text() == "mine"  # nothing was submitted
