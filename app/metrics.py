@@ -44,6 +44,7 @@ JOB_BUCKETS_S: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 6
 HTTP_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 FINAL: Final = frozenset(s.value for s in FINAL_STATES)
+UNFINISHED: Final = ("queued", "scheduled", "running")  # the states of the gpujobs_jobs gauge
 # Events after which a job waits in the queue, and events that end a running attempt.
 QUEUE_ENTRY: Final = frozenset(
     {"submitted", "retry_scheduled", "recovered", "released", "retried", "out_of_memory"}
@@ -174,9 +175,16 @@ class DatabaseMetrics:
     """The series read from the database, refreshed at most every `cache_s` (a prometheus Collector)."""
 
     def __init__(
-        self, manager: manager_.JobManager, *, cache_s: float, dead_after_s: float, batch: int = 5000
+        self,
+        manager: manager_.JobManager,
+        *,
+        cache_s: float,
+        dead_after_s: float,
+        models: Iterable[str] = (),
+        batch: int = 5000,
     ) -> None:
         self._manager = manager
+        self._models = sorted(models)  # registered: their queue gauges read 0, never nothing
         self._cache_s = cache_s
         self._dead_after_s = dead_after_s
         self._batch = batch
@@ -228,7 +236,9 @@ class DatabaseMetrics:
         depth = GaugeMetricFamily(
             "gpujobs_jobs", "Unfinished jobs by state and model", labels=["state", "model"]
         )
-        totals: Counter[tuple[str, str]] = Counter()
+        totals: Counter[tuple[str, str]] = Counter(
+            {(state, model): 0 for state in UNFINISHED for model in self._models}
+        )
         for state, model, _priority, count in self._depth:
             totals[(state, model)] += count
         for (state, model), count in sorted(totals.items()):
@@ -312,9 +322,10 @@ class Metrics:
         cache_s: float,
         dead_after_s: float,
         subscribers: Callable[[], int],
+        models: Iterable[str] = (),
     ) -> None:
         self.registry = CollectorRegistry()
-        self.database = DatabaseMetrics(manager, cache_s=cache_s, dead_after_s=dead_after_s)
+        self.database = DatabaseMetrics(manager, cache_s=cache_s, dead_after_s=dead_after_s, models=models)
         self.registry.register(self.database)
         self.registry.register(
             _Gauge("gpujobs_stream_subscribers", "Open job streams in this process", lambda: subscribers())

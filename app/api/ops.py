@@ -131,6 +131,7 @@ class Observability:
             cache_s=settings.metrics_cache_s,
             dead_after_s=max(settings.lease_s, 3 * settings.heartbeat_interval_s),  # as the reaper judges
             subscribers=lambda: self.feed.subscribers,
+            models=services.models.models,
         )
         app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)
         app.state.disk_usage = retention.DiskUsage(settings.storage_dir)

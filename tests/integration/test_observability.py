@@ -393,3 +393,20 @@ async def test_metrics_answer_in_time_while_the_database_does_not(settings):
                 writer.close()
     finally:
         server.close()
+
+
+async def test_the_queue_gauge_says_zero_rather_than_nothing(settings, make_worker):
+    """`gpujobs_jobs` had no series for a model with no unfinished job, and lost its series when
+    the queue emptied: `sum(gpujobs_jobs{state="queued"})` then read as no data, not 0, and an
+    alert on an empty queue of a model could not be written."""
+    async with api_client(settings, metrics_cache_s=0) as http:
+        models = {m["name"] for m in (await http.get("/models")).json()["models"]}
+        empty = await scrape(http)
+        for state in ("queued", "scheduled", "running"):
+            for model in models:
+                assert empty[("gpujobs_jobs", frozenset({"state": state, "model": model}.items()))] == 0
+        await submit_toy(http)
+        assert value(await scrape(http), "gpujobs_jobs", state="queued", model="toy") == 1
+        await make_worker().run()
+        done = await scrape(http)
+    assert done[("gpujobs_jobs", frozenset({"state": "queued", "model": "toy"}.items()))] == 0
