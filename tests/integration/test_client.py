@@ -18,6 +18,7 @@ from tests.integration.test_end_to_end import gradient_png
 async def gpujobs(http: Any, key: str | None, *args: str) -> tuple[int, str, str]:
     """Run `python -m app ARGS` against the server behind `http`; (exit code, stdout, stderr)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    env["COLUMNS"] = "400"  # typer's error boxes would wrap a long path across lines
     env["GPUJOBS_URL"] = str(http.base_url)
     if key is not None:
         env["GPUJOBS_API_KEY"] = key
