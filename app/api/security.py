@@ -19,6 +19,7 @@ browser origins (none by default) call the API with a bearer key (no cookies, no
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterable
@@ -286,10 +287,16 @@ def install(app: FastAPI, settings: Settings) -> None:
         )
 
 
+# How long the start-up waits on the database for that: not asyncpg's 60 s connect timeout, which
+# held the start (and /healthz) while a database host took connections and never answered.
+ANNOUNCE_TIMEOUT_S = 5.0
+
+
 async def announce_missing_admin(keys: auth.KeyStore) -> None:
     """On a database without an admin key, tell the operator how to make the first one."""
     try:
-        has_admin = await keys.has_admin()
+        async with asyncio.timeout(ANNOUNCE_TIMEOUT_S):
+            has_admin = await keys.has_admin()
     except Exception as exc:
         if not db.is_unavailable(exc):
             raise

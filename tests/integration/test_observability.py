@@ -395,6 +395,29 @@ async def test_metrics_answer_in_time_while_the_database_does_not(settings):
         server.close()
 
 
+async def test_the_api_starts_and_answers_healthz_while_the_database_does_not(settings):
+    """At start the API asks the database whether an admin key exists, to tell the operator how
+    to make one. A database host that takes connections and never answers held the start-up for
+    asyncpg's 60 s connect timeout, and /healthz, a liveness probe, went unanswered all along."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def database(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # never answers
+
+    server = await asyncio.start_server(database, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hung = f"postgresql+asyncpg://nobody:secret@127.0.0.1:{port}/nothing"
+    try:
+        started = time.monotonic()
+        async with api_client(settings, key=None, database_url=hung) as http:
+            assert time.monotonic() - started < 15
+            assert (await http.get("/healthz")).status_code == 200
+            for writer in held:  # the connections still trying fail now: shutdown waits on none
+                writer.close()
+    finally:
+        server.close()
+
+
 async def test_the_queue_gauge_says_zero_rather_than_nothing(settings, make_worker):
     """`gpujobs_jobs` had no series for a model with no unfinished job, and lost its series when
     the queue emptied: `sum(gpujobs_jobs{state="queued"})` then read as no data, not 0, and an
