@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from app import links as links_
 from app.queue.jobs import Job, JobState
@@ -155,6 +155,11 @@ class ErrorPublic(BaseModel):
     detail: str
 
 
+def _utc(moment: datetime) -> datetime:
+    """A time without a zone is read as UTC, as asyncpg sends it for a timestamptz."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 class RetryFilter(BaseModel):
     """Which failed jobs to queue again."""
 
@@ -164,6 +169,12 @@ class RetryFilter(BaseModel):
     error_contains: Text | None = Field(None, max_length=500)
     since: datetime | None = Field(None, description="Finished at or after")
     until: datetime | None = Field(None, description="Finished before")
+
+    @model_validator(mode="after")
+    def _a_range_that_holds_something(self) -> RetryFilter:
+        if self.since is not None and self.until is not None and _utc(self.since) >= _utc(self.until):
+            raise ValueError("since must be before until (swapped dates match no job)")
+        return self
 
 
 class RetryCount(BaseModel):

@@ -338,6 +338,20 @@ async def test_admin_bulk_retry_by_filter(manager, make_worker, api):
     assert [(await manager.get(j)).state for j in bad] == [JobState.queued] * 3
 
 
+async def test_a_bulk_retry_whose_time_range_is_empty_is_refused(manager, make_worker, api):
+    """`since` after `until` matched nothing and answered {"retried": 0}, as if no job had failed
+    then: a swapped pair of dates reads as "nothing to do". Now 422 says what to fix."""
+    bad = await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    body = {"since": "2026-11-26T12:00:00Z", "until": "2026-11-26T11:00:00Z"}
+    response = await api.post("/admin/jobs/retry", json=body)
+    assert response.status_code == 422, response.text
+    assert "since" in response.text and "until" in response.text
+    mixed = {"since": "2026-11-26T12:00:00", "until": "2026-11-26T11:00:00+00:00"}  # one without a zone
+    assert (await api.post("/admin/jobs/retry", json=mixed)).status_code == 422
+    assert (await manager.get(bad)).state is JobState.failed
+
+
 async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_worker, store):
     worker = make_worker()
     stale = store.lane_dir(worker.id, 3)
