@@ -15,6 +15,18 @@ from tests.conftest import api_client, modules_loaded_by, png_bytes
 from tests.integration.test_end_to_end import gradient_png
 
 
+async def run_cli(env: dict[str, str], *args: str, timeout_s: float = 180) -> tuple[int, str, str]:
+    """Run `python -m app ARGS` with `env` only; (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app", *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(timeout_s):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
 async def gpujobs(http: Any, key: str | None, *args: str) -> tuple[int, str, str]:
     """Run `python -m app ARGS` against the server behind `http`; (exit code, stdout, stderr)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
@@ -22,14 +34,7 @@ async def gpujobs(http: Any, key: str | None, *args: str) -> tuple[int, str, str
     env["GPUJOBS_URL"] = str(http.base_url)
     if key is not None:
         env["GPUJOBS_API_KEY"] = key
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "app", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(180):
-        out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_cli(env, *args)
 
 
 async def test_submit_wait_out_writes_the_mesh(settings, make_key, tmp_path):
@@ -156,14 +161,8 @@ async def test_database_commands_say_why_they_cannot_use_the_database(settings, 
     ]
     for url, args, why in cases:
         env = {**worker_env(settings, "cli"), "GPUJOBS_DATABASE_URL": url}
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "app", *args,
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        async with asyncio.timeout(120):
-            _, err = await process.communicate()
-        stderr = err.decode()
-        assert process.returncode == 2, (args, stderr[-2000:])
+        code, _, stderr = await run_cli(env, *args, timeout_s=120)
+        assert code == 2, (args, stderr[-2000:])
         assert "Traceback" not in stderr and "─" not in stderr, (args, stderr[-2000:])  # nor rich's
         [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert why in line and "hunter2" not in stderr, (args, line)
