@@ -34,7 +34,10 @@ async def readyz(request: Request) -> Any:
     try:
         report = await asyncio.wait_for(_readiness(request), timeout=READY_TIMEOUT_S)
     except Exception as exc:
-        body = {"status": "unavailable", "detail": f"database: {str(exc)[:200] or type(exc).__name__}"}
+        why = str(exc)[:200] or type(exc).__name__
+        if isinstance(exc, TimeoutError):  # a database that takes connections and never answers
+            why = f"no answer within {READY_TIMEOUT_S:g} s"
+        body = {"status": "unavailable", "detail": f"database: {why}"}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     problems = []
     if report["schema"]["current"] != report["schema"]["head"]:

@@ -412,6 +412,8 @@ async def test_the_api_starts_and_answers_healthz_while_the_database_does_not(se
         async with api_client(settings, key=None, database_url=hung) as http:
             assert time.monotonic() - started < 15
             assert (await http.get("/healthz")).status_code == 200
+            ready = await http.get("/readyz", timeout=30)  # says why, not only "TimeoutError"
+            assert ready.status_code == 503 and "no answer within 5 s" in ready.json()["detail"], ready.text
             for writer in held:  # the connections still trying fail now: shutdown waits on none
                 writer.close()
     finally:
