@@ -256,9 +256,9 @@ def room_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int, unseen_mb: int = 0, e
     return min(gpu.total_mb - buffer_mb - reserved_mb, gpu.free_mb - buffer_mb - unseen_mb + evictable_mb)
 
 
-def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int, unseen_mb: int = 0) -> int:
-    """`room_mb`, at least 0."""
-    return max(0, room_mb(gpu, reserved_mb=reserved_mb, buffer_mb=buffer_mb, unseen_mb=unseen_mb))
+def available_mb(gpu: Gpu, *, reserved_mb: int, buffer_mb: int) -> int:
+    """`room_mb` with nothing unseen or evictable, at least 0 (the simulator's budget)."""
+    return max(0, room_mb(gpu, reserved_mb=reserved_mb, buffer_mb=buffer_mb))
 
 
 def fits(need_mb: int, budget_mb: int) -> bool:

@@ -219,6 +219,11 @@ class Settings(BaseSettings):
         return int(self.max_upload_mb * 1024 * 1024)
 
     @property
+    def dead_worker_after_s(self) -> float:
+        """How long a worker may go without a heartbeat before it counts as dead (as the reaper judges)."""
+        return max(self.lease_s, 3 * self.heartbeat_interval_s)
+
+    @property
     def cors_origin_list(self) -> list[str]:
         """The allowed CORS origins."""
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]

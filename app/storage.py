@@ -230,15 +230,16 @@ class ResultStore:
         path, media_type, sha = self.resolve(job, name)
         if path is None:
             return Download(None, None, media_type, sha)
+        missing = errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
         try:
             # No link (a link put in its place since is refused), and no wait on a FIFO.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk") from exc
+            raise missing from exc
         file = os.fdopen(fd, "rb")
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             file.close()
-            raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
+            raise missing
         return Download(path, file, media_type, sha)
 
 

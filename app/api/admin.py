@@ -77,11 +77,6 @@ STATS_WINDOW_S = 3600.0
 THROUGHPUT_WINDOW_S = 300.0
 
 
-def dead_after_s(settings: Settings) -> float:
-    """How long a worker may go without a heartbeat before it counts as dead (as the reaper judges)."""
-    return max(settings.lease_s, 3 * settings.heartbeat_interval_s)
-
-
 def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
     return WorkerPublic(
         id=w.id,
@@ -101,7 +96,7 @@ def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
 @router.get("/workers", response_model=list[WorkerPublic])
 async def list_workers(request: Request, services: ServicesDep) -> list[WorkerPublic]:
     """Workers seen in the last day: host, state, heartbeat age, GPUs with their VRAM, running jobs."""
-    dead_after = dead_after_s(request.app.state.settings)
+    dead_after = request.app.state.settings.dead_worker_after_s
     return [_worker_public(w, dead_after) for w in await services.manager.workers()]
 
 
@@ -109,7 +104,7 @@ async def list_workers(request: Request, services: ServicesDep) -> list[WorkerPu
 async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     """Queue depth by model and priority, wait and run p50/p95, throughput, failure rate, storage."""
     manager = services.manager
-    dead_after = dead_after_s(request.app.state.settings)
+    dead_after = request.app.state.settings.dead_worker_after_s
     depth = await manager.queue_depth()
     workers = [_worker_public(w, dead_after) for w in await manager.workers(recent_s=0)]
     done = await manager.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)

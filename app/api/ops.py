@@ -129,7 +129,7 @@ class Observability:
         app.state.metrics = metrics.Metrics(
             services.manager,
             cache_s=settings.metrics_cache_s,
-            dead_after_s=max(settings.lease_s, 3 * settings.heartbeat_interval_s),  # as the reaper judges
+            dead_after_s=settings.dead_worker_after_s,
             subscribers=lambda: self.feed.subscribers,
             models=services.models.models,
         )
