@@ -236,6 +236,7 @@ class Planner:
             )
             if jobs:  # a claim that took nothing (no room, nothing queued) is no turn
                 self._warm_streak = self._warm_streak + 1 if warm else 0
+                self._release_if_taken(jobs)
             return jobs
 
         limit = self._config.claim_batch
@@ -253,6 +254,14 @@ class Planner:
             self.estimates, models, window, min_samples=self._config.backfill_min_samples
         )
         return await take(held, limits) if limits else []
+
+    def _release_if_taken(self, jobs: Sequence[Claimed]) -> None:
+        """The reserved job is claimed: the GPU is held no longer, and the next claim looks again
+        (another job may have waited as long), rather than keeping the memory beside the big job
+        for backfill alone until the next refresh."""
+        if self.reservation is not None and any(c.job.id == self.reservation.job_id for c in jobs):
+            self.reservation = None
+            self._reservation_at = -math.inf
 
     def _warm(self) -> set[tuple[str, int | None]]:
         """(model, GPU) pairs with a live warm runner, preferred among equals by the next claim;

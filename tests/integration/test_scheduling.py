@@ -179,6 +179,24 @@ async def test_backfill_starts_a_short_job_and_refuses_a_long_one(manager, make_
     assert (await manager.get(long)).state is JobState.queued
 
 
+async def test_a_reservation_ends_when_its_job_is_claimed(manager, make_worker):
+    """The held GPU took its big job; the reservation stood until its next look (refresh_s later),
+    and the memory left beside the big job was offered only to jobs that outrank it or backfill:
+    a small job that fits waited for nothing."""
+    worker = make_worker([10_240])
+    planner, now = worker.planner, time.monotonic()
+    big = await enqueue(manager, vram_mb=8_000)
+    planner.reservation = scheduler.Reservation(big, 0, 8_000, 0, now)
+    planner._reservation_at = now + 3600  # no look of its own within the test
+    claim = dict(worker_id="test:w1", host="h", lease_s=10)
+    [taken] = await planner.claim([], **claim)
+    assert taken.job.id == big
+    small = await enqueue(manager, vram_mb=2_000)
+    in_hand = [planner_.InHand(taken.job, 0, time.monotonic())]
+    assert [c.job.id for c in await planner.claim(in_hand, **claim)] == [small]
+    assert planner.reservation is None
+
+
 async def test_a_gpu_at_its_job_cap_is_still_held_for_a_big_job(manager, make_worker):
     """With max_jobs_per_gpu, a GPU at its cap offered 0 MB. The reservation, looked at then (a new
     job's NOTIFY wakes a worker at its cap), saw no memory and no running job's end that would make
