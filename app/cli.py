@@ -131,7 +131,12 @@ def _fail(exc: errors.AppError) -> typer.Exit:
 
 @cli.command()
 def serve(
-    worker: Annotated[bool, typer.Option(help="Also run a worker in this process")] = True,
+    worker: Annotated[
+        bool | None,
+        typer.Option(
+            help="Also run a worker in this process (default: GPUJOBS_RUN_WORKER, true)", show_default=False
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default GPUJOBS_HOST)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default GPUJOBS_PORT)")] = None,
 ) -> None:
@@ -140,7 +145,9 @@ def serve(
 
     from app.api.main import create_app
 
-    settings = _settings().model_copy(update={"run_worker": worker})
+    settings = _settings()
+    if worker is not None:  # the flag overrides GPUJOBS_RUN_WORKER; without it, the setting holds
+        settings = settings.model_copy(update={"run_worker": worker})
     try:
         with database(settings) as ready:
             asyncio.run(_check_schema(ready.database_url or ""))
