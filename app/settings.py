@@ -208,9 +208,15 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         """Cross-field checks that would otherwise fail much later."""
         if self.heartbeat_interval_s >= self.lease_s:
-            raise ValueError("heartbeat_interval_s must be shorter than lease_s")
+            raise ValueError(
+                f"GPUJOBS_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}) must be shorter than "
+                f"GPUJOBS_LEASE_S ({self.lease_s:g})"
+            )
         if self.priority_min > self.priority_max:
-            raise ValueError("priority_min must not exceed priority_max")
+            raise ValueError(
+                f"GPUJOBS_PRIORITY_MIN ({self.priority_min}) must not exceed "
+                f"GPUJOBS_PRIORITY_MAX ({self.priority_max})"
+            )
         return self
 
     @property
@@ -242,9 +248,13 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            name = ".".join(str(part) for part in err["loc"]) or "settings"
-            env = f"GPUJOBS_{name.upper()}" if err["loc"] else "settings"
-            problems.append(f"{env}: {err['msg']}")
+            # A validator's own message, without pydantic's "Value error, " in front of it.
+            message = str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
+            if not err["loc"]:  # a check across settings: its message names the variables
+                problems.append(message)
+                continue
+            env = "GPUJOBS_" + ".".join(str(part) for part in err["loc"]).upper()
+            problems.append(message if message.startswith(f"{env}:") else f"{env}: {message}")
         raise errors.ConfigError("invalid configuration: " + "; ".join(problems)) from exc
 
 

@@ -25,7 +25,7 @@ def test_defaults_and_env(monkeypatch):
         ("GPUJOBS_DATABASE_URL", "mysql://x", "GPUJOBS_DATABASE_URL"),
         ("GPUJOBS_GPUS", "24 parsecs", "GPUJOBS_GPUS"),
         ("GPUJOBS_LOG_LEVEL", "loud", "GPUJOBS_LOG_LEVEL"),
-        ("GPUJOBS_HEARTBEAT_INTERVAL_S", "60", "heartbeat_interval_s must be shorter than lease_s"),
+        ("GPUJOBS_HEARTBEAT_INTERVAL_S", "60", "GPUJOBS_HEARTBEAT_INTERVAL_S (60) must be shorter than"),
     ],
 )
 def test_bad_setting_is_named(monkeypatch, env, value, needle):
@@ -74,3 +74,30 @@ def test_readme_configuration_table_is_current():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- settings-table:start -->")[1].split("<!-- settings-table:end -->")[0]
     assert block.strip() == markdown_table(), "run: python -m app.settings, and paste it into README.md"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"GPUJOBS_HEARTBEAT_INTERVAL_S": "30"},
+            "GPUJOBS_HEARTBEAT_INTERVAL_S (30) must be shorter than GPUJOBS_LEASE_S (20)",
+        ),
+        (
+            {"GPUJOBS_PRIORITY_MIN": "5", "GPUJOBS_PRIORITY_MAX": "2"},
+            "GPUJOBS_PRIORITY_MIN (5) must not exceed GPUJOBS_PRIORITY_MAX (2)",
+        ),
+        ({"GPUJOBS_LOG_LEVEL": "loud"}, "GPUJOBS_LOG_LEVEL: must be DEBUG, INFO, WARNING or ERROR"),
+        ({"GPUJOBS_GPUS": "abc"}, "GPUJOBS_GPUS: 'abc' is not a GPU size"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch, env, expected):
+    """Two settings that disagree were reported as `settings: Value error, heartbeat_interval_s must
+    be shorter than lease_s`: field names, not the variables an operator sets, and neither value."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    message = caught.value.message
+    assert message.startswith("invalid configuration: " + expected), message
+    assert "Value error" not in message and "\n" not in message
