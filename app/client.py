@@ -277,7 +277,18 @@ def detail_of(response: httpx.Response) -> str:
         body = response.json()
     except ValueError:
         return response.text
-    return str(body.get("detail", body)) if isinstance(body, dict) else str(body)
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    if isinstance(detail, list) and detail and all(isinstance(e, dict) and "msg" in e for e in detail):
+        return "; ".join(_validation_error(e) for e in detail)
+    return str(detail)
+
+
+def _validation_error(error: dict[str, Any]) -> str:
+    """One of FastAPI's validation errors as `field: message` (without where the field was sent)."""
+    loc = [str(part) for part in error.get("loc", [])]
+    if loc and loc[0] in {"path", "query", "body", "header", "cookie"}:
+        loc = loc[1:]
+    return f"{'.'.join(loc)}: {error['msg']}" if loc else str(error["msg"])
 
 
 # -- jobs ---------------------------------------------------------------------------------------
