@@ -58,10 +58,11 @@ def register(cli: typer.Typer) -> None:
 
 @functools.cache
 def stderr() -> Console:
-    """Where messages for people go."""
+    """Where messages for people go: each on one line (soft_wrap), so that stderr read by a script
+    or a log (no terminal: rich assumes 80 columns) never has a URL or a reason broken over lines."""
     from rich.console import Console
 
-    return Console(stderr=True)
+    return Console(stderr=True, soft_wrap=True)
 
 
 def connect(url: str, key: str | None) -> httpx.Client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,15 @@ async def test_a_refused_request_prints_the_servers_reasons_readably(settings, m
         assert code == 2 and stderr.startswith("error: 422: state: Input should be 'queued'"), stderr
         code, _, stderr = await gpujobs(http, key, "prune", "--older-than", "99999999w", "--dry-run")
         assert code == 2 and stderr.startswith("error: 422: older_than_s: Input should be less than"), stderr
+
+
+async def test_a_client_error_is_one_line_whatever_the_terminal(settings, tmp_path):
+    """Run from a script or cron (stderr not a terminal, no COLUMNS), an error was wrapped at 80
+    columns: a URL or a message broken over lines that a log search or `grep error:` would miss."""
+    from tests.integration.test_client import run_cli
+
+    url = "http://127.0.0.1:9/a/long/path/that/makes/the/message/longer/than/eighty/columns"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "GPUJOBS_URL": url}
+    code, _, stderr = await run_cli(env, "jobs", "list")
+    assert code == 2 and stderr.startswith(f"error: cannot reach {url}"), stderr
+    assert len(stderr.splitlines()) == 1, stderr
