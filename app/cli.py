@@ -236,10 +236,22 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] =
         vram = f"{spec.base_mb} MB + {spec.mb_per_megapixel:g} MB/megapixel"
         typer.echo(f"  vram: {vram}; timeout {spec.timeout_s:g} s; attempts {spec.max_attempts}")
         for p in spec.params.values():
-            bounds = f" choices {list(p.choices)}" if p.choices else ""
+            bounds = f" choices {'|'.join(_as_param(c) for c in p.choices)}" if p.choices else ""
             if p.min is not None or p.max is not None:
                 bounds = f" range {p.min}..{p.max}"
-            typer.echo(f"  --param {p.name}=<{p.type}> default {p.default!r}{bounds}  {p.description}")
+            default = "(required)" if p.default is None else f"default {_as_param(p.default)}"
+            typer.echo(f"  --param {p.name}=<{p.type}> {default}{bounds}  {p.description}")
+
+
+def _as_param(value: object) -> str:
+    """A value as `submit --param name=VALUE` takes it: JSON, but text as itself unless it would
+    read as JSON (`false`, `80`)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value)
 
 
 def main() -> None:

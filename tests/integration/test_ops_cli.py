@@ -57,3 +57,29 @@ async def test_a_client_error_is_one_line_whatever_the_terminal(settings, tmp_pa
     code, _, stderr = await run_cli(env, "jobs", "list")
     assert code == 2 and stderr.startswith(f"error: cannot reach {url}"), stderr
     assert len(stderr.splitlines()) == 1, stderr
+
+
+async def test_models_shows_each_default_as_submit_param_takes_it(tmp_path):
+    """`gpujobs models` printed defaults and choices as Python reprs (`default False`, `choices
+    ['glb', 'stl', 'obj']`): `--param invert=False` copied from it was refused (422: a string),
+    and `--param format='glb'` named no choice."""
+    from app import client, registry
+    from tests.integration.test_client import run_cli
+
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+    code, stdout, stderr = await run_cli(env, "models")
+    assert code == 0, stderr
+    specs = registry.load_registry(None).models
+    shown = 0
+    for line in stdout.splitlines():
+        words = line.split()
+        if words[:1] == ["--param"]:
+            name = words[1].split("=")[0]
+            default = words[words.index("default") + 1]
+            spec = specs["relief"].params[name]
+            assert client.parse_params([f"{name}={default}"]) == {name: spec.default}, line
+            if spec.choices:
+                listed = words[words.index("choices") + 1]
+                assert [client.parse_params([f"c={c}"])["c"] for c in listed.split("|")] == list(spec.choices)
+            shown += 1
+    assert shown >= len(specs["relief"].params)
