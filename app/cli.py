@@ -117,6 +117,7 @@ async def _check_schema(url: str) -> None:
         found = await migrate.current(engine)
     finally:
         await engine.dispose()
+    migrate.check_known(found)
     if found != migrate.head():
         raise errors.ConfigError(
             f"the database schema is at {found or 'nothing'}, the code needs {migrate.head()}: "

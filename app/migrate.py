@@ -17,6 +17,7 @@ from app import errors
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSIONS = ROOT / "migrations" / "versions"
@@ -37,9 +38,22 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database to `revision` (default: the newest)."""
+    """Bring the database to `revision` (default: the newest). A database at a revision the code
+    does not know (a newer release migrated it) is a ConfigError that says so, and is left alone."""
+    import asyncio
+
     from alembic import command
 
+    from app import db
+
+    async def found() -> str | None:
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            return await current(engine)
+        finally:
+            await engine.dispose()
+
+    check_known(asyncio.run(found()))
     command.upgrade(alembic_config(url), revision)
 
 
@@ -55,22 +69,51 @@ def head() -> str | None:
 
     Read from the scripts' text; a script this cannot read (a merge's tuple of parents, say) sends
     the question to Alembic, and so would more than one head (Alembic then says what is wrong)."""
-    revisions: dict[str, str | None] = {}
-    for script in sorted(VERSIONS.glob("*.py")):
-        found = {m.group(1) or "": m.group(2) or m.group(3) for m in _REVISION.finditer(script.read_text())}
-        if set(found) != {"", "down_"} or found[""] is None:
-            return _alembic_head()
-        revisions[found[""]] = found["down_"]
-    heads = set(revisions) - set(revisions.values())
-    if len(heads) != 1:
+    revisions = _parents()
+    heads = set(revisions or {}) - set((revisions or {}).values())
+    if revisions is None or len(heads) != 1:
         return _alembic_head()
     return heads.pop()
 
 
+def known() -> set[str]:
+    """Every revision the code's migration scripts define."""
+    revisions = _parents()
+    if revisions is None:
+        return {script.revision for script in _scripts().walk_revisions()}
+    return set(revisions)
+
+
+def check_known(found: str | None) -> None:
+    """Refuse a database at a revision the code does not know: a newer release migrated it, and
+    neither this code nor its migrations can use it (nor take it back)."""
+    if found is not None and found not in known():
+        raise errors.ConfigError(
+            f"the database schema is at {found}, which this version of gpujobs does not know (its "
+            f"newest is {head()}): a newer release migrated it; run that release, or downgrade the "
+            f"database to {head()} with it first"
+        )
+
+
+def _parents() -> dict[str, str | None] | None:
+    """Each script's revision and its parent, read from the scripts' text (None: one is unreadable)."""
+    revisions: dict[str, str | None] = {}
+    for script in sorted(VERSIONS.glob("*.py")):
+        found = {m.group(1) or "": m.group(2) or m.group(3) for m in _REVISION.finditer(script.read_text())}
+        if set(found) != {"", "down_"} or found[""] is None:
+            return None
+        revisions[found[""]] = found["down_"]
+    return revisions
+
+
 def _alembic_head() -> str | None:
+    return _scripts().get_current_head()
+
+
+def _scripts() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(alembic_config("")).get_current_head()
+    return ScriptDirectory.from_config(alembic_config(""))
 
 
 async def current(engine: AsyncEngine) -> str | None:

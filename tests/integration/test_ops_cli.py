@@ -83,3 +83,27 @@ async def test_models_shows_each_default_as_submit_param_takes_it(tmp_path):
                 assert [client.parse_params([f"c={c}"])["c"] for c in listed.split("|")] == list(spec.choices)
             shown += 1
     assert shown >= len(specs["relief"].params)
+
+
+async def test_a_schema_newer_than_the_code_is_named_not_a_traceback(settings, engine):
+    """After a rollback of the code (a newer release had migrated the database), `gpujobs migrate`
+    crashed with Alembic's traceback ("Can't locate revision identified by '0099'"), exit 1, and
+    `serve` and `worker` told the operator to run `gpujobs migrate`, which could not help."""
+    from sqlalchemy import text
+
+    from app import migrate
+    from tests.integration.test_client import run_cli
+
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+    env = worker_env(settings, "newer")
+    env["COLUMNS"] = "400"
+    for args in (["migrate"], ["worker", "--burst"], ["serve", "--no-worker", "--port", str(free_port())]):
+        code, _, stderr = await run_cli(env, *args, timeout_s=120)
+        assert code == 2, (args, stderr[-3000:])
+        assert "Traceback" not in stderr and "─" not in stderr, (args, stderr[-3000:])
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert "0099" in line and "newer" in line and f"its newest is {migrate.head()}" in line, line
+        assert "run `gpujobs migrate`" not in line, line
+    async with engine.connect() as conn:  # and nothing was changed
+        assert await conn.scalar(text("SELECT version_num FROM alembic_version")) == "0099"
