@@ -101,3 +101,32 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch, env, expected)
     message = caught.value.message
     assert message.startswith("invalid configuration: " + expected), message
     assert "Value error" not in message and "\n" not in message
+
+
+# Durations that reach PostgreSQL (now() ± them) or a timer, but for those with a tighter bound of
+# their own. GPUJOBS_AGE_STEP_S is left out: a step longer than any wait turns aging off, and the
+# aging pass allows it (tests/integration/test_scheduling.py).
+DURATIONS = sorted(
+    name
+    for name, field in Settings.model_fields.items()
+    if name.endswith("_s")
+    and name != "age_step_s"
+    and not any(getattr(m, "le", None) is not None and m.le < 315_360_000 for m in field.metadata)
+)
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+def test_a_duration_past_ten_years_is_refused_by_name(monkeypatch, name):
+    """GPUJOBS_LEASE_S=1e12 passed (finite, positive): the reaper's `now() - dead_after` was out
+    of PostgreSQL's timestamp range, it died, and the worker stopped, exit code 0. Ten years is
+    accepted; more is a configuration error naming the variable and the bound."""
+    env = f"GPUJOBS_{name.upper()}"
+    monkeypatch.setenv(env, "315360000")
+    if name == "heartbeat_interval_s":
+        monkeypatch.setenv("GPUJOBS_LEASE_S", "315360000")
+        monkeypatch.setenv(env, "315359999")
+    load_settings()
+    monkeypatch.setenv(env, "1e12" if Settings.model_fields[name].annotation is float else "1000000000000")
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    assert f"{env}: Input should be less than or equal to 315360000" in caught.value.message, caught.value
