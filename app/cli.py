@@ -176,12 +176,18 @@ def worker(
     settings = _settings()
     try:
         with database(settings) as ready:
-            asyncio.run(_run_worker(ready, burst=burst))
+            asked = asyncio.run(_run_worker(ready, burst=burst))
     except errors.AppError as exc:
         raise _fail(exc) from exc
+    if not (asked or burst):
+        # Only a failure (logged above: a side task died) ends a worker nobody asked to stop; exit
+        # non-zero, so a supervisor that restarts on failure starts it again.
+        typer.echo("error: the worker stopped after an error (see the log above)", err=True)
+        raise typer.Exit(1)
 
 
-async def _run_worker(settings: Settings, *, burst: bool) -> None:
+async def _run_worker(settings: Settings, *, burst: bool) -> bool:
+    """Run a worker until it stops; True when SIGTERM or SIGINT asked it to."""
     from app import db, storage
     from app.queue.factory import build_worker
     from app.queue.manager import JobManager
@@ -198,10 +204,17 @@ async def _run_worker(settings: Settings, *, burst: bool) -> None:
             listen_dsn=db.asyncpg_dsn(url),
             burst=burst,
         )
+        asked = asyncio.Event()
+
+        def stop() -> None:
+            asked.set()
+            w.stop()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, w.stop)
+            loop.add_signal_handler(sig, stop)
         await w.run()
+        return asked.is_set()
     finally:
         await queue_engine.dispose()
         await engine.dispose()

@@ -107,3 +107,30 @@ async def test_a_schema_newer_than_the_code_is_named_not_a_traceback(settings, e
         assert "run `gpujobs migrate`" not in line, line
     async with engine.connect() as conn:  # and nothing was changed
         assert await conn.scalar(text("SELECT version_num FROM alembic_version")) == "0099"
+
+
+async def test_a_worker_that_stops_on_its_own_exits_non_zero(settings, engine, spawn_worker, tmp_path):
+    """A worker whose heartbeat, reaper or listener dies stops (it cannot keep its leases); the
+    process then exited 0, as after a requested stop, so a supervisor restarting on failure
+    (systemd Restart=on-failure, a Kubernetes Job) left the host without a worker."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    worker = spawn_worker("stops", heartbeat_interval_s="0.2", lease_s="5")
+    async with asyncio.timeout(60):
+        while True:
+            async with engine.connect() as conn:
+                if await conn.scalar(text("SELECT count(*) FROM workers WHERE state = 'running'")):
+                    break
+            await asyncio.sleep(0.1)
+    async with engine.begin() as conn:  # the heartbeat's table goes away under it
+        await conn.execute(text("ALTER TABLE workers RENAME TO workers_gone"))
+    try:
+        code = await asyncio.wait_for(asyncio.to_thread(worker.wait), timeout=60)
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text("ALTER TABLE workers_gone RENAME TO workers"))
+    assert code == 1, code
+    log = (tmp_path / "worker-stops-0.log").read_text()
+    assert "side task" in log and "error: the worker stopped after an error" in log, log[-3000:]
