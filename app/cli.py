@@ -139,7 +139,7 @@ def serve(
         ),
     ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default GPUJOBS_HOST)")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default GPUJOBS_PORT)")] = None,
+    port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port (default GPUJOBS_PORT)")] = None,
 ) -> None:
     """Run the HTTP API (and, by default, a worker beside it)."""
     import uvicorn
@@ -157,7 +157,7 @@ def serve(
             uvicorn.run(
                 app,
                 host=host or ready.host,
-                port=port or ready.port,
+                port=port if port is not None else ready.port,
                 loop="asyncio",
                 log_level=ready.log_level.lower(),
                 access_log=False,

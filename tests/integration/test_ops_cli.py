@@ -134,3 +134,18 @@ async def test_a_worker_that_stops_on_its_own_exits_non_zero(settings, engine, s
     assert code == 1, code
     log = (tmp_path / "worker-stops-0.log").read_text()
     assert "side task" in log and "error: the worker stopped after an error" in log, log[-3000:]
+
+
+async def test_serve_refuses_a_port_out_of_range_like_the_setting(tmp_path):
+    """GPUJOBS_PORT=99999 is refused by name, but `serve --port 99999` crashed in bind() with an
+    OverflowError traceback (exit 1), after starting the database; and `--port 0` was ignored
+    (served on GPUJOBS_PORT)."""
+    from tests.integration.test_client import run_cli
+
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+    env["GPUJOBS_STORAGE_DIR"] = str(tmp_path / "storage")
+    for port in ("99999", "0"):
+        code, _, stderr = await run_cli(env, "serve", "--no-worker", "--port", port, timeout_s=60)
+        assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+        assert "Invalid value for '--port'" in stderr, stderr
+    assert not (tmp_path / "storage" / "pgdata").exists()  # refused before anything started
