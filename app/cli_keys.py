@@ -32,6 +32,7 @@ def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
     settings = cli._settings()
 
     async def run(url: str) -> _T:
+        await cli._check_schema(url)  # a database never migrated: say so, not `no table api_keys`
         engine = db.create_engine(url, pool_size=1)
         try:
             return await action(auth.KeyStore(engine))

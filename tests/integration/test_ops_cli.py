@@ -149,3 +149,20 @@ async def test_serve_refuses_a_port_out_of_range_like_the_setting(tmp_path):
         assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
         assert "Invalid value for '--port'" in stderr, stderr
     assert not (tmp_path / "storage" / "pgdata").exists()  # refused before anything started
+
+
+async def test_keys_on_a_database_never_migrated_says_to_migrate(server_url, tmp_path):
+    """`gpujobs keys create admin --admin` before `gpujobs migrate` (the first thing a new
+    installation does) printed SQLAlchemy's traceback of `relation "api_keys" does not exist`,
+    exit 1; serve and worker say in one line to run `gpujobs migrate`."""
+    from tests.integration.test_client import run_cli
+    from tests.test_migrations import empty_database
+
+    async with empty_database(server_url) as url:
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+        env["GPUJOBS_DATABASE_URL"] = url
+        for args in (["keys", "create", "admin", "--admin"], ["keys", "list"], ["keys", "revoke", "1"]):
+            code, stdout, stderr = await run_cli(env, *args, timeout_s=60)
+            assert code == 2 and stdout == "" and "Traceback" not in stderr, (args, stderr[-3000:])
+            [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+            assert "schema is at nothing" in line and "run `gpujobs migrate`" in line, line
