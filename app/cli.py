@@ -44,6 +44,21 @@ def _settings() -> Settings:
     return settings
 
 
+def _usable_storage(settings: Settings) -> None:
+    """Make the storage folder if missing and check it takes files; else exit 2 naming the setting
+    (a file there, or a folder this user cannot write, crashed deep inside the start-up)."""
+    import tempfile
+
+    path = settings.storage_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        typer.echo(f"error: GPUJOBS_STORAGE_DIR: cannot use {path}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
 @contextlib.contextmanager
 def database(settings: Settings) -> Iterator[Settings]:
     """Settings with a database URL: the configured one, or the embedded server (migrated), which
@@ -55,6 +70,7 @@ def database(settings: Settings) -> Iterator[Settings]:
         return
     from app import migrate
 
+    _usable_storage(settings)
     server = pgserver.EmbeddedPostgres(settings.storage_dir / "pgdata")
     with _exit_on_sigterm():
         url = server.start()
@@ -149,6 +165,7 @@ def serve(
     settings = _settings()
     if worker is not None:  # the flag overrides GPUJOBS_RUN_WORKER; without it, the setting holds
         settings = settings.model_copy(update={"run_worker": worker})
+    _usable_storage(settings)
     try:
         with database(settings) as ready:
             asyncio.run(_check_schema(ready.database_url or ""))
@@ -174,6 +191,7 @@ def worker(
 ) -> None:
     """Run a worker alone: it claims jobs that fit this host's GPUs and runs them."""
     settings = _settings()
+    _usable_storage(settings)
     try:
         with database(settings) as ready:
             asked = asyncio.run(_run_worker(ready, burst=burst))

@@ -166,3 +166,26 @@ async def test_keys_on_a_database_never_migrated_says_to_migrate(server_url, tmp
             assert code == 2 and stdout == "" and "Traceback" not in stderr, (args, stderr[-3000:])
             [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
             assert "schema is at nothing" in line and "run `gpujobs migrate`" in line, line
+
+
+async def test_a_storage_dir_that_cannot_be_used_is_named(settings, tmp_path):
+    """GPUJOBS_STORAGE_DIR naming a file (or a folder this user cannot write) crashed `worker` with
+    a NotADirectoryError traceback (exit 1), `serve` with uvicorn's traceback of a FileExistsError
+    (exit 3), and `migrate` on the embedded database likewise."""
+    from tests.integration.test_client import run_cli
+
+    taken = tmp_path / "not-a-folder"
+    taken.write_text("a file")
+    env = {**worker_env(settings, "storage"), "GPUJOBS_STORAGE_DIR": str(taken), "COLUMNS": "400"}
+    embedded = {k: v for k, v in env.items() if k != "GPUJOBS_DATABASE_URL"}
+    cases = [
+        (env, ["worker", "--burst"]),
+        (env, ["serve", "--port", str(free_port())]),
+        (embedded, ["migrate"]),
+    ]
+    for run_env, args in cases:
+        code, _, stderr = await run_cli(run_env, *args, timeout_s=60)
+        assert code == 2 and "Traceback" not in stderr, (args, stderr[-3000:])
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(f"error: GPUJOBS_STORAGE_DIR: cannot use {taken}"), line
+    assert taken.read_text() == "a file"
