@@ -309,6 +309,8 @@ async def test_cancel_queued_running_and_finished(manager, make_worker, api, tmp
 
     finished = await api.post(f"/jobs/{slow}/cancel")
     assert finished.status_code == 409 and "canceled" in finished.json()["detail"]
+    # The states it names are all the ones a cancel takes (a job waiting for its retry too).
+    assert finished.json()["detail"].endswith("only queued, scheduled or running jobs can be canceled")
     assert (await api.post(f"/jobs/{uuid.uuid4()}/cancel")).status_code == 404
 
 
@@ -324,6 +326,8 @@ async def test_admin_retry(manager, make_worker, api):
     assert (await kinds(manager, failed))[-1] == "retried"
     again = await api.post(f"/admin/jobs/{failed}/retry")
     assert again.status_code == 409 and "queued" in again.json()["detail"]
+    # The states it names are all the ones a retry takes (quarantined too).
+    assert again.json()["detail"].endswith("only failed, canceled or quarantined jobs can be retried")
     assert (await api.post(f"/admin/jobs/{uuid.uuid4()}/retry")).status_code == 404
 
 
