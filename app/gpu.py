@@ -234,7 +234,7 @@ def detect_inventory(
 
 
 def _virtual_fallback(reason: str, sizes: list[int] | None, default_mb: int) -> VirtualInventory:
-    source = "GPUJOBS_GPUS" if sizes is not None else "the default size"
+    source = "GPUJOBS_GPUS" if sizes is not None else "GPUJOBS_VIRTUAL_GPU_MB"
     sizes = sizes if sizes is not None else [default_mb]
     inventory = VirtualInventory(sizes)
     logger.warning(

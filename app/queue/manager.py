@@ -569,7 +569,9 @@ class JobManager:
             row = (await conn.execute(sql.CANCEL, {"id": job_id, "owner": owner, "by": by})).first()
         if row is None:
             job = await self.get(job_id, owner=owner)
-            raise errors.Conflict(f"job {job_id} is {job.state}; only queued, scheduled or running jobs can be canceled")
+            raise errors.Conflict(
+                f"job {job_id} is {job.state}; only queued, scheduled or running jobs can be canceled"
+            )
         return JobState(row.state)
 
     async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
@@ -578,7 +580,9 @@ class JobManager:
             row = (await conn.execute(sql.RETRY_ONE, {"id": job_id, "by": by, "attempts": attempts})).first()
         if row is None:
             job = await self.get(job_id)
-            raise errors.Conflict(f"job {job_id} is {job.state}; only failed, canceled or quarantined jobs can be retried")
+            raise errors.Conflict(
+                f"job {job_id} is {job.state}; only failed, canceled or quarantined jobs can be retried"
+            )
 
     async def retry_matching(
         self,

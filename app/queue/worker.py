@@ -227,12 +227,17 @@ class Worker:
 
     def _refuse_if_nothing_fits(self, gpus: list[gpu.Gpu]) -> None:
         smallest = self._models.smallest_vram_mb()
-        largest = max((g.total_mb - self._config.scheduling.vram_buffer_mb for g in gpus), default=0)
-        if largest < smallest:
+        buffer_mb = self._config.scheduling.vram_buffer_mb
+        total = max((g.total_mb for g in gpus), default=0)
+        if total - buffer_mb < smallest:
             sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"
+            offers = (
+                f"the largest GPU offers {total - buffer_mb} MB after the {buffer_mb} MB buffer"
+                if total > buffer_mb
+                else f"GPUJOBS_VRAM_BUFFER_MB ({buffer_mb} MB) leaves nothing of the largest GPU ({total} MB)"
+            )
             raise errors.ConfigError(
-                f"no GPU can ever run a job: the smallest model needs {smallest} MB, the largest GPU offers "
-                f"{largest} MB after the {self._config.scheduling.vram_buffer_mb} MB buffer ({sizes})"
+                f"no GPU can ever run a job: the smallest model needs {smallest} MB, {offers} ({sizes})"
             )
 
     async def _shutdown(self, side: list[asyncio.Task[None]]) -> None:

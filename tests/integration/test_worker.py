@@ -300,6 +300,20 @@ async def test_refuses_to_start_when_no_gpu_fits_the_smallest_model(manager, mak
         raise AssertionError("the worker started without a usable GPU")
 
 
+async def test_a_buffer_larger_than_the_gpu_is_named_not_a_negative_size(manager, make_worker):
+    """The refusal said "the largest GPU offers -512 MB after the 1024 MB buffer"."""
+    from app import errors
+
+    worker = make_worker([512], vram_buffer_mb=1024)
+    try:
+        await worker.run()
+    except errors.ConfigError as exc:
+        assert "-512" not in exc.message
+        assert "GPUJOBS_VRAM_BUFFER_MB (1024 MB) leaves nothing of the largest GPU (512 MB)" in exc.message
+    else:
+        raise AssertionError("the worker started without a usable GPU")
+
+
 async def test_a_quick_run_skips_the_pid_write(manager, make_worker, monkeypatch):
     # "Quick" is under PID_AFTER_S (0.5 s). The toy model is a Python process, which a host busy
     # with other tests once kept alive longer than that: the test asks for less than 5 s.

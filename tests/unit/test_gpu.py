@@ -195,6 +195,7 @@ def test_detect_falls_back_when_nvml_sees_no_gpu(caplog: pytest.LogCaptureFixtur
     assert module.state["shutdown"] == 1
     assert len(warnings_from(caplog)) == 1
     assert "NVML sees no GPU" in warnings_from(caplog)[0]
+    assert "from GPUJOBS_VIRTUAL_GPU_MB: 4096 MB" in warnings_from(caplog)[0]  # the setting to change
 
 
 def test_detect_falls_back_to_configured_sizes(caplog: pytest.LogCaptureFixture) -> None:
