@@ -6,7 +6,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 import anyio
 from fastapi import APIRouter, Query, Request, Response
@@ -85,12 +85,10 @@ class OpenFileResponse(FileResponse):
     def __init__(self, found: storage.Download, *, filename: str, headers: Mapping[str, str]) -> None:
         assert found.path is not None and found.file is not None
         self._file = found.file
+        opened = os.fstat(self._file.fileno())  # the open file's size: Content-Length
+        self._size = opened.st_size
         super().__init__(
-            found.path,
-            headers=headers,
-            media_type=found.media_type,
-            filename=filename,
-            stat_result=os.fstat(self._file.fileno()),  # the open file's size: Content-Length
+            found.path, headers=headers, media_type=found.media_type, filename=filename, stat_result=opened
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -107,7 +105,26 @@ class OpenFileResponse(FileResponse):
         # Where FileResponse opens its path for the body (Starlette 1.8 on: pyproject.toml). Were it
         # no longer called, tests/integration/test_retention_races.py would fail.
         self._file.seek(0)
-        yield anyio.wrap_file(self._file)
+        yield anyio.wrap_file(SizedReader(self._file, self._size))  # type: ignore[arg-type]
+
+
+class SizedReader:
+    """Reads of `file` that end at `size`, the length the answer declared. A running job's log grows
+    while it is sent; FileResponse reads a whole body to the file's end, and a body longer than its
+    Content-Length makes the server break off the answer. Ranges end within `size` already."""
+
+    def __init__(self, file: BinaryIO, size: int) -> None:
+        self._file = file
+        self._size = size
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move in the file (a range starts here)."""
+        return self._file.seek(offset, whence)
+
+    def read(self, size: int = -1) -> bytes:
+        """At most `size` bytes, none past the declared length."""
+        left = max(self._size - self._file.tell(), 0)
+        return self._file.read(left if size < 0 else min(size, left))
 
 
 def matches(if_none_match: str, etag: str) -> bool:

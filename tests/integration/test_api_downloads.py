@@ -1,0 +1,42 @@
+"""Downloads of files that change while they are sent: a running job's log grows as it is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import storage
+from tests.conftest import api_client
+from tests.integration.test_worker import enqueue
+
+# Larger than what the loopback socket's buffers and the server's write buffer hold together, so
+# the server is still reading the file when the client has the answer's headers.
+BIG_LOG_BYTES = 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize("ranges", [None, "bytes=0-", "bytes=10-"])
+async def test_a_log_that_grows_while_it_is_sent_is_sent_as_long_as_it_was(
+    settings, manager, make_worker, ranges
+):
+    """A running job's log is downloaded while its model prints on. The answer's Content-Length is
+    the log's size when the route opened it; the body was read to the file's end, past that
+    length, and the server broke off the answer: the download failed half-way (and the server
+    logged an error). Now the body is the log as long as it was, and a new download gets the rest."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    path = storage.log_file(settings.storage_dir.resolve(), job_id, 1)
+    with path.open("ab") as f:
+        f.write(b"x" * BIG_LOG_BYTES)
+    before = path.read_bytes()
+    start = 10 if ranges == "bytes=10-" else 0
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["links"]["log"]
+        headers = {"Range": ranges} if ranges else {}
+        async with http.stream("GET", url, headers=headers) as answer:
+            with path.open("ab") as f:  # the model prints while the log is being sent
+                f.write(b"printed later\n" * 10_000)
+            body = await answer.aread()
+        assert answer.status_code == (200 if ranges is None else 206)
+        assert answer.headers["content-length"] == str(len(before) - start)
+        assert body == before[start:]
+        again = await http.get(url, headers=headers)  # a new download has what was printed since
+        assert again.content == path.read_bytes()[start:] and again.content.endswith(b"printed later\n")
