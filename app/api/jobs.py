@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Header, Query, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Response, UploadFile
+from starlette.datastructures import FormData
 
-from app import intake
+from app import errors, intake
 from app.api import limits
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
@@ -51,6 +53,7 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 async def submit_job(
     services: ServicesDep,
     caller: CallerDep,
+    request: Request,
     response: Response,
     image: Annotated[UploadFile, File(description="PNG, JPEG or WebP image (checked by content)")],
     model: Annotated[str, Form(description="A registered model, see GET /models", max_length=64)],
@@ -61,6 +64,7 @@ async def submit_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobPublic:
     """Upload an image and queue a job for a model."""
+    check_fields(await request.form())  # parsed already, for the arguments above: no second read
     job, created = await intake.submit(
         services.manager,
         services.models,
@@ -78,6 +82,25 @@ async def submit_job(
     if not created:
         response.status_code = 200
     return JobPublic.of(job, services.signer)
+
+
+SUBMIT_FIELDS = ("image", "model", "priority", "params")
+
+
+def check_fields(form: FormData) -> None:
+    """A form of known fields, each sent once. FastAPI takes the fields it declares and drops the
+    rest, and takes the last of a repeated one: a misspelt `params` would run the model with its
+    defaults, a misspelt `priority` at 0."""
+    sent = Counter(name for name, _ in form.multi_items())
+    for name, times in sent.items():
+        if name not in SUBMIT_FIELDS:
+            raise errors.InvalidRequest(
+                f"unknown form field {name!r}: send {', '.join(SUBMIT_FIELDS)}", field=name
+            )
+        if times > 1:
+            raise errors.InvalidRequest(
+                f"form field {name!r} was sent {times} times; send it once", field=name
+            )
 
 
 @router.get("", response_model=JobsPublic)

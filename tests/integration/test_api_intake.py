@@ -452,3 +452,28 @@ async def test_an_image_deleted_between_reading_its_job_and_itself_is_gone(manag
     with pytest.raises(errors.Gone):
         await manager.input_by_id(2**31 - 1)
     assert await manager.input_sha256(2**31 - 1) is None
+
+
+@pytest.mark.parametrize(
+    ("parts", "needle"),
+    [
+        ([("param", '{"steps": 3}')], "unknown form field 'param'"),
+        ([("priorty", "50")], "unknown form field 'priorty'"),
+        ([("params", '{"steps": 3}'), ("params", '{"steps": 9}')], "form field 'params' was sent 2 times"),
+        ([("priority", "50"), ("priority", "-50")], "form field 'priority' was sent 2 times"),
+        ([("model", "relief")], "form field 'model' was sent 2 times"),
+    ],
+    ids=["misspelt-params", "misspelt-priority", "params-twice", "priority-twice", "model-twice"],
+)
+async def test_a_form_field_misspelt_or_sent_twice_is_422_not_quietly_dropped(
+    client, png, engine, parts, needle
+):
+    """A misspelt `params` queued the job with the model's defaults (GPU time for a mesh nobody
+    asked for), a misspelt `priority` at 0; a field sent twice quietly took its last value. Now
+    each is 422, naming the field, and nothing is stored."""
+    files = [("image", ("a.png", png(), "image/png")), ("model", (None, "toy"))]
+    files += [(name, (None, value)) for name, value in parts]
+    response = await client.post("/jobs", files=files)
+    assert response.status_code == 422, response.text
+    assert needle in response.json()["detail"]
+    assert await counts(engine) == (0, 0, 0)
