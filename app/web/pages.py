@@ -196,8 +196,9 @@ def log_tail(store: storage.ResultStore, job: Job) -> dict[str, Any] | None:
         return None
     truncated = size > LOG_TAIL_BYTES
     text = data.decode("utf-8", errors="replace")
-    if truncated:
-        text = text.partition("\n")[2]  # from the first whole line
+    if truncated:  # from the first whole line; a progress bar redraws its line after a \r
+        breaks = [at for at in (text.find("\n"), text.find("\r")) if at >= 0]
+        text = text[min(breaks) + 1 :] if breaks else text  # no break at all: the end, as it is
     return {"text": text, "name": name, "truncated": truncated}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app import storage
 from app.api import security
 from app.queue.jobs import JobState
 from app.web import session, views
@@ -160,6 +161,26 @@ async def test_pages_show_only_the_callers_jobs(settings, make_key, make_worker)
                 assert (await browser.get(f"/ui/jobs/{job_id}/files/{name}")).status_code == 404
             assert (await browser.get(f"/ui/jobs/{uuid.uuid4()}")).status_code == 404
             assert (await browser.get("/ui/jobs/not-a-job-id")).status_code == 404  # a page, not a 422
+
+
+async def test_a_log_of_progress_bars_shows_its_end_not_empty(settings, make_key, make_worker):
+    """A model that draws a progress bar (tqdm: `\r` and no line break) prints over 64 kB without a
+    `\n`. The job page showed the log's last 64 kB from its first whole line, and, with no line
+    break in them, showed nothing: "(empty: the model has printed nothing)". Now it shows them."""
+    key = await make_key("alice")
+    async with api_client(settings, key=key) as api:
+        job_id = await submit(api)
+        await make_worker().run()
+        path = storage.log_file(settings.storage_dir.resolve(), uuid.UUID(job_id), 1)
+        with path.open("ab") as f:
+            for step in range(3000):
+                f.write(f"\rsampling {step:4d}/3000 |{'#' * (step // 100):<30}|".encode())
+        async with client_for(api, None) as browser:
+            await signed_in(browser, key)
+            page = await browser.get(f"/ui/jobs/{job_id}")
+    assert page.status_code == 200
+    assert "sampling 2999/3000" in page.text and "printed nothing" not in page.text
+    assert "The last 64 kB of the log." in page.text
 
 
 async def test_the_admin_page_is_for_admins(settings, make_key):
