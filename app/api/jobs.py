@@ -85,34 +85,38 @@ async def submit_job(
 
 
 SUBMIT_FIELDS = ("image", "model", "priority", "params")
+LIST_PARAMETERS = ("state", "model", "cursor", "limit")
 
 
 def check_fields(form: FormData) -> None:
     """A form of known fields, each sent once. FastAPI takes the fields it declares and drops the
     rest, and takes the last of a repeated one: a misspelt `params` would run the model with its
     defaults, a misspelt `priority` at 0."""
-    sent = Counter(name for name, _ in form.multi_items())
-    for name, times in sent.items():
-        if name not in SUBMIT_FIELDS:
-            raise errors.InvalidRequest(
-                f"unknown form field {name!r}: send {', '.join(SUBMIT_FIELDS)}", field=name
-            )
+    check_names([name for name, _ in form.multi_items()], SUBMIT_FIELDS, "form field")
+
+
+def check_names(sent: list[str], known: tuple[str, ...], what: str) -> None:
+    """422 for a name not in `known`, or sent more than once."""
+    for name, times in Counter(sent).items():
+        if name not in known:
+            raise errors.InvalidRequest(f"unknown {what} {name!r}: send {', '.join(known)}", field=name)
         if times > 1:
-            raise errors.InvalidRequest(
-                f"form field {name!r} was sent {times} times; send it once", field=name
-            )
+            raise errors.InvalidRequest(f"{what} {name!r} was sent {times} times; send it once", field=name)
 
 
 @router.get("", response_model=JobsPublic)
 async def list_jobs(
     services: ServicesDep,
     caller: CallerDep,
+    request: Request,
     state: JobState | None = None,
     model: Annotated[Text | None, Query(max_length=64)] = None,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobsPublic:
     """List jobs, newest first, with filters and a cursor."""
+    # A misspelt filter (`status=failed`) would list every job; a repeated one, by its last value.
+    check_names([name for name, _ in request.query_params.multi_items()], LIST_PARAMETERS, "query parameter")
     page = await services.manager.list_jobs(
         owner=caller.owner_filter, state=state, model=model, cursor=cursor, limit=limit
     )

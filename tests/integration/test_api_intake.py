@@ -477,3 +477,21 @@ async def test_a_form_field_misspelt_or_sent_twice_is_422_not_quietly_dropped(
     assert response.status_code == 422, response.text
     assert needle in response.json()["detail"]
     assert await counts(engine) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("status=failed", "unknown query parameter 'status'"),
+        ("modle=relief", "unknown query parameter 'modle'"),
+        ("state=queued&state=failed", "query parameter 'state' was sent 2 times"),
+    ],
+)
+async def test_a_list_filter_misspelt_or_sent_twice_is_422(client, png, query, needle):
+    """`GET /jobs?status=failed` listed every job, as if the filter were met; `state=queued&state=failed`
+    listed the failed ones alone. Now each is 422, naming the parameter."""
+    await submit(client, png(), model="toy")
+    answer = await client.get(f"/jobs?{query}")
+    assert answer.status_code == 422, answer.text
+    assert needle in answer.json()["detail"]
+    assert (await client.get("/jobs?state=queued&model=toy&limit=5")).json()["jobs"]
