@@ -64,6 +64,7 @@ def inspect_quickly(data: Data, *, max_pixels: int) -> NewInput | None:
 
 
 def _inspect(data: Data, max_pixels: int, *, decode: bool) -> NewInput | None:
+    _allow_pixels(max_pixels)
     kind, width, height = _identify(data)
     if width * height > max_pixels:
         raise errors.InvalidRequest(
@@ -76,6 +77,16 @@ def _inspect(data: Data, max_pixels: int, *, decode: bool) -> NewInput | None:
             return None
         _decode_fully(data, max_pixels)
     return NewInput(hashlib.sha256(data).hexdigest(), ACCEPTED[kind], width, height, data)
+
+
+def _allow_pixels(max_pixels: int) -> None:
+    """Let Pillow open images up to `max_pixels`. Its own guard against decompression bombs warns
+    over Image.MAX_IMAGE_PIXELS (89.5 MP) and fails over twice that, whatever our limit: a 90 MP
+    JPEG within GPUJOBS_MAX_IMAGE_MEGAPIXELS=100 was refused as corrupt. Ours is checked from the
+    header before any pixel is decoded, so Pillow's may not be lower; it is only ever raised (one
+    limit per process), never lowered, so concurrent checks need no lock."""
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
 
 
 def _identify(data: Data) -> tuple[str, int, int]:

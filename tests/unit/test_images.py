@@ -250,3 +250,28 @@ async def test_a_small_plain_png_is_checked_on_the_loop_and_the_rest_in_a_thread
     assert seen == {"png": [], **{name: ["inspect"] for name in ("interlaced", "jpeg", "big", "flat")}}
     with pytest.raises(errors.InvalidRequest, match="CRC"):  # refused on the loop, as in a thread
         await intake.check_image(io.BytesIO(cases["png"][:-5] + b"XXXXX"), limits)
+
+
+def big_images() -> dict[str, bytes]:
+    """Images of 90 to 182 megapixels, over Pillow's own "decompression bomb" limits (89.5 MP warns,
+    179 MP fails) and within GPUJOBS_MAX_IMAGE_MEGAPIXELS=200 (settings allow up to 1000)."""
+    side = 9500  # 90.25 MP
+    jpeg = io.BytesIO()
+    Image.new("L", (side, side), 128).save(jpeg, format="JPEG")
+    width, height = 13_500, 13_500  # 182.25 MP, a plain PNG (checked without decoding it)
+    squeeze = zlib.compressobj(9)
+    rows = b"".join(squeeze.compress(b"\0" * (1 + width)) for _ in range(height)) + squeeze.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    png = images.PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+    return {"jpeg": jpeg.getvalue(), "png": png}
+
+
+def test_images_within_the_configured_limit_pass_however_large():
+    """GPUJOBS_MAX_IMAGE_MEGAPIXELS above Pillow's limits was not honoured: a 90 MP JPEG was refused
+    as "truncated or corrupt (... could be decompression bomb DOS attack)", a 182 MP PNG as "cannot
+    be read". The configured limit is the one that counts, in both directions."""
+    for kind, data in big_images().items():
+        checked = images.inspect(data, max_pixels=200_000_000)
+        assert checked.media_type == f"image/{kind}"
+        with pytest.raises(errors.InvalidRequest, match="over the 50 megapixel limit"):
+            images.inspect(data, max_pixels=50_000_000)
