@@ -6,11 +6,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import sqlalchemy.exc
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from app import auth, errors, learning, links, registry, storage
+from app import auth, db, errors, learning, links, registry, storage
 from app.intake import Limits
 from app.queue import manager as manager_
 
@@ -77,6 +78,14 @@ async def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Calle
     if not caller.admin:
         raise errors.Forbidden("this needs an admin key")
     return caller
+
+
+def unavailable(exc: BaseException) -> errors.Unavailable | None:
+    """The 503 for a database error that means "not now": the database is down, or so slow that no
+    pooled connection came free within the pool's timeout. None for any other error."""
+    if isinstance(exc, sqlalchemy.exc.TimeoutError):  # the pool's wait, not a statement's
+        return errors.Unavailable("the database is busy: no connection came free in time; try again shortly")
+    return errors.Unavailable() if db.is_unavailable(exc) else None
 
 
 class InvalidPublic(BaseModel):

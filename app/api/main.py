@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, registry, storage
-from app.api import admin, catalog, files, health, jobs, ops, security, stream
+from app.api import admin, catalog, deps, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import factory
@@ -149,11 +149,12 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    """Database outages become 503 with Retry-After; other database errors stay errors (500)."""
-    if not db.is_unavailable(exc):
+    """Database outages (or no free connection) become 503 with Retry-After; other database errors
+    stay errors (500)."""
+    if (down := deps.unavailable(exc)) is None:
         raise exc
     log.warning("database unavailable", extra={"action": "db_down", "path": request.url.path})
-    return await _app_error(request, errors.Unavailable())
+    return await _app_error(request, down)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -171,7 +172,13 @@ def create_app(settings: Settings) -> FastAPI:
     web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)
     app.add_exception_handler(RequestValidationError, _invalid)
-    for kind in (sqlalchemy.exc.DBAPIError, OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
+    for kind in (
+        sqlalchemy.exc.DBAPIError,
+        sqlalchemy.exc.TimeoutError,  # no pooled connection came free
+        OSError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.InterfaceError,
+    ):
         app.add_exception_handler(kind, _database_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)
     security.install(app, settings)

@@ -33,7 +33,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import auth, db, errors
+from app import auth, db
+from app.api import deps
 from app.api.limits import drain
 from app.settings import Settings
 
@@ -175,11 +176,10 @@ class Authenticate:
             )
             return
         except Exception as exc:
-            if not db.is_unavailable(exc):
+            if (down := deps.unavailable(exc)) is None:
                 raise
             log.warning("database unavailable", extra={"action": "db_down", "path": scope["path"]})
             await drain(receive)
-            down = errors.Unavailable()
             await send_json(send, 503, down.message, [("retry-after", str(down.retry_after_s))])
             return
         if admin_only(scope["path"]) and not identity.admin:
