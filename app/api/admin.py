@@ -47,10 +47,19 @@ async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep)
     """Queue a failed or canceled job again with a fresh budget of attempts."""
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
-        raise errors.Gone(f"job {job_id} expired: retention deleted its input and files")
+        raise _expired(job_id)
     attempts = services.models.get(job.model).max_attempts
-    await services.manager.retry(job_id, by=caller.principal, attempts=attempts)
+    try:
+        await services.manager.retry(job_id, by=caller.principal, attempts=attempts)
+    except errors.Conflict:  # retention may have expired it since it was read: the retry skips those
+        if (await services.manager.get(job_id)).expired_at is not None:
+            raise _expired(job_id) from None
+        raise
     return JobPublic.of(await services.manager.get(job_id), services.signer)
+
+
+def _expired(job_id: uuid.UUID) -> errors.Gone:
+    return errors.Gone(f"job {job_id} expired: retention deleted its input and files")
 
 
 @router.post("/jobs/retry", response_model=RetryCount)

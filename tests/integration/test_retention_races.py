@@ -226,3 +226,27 @@ async def test_a_download_sends_the_whole_file_it_opened_though_retention_delete
             elif status == 206:
                 assert answer.headers["content-type"].startswith("multipart/byteranges")
                 assert content[:2] in answer.content and content[5:7] in answer.content
+
+
+async def test_a_retry_while_retention_expires_the_job_is_gone(settings, manager, engine):
+    """An admin retries a canceled job while retention expires it: the route read the job before
+    the mark, the retry's statement found it expired and changed nothing, and the answer was a 409
+    that contradicted itself ("job ... is canceled; only failed or canceled jobs can be retried").
+    Now 410, as for a job that had expired before the retry."""
+    job_id = await finished_and_aged(manager, engine, 40)
+    pruner = retention.Pruner(manager, settings.storage_dir)
+    async with api_client(settings) as http:
+        services = http.app.state.services
+        read = services.manager.get
+
+        async def read_then_prune(job_id: uuid.UUID, **kwargs: Any) -> Any:
+            job = await read(job_id, **kwargs)
+            services.manager.get = read  # once
+            await pruner.prune(older_than_s=WEEK_S)
+            return job
+
+        services.manager.get = read_then_prune
+        answer = await http.post(f"/admin/jobs/{job_id}/retry")
+    assert answer.status_code == 410, answer.text
+    assert "retention" in answer.json()["detail"]
+    assert (await manager.get(job_id)).state.value == "canceled"
