@@ -11,6 +11,7 @@ from typing import Annotated, BinaryIO
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
 from app import errors, storage
@@ -95,10 +96,23 @@ class OpenFileResponse(FileResponse):
         # Not offered "http.response.pathsend": the server would open the path itself.
         offered = scope.get("extensions") or {}
         extensions = {k: v for k, v in offered.items() if k != "http.response.pathsend"}
+        headers = [(k, v) for k, v in scope["headers"] if k != b"range" or self._usable(v)]
         try:
-            await super().__call__({**scope, "extensions": extensions}, receive, send)
+            await super().__call__({**scope, "extensions": extensions, "headers": headers}, receive, send)
         finally:
             self._file.close()  # also when no body was sent: HEAD, 416, a client gone
+
+    def _usable(self, value: bytes) -> bool:
+        """Whether a Range header is one to answer. FileResponse answers one in another unit, or
+        malformed, with a 400 in plain text; RFC 9110 (14.2) says to ignore the first and allows
+        ignoring the second: the whole file is sent. One past the end stays a 416."""
+        try:
+            self._parse_range_header(value.decode("latin-1"), self._size)
+        except MalformedRangeHeader:
+            return False
+        except RangeNotSatisfiable:
+            pass
+        return True
 
     @contextlib.asynccontextmanager
     async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:

@@ -40,3 +40,20 @@ async def test_a_log_that_grows_while_it_is_sent_is_sent_as_long_as_it_was(
         assert body == before[start:]
         again = await http.get(url, headers=headers)  # a new download has what was printed since
         assert again.content == path.read_bytes()[start:] and again.content.endswith(b"printed later\n")
+
+
+async def test_a_range_in_another_unit_or_malformed_is_ignored(settings, manager, make_worker):
+    """A Range in a unit the server does not know must be ignored (RFC 9110, 14.2), and a malformed
+    one may be: both answered 400 with a line of plain text, not even the API's JSON. Now the whole
+    file (200); a range past the end is still 416."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        whole = (await http.get(url)).content
+        for ranges in ("items=0-1", "bytes=3-1", "bytes=abc", "bytes", "bytes=-"):
+            answer = await http.get(url, headers={"Range": ranges})
+            assert answer.status_code == 200, (ranges, answer.text)
+            assert answer.content == whole and "content-range" not in answer.headers
+        assert (await http.get(url, headers={"Range": "bytes=1-2"})).content == whole[1:3]
+        assert (await http.get(url, headers={"Range": "bytes=999-"})).status_code == 416
