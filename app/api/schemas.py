@@ -298,6 +298,7 @@ class PruneRequest(BaseModel):
         None,
         ge=0,
         le=100 * 365 * 86_400,
+        allow_inf_nan=False,  # else NaN is refused as "should be less than or equal to ..."
         description="Finished longer ago than this; default: the retention_days setting",
     )
     dry_run: bool = Field(False, description="Only report what would be deleted")

@@ -194,3 +194,13 @@ async def test_a_worker_whose_clock_runs_ahead_keeps_recent_jobs(
     report = await retention.Pruner(manager, store.root).prune(older_than_s=3600)
     assert report.jobs == 0 and folders(store.root, job_id) == ["results", "logs"]
     assert (await manager.get(job_id)).expired_at is None
+
+
+async def test_a_prune_age_that_is_not_a_number_says_so(settings):
+    """`older_than_s: "nan"` was refused as "Input should be less than or equal to 3153600000",
+    which a NaN is not; the message now says a finite number is wanted."""
+    async with api_client(settings) as http:
+        for value in ("nan", "NaN", "-inf"):
+            refused = await http.post("/admin/prune", json={"older_than_s": value, "dry_run": True})
+            assert refused.status_code == 422, refused.text
+            assert "finite number" in refused.text, refused.text
