@@ -169,7 +169,11 @@ def is_unavailable(error: BaseException) -> bool:
 
     A connection error may come wrapped: in SQLAlchemy's DBAPIError (`orig`), and in the dialect's
     own DBAPI error with asyncpg's as its cause. So does a new pooled connection refused by a server
-    still starting up (57P03), straight out of `engine.raw_connection()`, unwrapped by SQLAlchemy."""
+    still starting up (57P03), straight out of `engine.raw_connection()`, unwrapped by SQLAlchemy.
+    A pool with no connection free within its timeout (a server that hangs, a lock held) counts too:
+    the statement never reached PostgreSQL, and waiting is what helps."""
+    if isinstance(error, exc.TimeoutError):  # the pool's wait (sqlalchemy.exc), not a statement's
+        return True
     if isinstance(error, exc.DBAPIError):
         return error.connection_invalidated or _is_connection_error(error.orig)
     return isinstance(error, exc.InterfaceError) or _is_connection_error(error)

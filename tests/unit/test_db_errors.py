@@ -80,3 +80,20 @@ def test_this_hosts_own_troubles_are_not(make, tmp_path: Path) -> None:
     wrapped = RuntimeError("while storing results")
     wrapped.__cause__ = error
     assert not db.is_unavailable(wrapped)
+
+
+async def test_a_pool_with_no_connection_free_in_time_is_unavailable(database_url: str) -> None:
+    """Every pooled connection busy past the pool's timeout (the server hangs, a lock is held): a
+    worker's writes waited on SQLAlchemy's TimeoutError as a failure of their own, not an outage."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    # One connection, and a wait of 0.2 s for it (the service's pools wait 30 s).
+    engine = create_async_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        async with engine.connect():
+            with pytest.raises(Exception) as caught:
+                async with engine.connect():
+                    pass
+        assert db.is_unavailable(caught.value), repr(caught.value)
+    finally:
+        await engine.dispose()
