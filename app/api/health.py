@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from app import migrate
+from app import errors, migrate
 
 router = APIRouter(tags=["ops"])
 
@@ -41,7 +41,12 @@ async def readyz(request: Request) -> Any:
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     problems = []
     if report["schema"]["current"] != report["schema"]["head"]:
-        problems.append("the database schema is not at the code's revision: run `gpujobs migrate`")
+        try:
+            migrate.check_known(report["schema"]["current"])
+        except errors.ConfigError as exc:  # a newer release migrated it: migrating cannot help
+            problems.append(exc.message)
+        else:
+            problems.append("the database schema is not at the code's revision: run `gpujobs migrate`")
     if report["workers"] < settings.ready_min_workers:
         problems.append(f"{report['workers']} live workers, {settings.ready_min_workers} needed")
     if problems:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
 
 from app import logs, migrate
 from app.queue.jobs import JobState
@@ -227,6 +228,19 @@ async def test_readyz_fails_when_the_schema_is_behind(settings):
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
         body = response.json()
         assert "gpujobs migrate" in body["detail"] and body["schema"]["current"] != migrate.head()
+
+
+async def test_readyz_names_a_schema_newer_than_the_code(settings, engine):
+    """The code was rolled back behind a release that migrated the database: /readyz said to run
+    `gpujobs migrate`, which cannot help (this code does not know the newer revision)."""
+    async with api_client(settings, key=None) as http:
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfacecafe'"))
+        response = await http.get("/readyz")
+        assert response.status_code == 503
+        detail = response.json()["detail"]
+        assert "f00dfacecafe" in detail and "does not know" in detail
+        assert "run `gpujobs migrate`" not in detail
 
 
 async def test_readyz_fails_when_the_database_is_down(settings):
