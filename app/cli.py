@@ -171,7 +171,7 @@ def serve(
             asyncio.run(_check_schema(ready.database_url or ""))
             app = create_app(ready)
             # The default asyncio loop: subprocess start is several times slower under uvloop.
-            uvicorn.run(
+            config = uvicorn.Config(
                 app,
                 host=host or ready.host,
                 port=port if port is not None else ready.port,
@@ -181,8 +181,16 @@ def serve(
                 log_config=None,  # our logging (logs.setup): one format for every line
                 timeout_graceful_shutdown=5,  # open event streams must not hold a shutdown forever
             )
+            server = uvicorn.Server(config)
+            app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
+            server.run()
     except errors.AppError as exc:
         raise _fail(exc) from exc
+    if not server.started:  # the start-up failed (said in the log): uvicorn.run's exit code
+        raise typer.Exit(3)
+    if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
+        typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
+        raise typer.Exit(1)
 
 
 @cli.command()

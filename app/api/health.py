@@ -47,6 +47,8 @@ async def readyz(request: Request) -> Any:
             problems.append(exc.message)
         else:
             problems.append("the database schema is not at the code's revision: run `gpujobs migrate`")
+    if getattr(request.app.state, "worker_failed", False):
+        problems.append("the in-process worker stopped after an error (see the log)")
     if report["workers"] < settings.ready_min_workers:
         problems.append(f"{report['workers']} live workers, {settings.ready_min_workers} needed")
     if problems:

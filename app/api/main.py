@@ -103,9 +103,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 )
                 raise
             task = asyncio.create_task(worker.run(), name="worker")
+            task.add_done_callback(lambda _: _worker_ended(app))
         app.state.worker = worker
         yield
     finally:
+        app.state.stopping = True
         if worker is not None and task is not None:
             worker.stop()
             with contextlib.suppress(Exception):
@@ -114,6 +116,20 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if queue_engine is not None:
             await queue_engine.dispose()
         await engine.dispose()
+
+
+def _worker_ended(app: FastAPI) -> None:
+    """The in-process worker ended without the server stopping it (a side task of its died): the
+    API must not answer ready and run no job. /readyz says so from now on, and `serve` (which sets
+    `app.state.on_worker_failed`) stops the server and exits non-zero, so that whatever supervises
+    the process starts it again."""
+    if getattr(app.state, "stopping", False):
+        return
+    app.state.worker_failed = True
+    log.error("the in-process worker stopped after an error", extra={"action": "worker_ended"})
+    on_failed = getattr(app.state, "on_worker_failed", None)
+    if on_failed is not None:
+        on_failed()
 
 
 class ErrorResponse(JSONResponse):

@@ -189,3 +189,34 @@ async def test_a_storage_dir_that_cannot_be_used_is_named(settings, tmp_path):
         [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert line.startswith(f"error: GPUJOBS_STORAGE_DIR: cannot use {taken}"), line
     assert taken.read_text() == "a file"
+
+
+async def test_serve_whose_worker_stops_on_its_own_exits_non_zero(settings, engine, tmp_path):
+    """The in-process worker's heartbeat died and the worker stopped; `serve` went on answering,
+    /readyz said ready, and no job ran on that host again until someone looked."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    port = free_port()
+    env = worker_env(settings, "serve-stops", heartbeat_interval_s="0.2", lease_s="5")
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "app", "serve", "--port", str(port)]
+    with log.open("wb") as out:
+        serve = await asyncio.to_thread(subprocess.Popen, argv, env=env, stdout=out, stderr=out)
+    try:
+        wait_until_serving(serve, f"http://127.0.0.1:{port}", log)
+        async with engine.begin() as conn:  # the heartbeat's table goes away under it
+            await conn.execute(text("ALTER TABLE workers RENAME TO workers_gone"))
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(serve.wait), timeout=60)
+        finally:
+            async with engine.begin() as conn:
+                await conn.execute(text("ALTER TABLE workers_gone RENAME TO workers"))
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    said = log.read_text()
+    assert code == 1, said[-3000:]
+    assert "error: the in-process worker stopped after an error" in said, said[-3000:]
