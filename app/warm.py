@@ -129,6 +129,10 @@ class WarmRunner:
         self._stop_reason: str | None = None
         self._ending: asyncio.Task[None] | None = None
         self._eof = False
+        # The one line awaited now (ready, or the job's final reply) came: any further line before
+        # the next job is out of turn, and ends the runner rather than answer that job.
+        self._answered = False
+        self._out_of_turn: str | None = None  # such a line, when it came before start() returned
 
     @property
     def pid(self) -> int | None:
@@ -165,6 +169,8 @@ class WarmRunner:
             asyncio.create_task(self._read_stderr(proc.stderr), name=f"warm-stderr-{proc.pid}"),
         ]
         problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
+        if problem is None and self._out_of_turn is not None:  # in the same read as its ready line
+            problem = self._out_of_turn
         if problem is not None:
             await asyncio.shield(self._end(problem))
             tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
@@ -215,6 +221,7 @@ class WarmRunner:
         job, started = request.job, time.monotonic()
         job_log = RunLog(log_path, "warm", max_bytes=self._max_log_bytes)
         self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
+        self._answered = False
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
         try:
@@ -297,10 +304,11 @@ class WarmRunner:
     async def _read_stdout(self, reader: asyncio.StreamReader) -> None:
         """Pass progress on, queue other events; after a protocol violation drain the pipe unparsed."""
         while (event := await modelkit.read_reply(reader)) is not None:
-            if isinstance(event, modelkit.Progress) and self._job is not None and event.job == self._job[0]:
-                self._job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
+            job = None if self._answered else self._job  # progress after the job's answer is out of turn
+            if isinstance(event, modelkit.Progress) and job is not None and event.job == job[0]:
+                job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
                 if self._progress is None:  # a slow callback (the database away) must not hold up the answer
-                    self._progress = runner.ProgressFeed(self._job[2], f"warm-progress-{self.pid}")
+                    self._progress = runner.ProgressFeed(job[2], f"warm-progress-{self.pid}")
                 self._progress.put(event.fraction, event.message)
                 continue
             self._hand_on(event)
@@ -312,10 +320,15 @@ class WarmRunner:
         self._hand_on(None)
 
     def _hand_on(self, event: _Event) -> None:
-        """Queue an event for whoever waits; while idle, any event (EOF included) ends the runner."""
-        if self.state is RunnerState.IDLE:
-            self._end("exited while idle" if event is None else f"spoke out of turn: {event}")
+        """Queue an event for whoever waits; while idle, or once the line awaited came (a second
+        final reply, a line right after ready), any event (EOF included) ends the runner."""
+        if self.state is RunnerState.IDLE or (self._answered and self.state is not RunnerState.CLOSING):
+            if event is not None and self.state is RunnerState.STARTING:
+                self._out_of_turn = f"spoke out of turn after its ready line: {event}"
+            gone = "exited while idle" if self.state is RunnerState.IDLE else "exited after its answer"
+            self._end(gone if event is None else f"spoke out of turn: {event}")
         elif self.state in (RunnerState.STARTING, RunnerState.RUNNING):
+            self._answered = True
             self._events.append(event)
             self._wake()
 

@@ -1,0 +1,101 @@
+"""A warm runner's lines beyond the one answer it owes (app/warm.py): they end that runner, and
+never become the answer to the next job."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import modelkit, runner, warm, warmpool
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = warmpool.RunnerKey("toy", 0)
+
+# Answers every job with a done line, then `EXTRA` (formatted with the job id) in the same write.
+ANSWERING = """\
+import json, os, sys
+print(json.dumps({{'ready': True, 'pid': os.getpid()}}) + {ready_extra!r}, end='', flush=True)
+for line in sys.stdin:
+    job = json.loads(line)['job']
+    done = json.dumps({{'job': job, 'done': True}}) + '\\n'
+    sys.stdout.write(done + {extra!r}.replace('JOB', job))
+    sys.stdout.flush()
+"""
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[warmpool.WarmPool]:
+    pool = warmpool.WarmPool(kill_grace_s=0.3)
+    yield pool
+    await pool.close_all("test over")
+
+
+def _launch(tmp_path: Path, name: str, *, extra: str = "", ready_extra: str = "\n") -> warm.Launch:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(ANSWERING.format(extra=extra, ready_extra=ready_extra)))
+    folder = tmp_path / "runners" / name
+    folder.mkdir(parents=True)
+    return warm.Launch(
+        name, (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "runner.log"
+    )
+
+
+async def _run(tmp_path: Path, warm_runner: warm.WarmRunner, n: int) -> warm.WarmResult:
+    progress: list[tuple[float, str]] = []
+
+    async def on_progress(fraction: float, message: str) -> None:
+        progress.append((fraction, message))
+
+    request = modelkit.Request(f"job{n}:1", tmp_path / "in.png", tmp_path / f"out{n}", {})
+    result = await warm_runner.run_job(
+        request, timeout_s=10, log_path=tmp_path / f"job{n}.log", on_progress=on_progress
+    )
+    assert not progress, "progress after the answer reached the job"
+    return result
+
+
+async def _dead(warm_runner: warm.WarmRunner) -> bool:
+    for _ in range(300):
+        if warm_runner.state is warm.RunnerState.DEAD:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "extra",
+    [
+        '{"job": "JOB", "done": true}\n',  # a second done for the same job
+        '{"job": "JOB", "progress": 0.5}\n',  # progress after done
+        '{"job": "JOB", "error": "changed my mind"}\n',
+    ],
+    ids=["second_done", "progress_after_done", "error_after_done"],
+)
+async def test_a_line_after_the_answer_ends_the_runner_not_the_next_job(
+    tmp_path: Path, pool: warmpool.WarmPool, extra: str
+) -> None:
+    launch = _launch(tmp_path, "talker", extra=extra)
+    first: Any = None
+    for n in (1, 2):
+        async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
+            first = first or warm_runner
+            result = await _run(tmp_path, warm_runner, n)
+        assert result.outcome is warm.Outcome.DONE, (n, result.error)
+    assert await _dead(first), "a runner that spoke out of turn was kept"
+
+
+@pytest.mark.asyncio
+async def test_a_line_after_ready_ends_the_runner_not_its_first_job(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    launch = _launch(tmp_path, "eager", ready_extra='\n{"job": "x:1", "done": true}\n')
+    with pytest.raises(warm.StartFailed, match="out of turn"):
+        async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
+            await _run(tmp_path, warm_runner, 1)
