@@ -31,6 +31,9 @@ BUILTIN_FILE: Final = Path(__file__).with_name("models.toml")
 BUILTIN_PLACEHOLDERS: Final = frozenset({"python", "input", "output_dir"})
 MAX_STR_CHARS: Final = 4096  # far below the kernel's 128 KiB limit on one argument
 DEFAULT_OUTPUT_MAX_MB: Final = 512
+# Job rows keep attempts and VRAM figures in 32-bit integers: larger values failed every submit.
+MAX_ATTEMPTS: Final = 1000
+MAX_VRAM_MB: Final = 1 << 30  # 1 PiB, far beyond any GPU; also the most an estimate reaches
 
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _PARAM_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
@@ -197,8 +200,8 @@ class ModelSpec:
         """VRAM for an input of this size: ceil(base + per-megapixel * megapixels), capped by max."""
         if not math.isfinite(megapixels) or megapixels < 0:
             raise ValueError(f"megapixels must be a finite number >= 0, got {megapixels}")
-        estimate = math.ceil(self.base_mb + self.mb_per_megapixel * megapixels)
-        return estimate if self.max_vram_mb is None else min(estimate, self.max_vram_mb)
+        estimate = min(self.base_mb + self.mb_per_megapixel * megapixels, MAX_VRAM_MB)  # never inf
+        return math.ceil(min(estimate, self.max_vram_mb or MAX_VRAM_MB))
 
     def build_argv(
         self, params: Mapping[str, Value], *, input_path: Path, output_dir: Path, python: str = sys.executable
@@ -305,19 +308,24 @@ class _Loader:
         params = {param_name: self.param(param_name, value) for param_name, value in tables.items()}
         vram = self.of(table["vram"], dict, "vram", "a table")
         self.keys(vram, _VRAM_KEYS, {"base_mb"}, "vram")
-        base_mb = int(self.number(vram["base_mb"], "vram.base_mb", integer=True))
-        max_mb = vram.get("max_mb")
-        max_vram = None if max_mb is None else int(self.number(max_mb, "vram.max_mb", True, max(base_mb, 1)))
+        base_mb = int(self.number(vram["base_mb"], "vram.base_mb", integer=True, high=MAX_VRAM_MB))
+        max_mb, max_vram = vram.get("max_mb"), None
+        if max_mb is not None:
+            max_vram = int(self.number(max_mb, "vram.max_mb", True, max(base_mb, 1), high=MAX_VRAM_MB))
         return ModelSpec(
             name=name,
             description=self.of(table.get("description", ""), str, "description", "a string"),
             argv=self.argv(table["argv"], params),
             params=MappingProxyType(params),
             base_mb=base_mb,
-            mb_per_megapixel=float(self.number(vram.get("mb_per_megapixel", 0), "vram.mb_per_megapixel")),
+            mb_per_megapixel=float(
+                self.number(vram.get("mb_per_megapixel", 0), "vram.mb_per_megapixel", high=MAX_VRAM_MB)
+            ),
             max_vram_mb=max_vram,
             timeout_s=float(self.number(table["timeout_s"], "timeout_s", above=True)),
-            max_attempts=int(self.number(table["max_attempts"], "max_attempts", integer=True, low=1)),
+            max_attempts=int(
+                self.number(table["max_attempts"], "max_attempts", integer=True, low=1, high=MAX_ATTEMPTS)
+            ),
             bad_input_exit_codes=self.exit_codes(table.get("bad_input_exit_codes", [])),
             outputs=self.outputs(table["outputs"], params),
             oom_exit_codes=self.exit_codes(table.get("oom_exit_codes", []), "oom_exit_codes"),
@@ -353,13 +361,14 @@ class _Loader:
         for index, element in enumerate(serve if isinstance(serve, list) else []):
             self.template(element, f"serve_argv[{index}]", {"python"})
         idle = table.get("idle_vram_mb")
+        idle_mb = None if idle is None else int(self.number(idle, "idle_vram_mb", True, high=MAX_VRAM_MB))
         return {
             "mode": mode,
             "serve_argv": tuple(serve) if isinstance(serve, list) else (),
             "load_timeout_s": float(
                 self.number(table.get("load_timeout_s", 300), "load_timeout_s", above=True)
             ),
-            "idle_vram_mb": None if idle is None else int(self.number(idle, "idle_vram_mb", integer=True)),
+            "idle_vram_mb": idle_mb,
         }
 
     def param(self, name: str, value: object) -> ParamSpec:
@@ -469,7 +478,13 @@ class _Loader:
         return value
 
     def number(
-        self, value: object, field: str, integer: bool = False, low: float = 0, above: bool = False
+        self,
+        value: object,
+        field: str,
+        integer: bool = False,
+        low: float = 0,
+        above: bool = False,
+        high: float = math.inf,
     ) -> int | float:
         kind = "an integer" if integer else "a number"
         if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
@@ -477,4 +492,5 @@ class _Loader:
         self.check(math.isfinite(value), field, f"must be {kind}, not {value}")
         bad = value <= low if above else value < low
         self.check(not bad, field, f"must be {kind} {'above' if above else 'of at least'} {low:g}")
+        self.check(value <= high, field, f"must be {kind} of at most {high:.12g}")
         return value

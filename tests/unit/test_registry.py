@@ -146,6 +146,14 @@ def _broken(old: str, new: str) -> str:
         (_broken("timeout_s = 5\n", ""), "timeout_s", "required"),
         (_broken("max_attempts = 2", "max_attempts = 0"), "max_attempts", "at least 1"),
         (_broken("max_attempts = 2", "max_attempts = true"), "max_attempts", "an integer"),
+        (_broken("max_attempts = 2", "max_attempts = 3000000000"), "max_attempts", "at most 1000"),
+        (_broken("base_mb = 100", "base_mb = 3000000000"), "vram.base_mb", "at most 1073741824"),
+        (_broken("max_mb = 1000", "max_mb = 3000000000"), "vram.max_mb", "at most 1073741824"),
+        (
+            _broken("mb_per_megapixel = 10.5", "mb_per_megapixel = 1e300"),
+            "vram.mb_per_megapixel",
+            "at most 1073741824",
+        ),
         (_broken("timeout_s = 5", "timeout_s = 5\ntimeout = 5"), "timeout", "unknown field"),
         (_broken('argv = ["{python}"', 'argv = ["{pyhton}"'), "argv[0]", "{pyhton}"),
         (_broken('"--steps={steps}"', '"--steps={steps!r}"'), "argv[5]", "placeholder"),
@@ -321,6 +329,12 @@ def test_estimate_vram_mb(tiny: registry.ModelSpec) -> None:
         tiny.estimate_vram_mb(-1)
 
 
+def test_an_estimate_never_exceeds_what_a_job_row_holds(write_file: WriteFile) -> None:
+    steep = _broken("mb_per_megapixel = 10.5, max_mb = 1000", "mb_per_megapixel = 1073741824")
+    spec = registry.load_registry(write_file(steep)).get("tiny")
+    assert spec.estimate_vram_mb(1000) == registry.MAX_VRAM_MB < 2**31
+
+
 def test_public_description_is_json(tiny: registry.ModelSpec) -> None:
     import json
 
@@ -377,6 +391,7 @@ idle_vram_mb = 64
         ('mode = "persistent"\nserve_argv = ["{python}", "{input}"]', "serve_argv[1]"),
         ('extends = "nobody"', "extends"),
         ("load_timeout_s = 0", "load_timeout_s"),
+        ("idle_vram_mb = 3000000000", "idle_vram_mb"),
     ],
 )
 def test_bad_persistent_fields_are_named(write_file: WriteFile, extra: str, field: str) -> None:
