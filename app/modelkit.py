@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import re
 import select
 import sys
 import threading
@@ -48,6 +49,10 @@ OOM_MARKERS: Final = (
     "OutOfMemoryError", "CUDA out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED", "out of memory on device",
 )  # fmt: skip
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ProtocolError(ValueError):
@@ -126,16 +131,31 @@ def _line(message: Mapping[str, Any]) -> bytes:
 
 
 def _object(line: bytes) -> dict[str, Any]:
-    """The JSON object on one line; ProtocolError when it is not one."""
+    """The JSON object on one line; ProtocolError when it is not one. A lone surrogate escape
+    ("\\udcff", what json.dumps writes for a file name that is not UTF-8) reads as U+FFFD: such a
+    text could be neither logged nor stored."""
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"line over {MAX_LINE_BYTES} bytes")
     try:
-        message = json.loads(line.decode("utf-8"))
+        hook = _unicode_object if _SURROGATE_ESCAPE.search(line) else None  # rare: parse it slowly
+        message = json.loads(line.decode("utf-8"), object_pairs_hook=hook)
     except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError
         raise ProtocolError(f"not a JSON line: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError(f"not a JSON object but {type(message).__name__}")
     return message
+
+
+def _unicode(value: Any) -> Any:
+    """A JSON value with every string's lone surrogates replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    return [_unicode(item) for item in value] if isinstance(value, list) else value
+
+
+def _unicode_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' hook: an object with `_unicode` keys and values (nested objects come done)."""
+    return {_unicode(key): _unicode(value) for key, value in pairs}
 
 
 def _get(message: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

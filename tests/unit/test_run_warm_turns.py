@@ -99,3 +99,42 @@ async def test_a_line_after_ready_ends_the_runner_not_its_first_job(
     with pytest.raises(warm.StartFailed, match="out of turn"):
         async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
             await _run(tmp_path, warm_runner, 1)
+
+
+# Texts with a lone surrogate: what json.dumps writes for a str() of a file name that is not UTF-8.
+UNPAIRED = r"""
+import json, os, sys
+print(json.dumps({'ready': True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)['job']
+    sys.stdout.write(json.dumps({'job': job, 'progress': 0.5, 'message': 'reading \udcff.png'}) + '\n')
+    sys.stdout.write(json.dumps({'job': job, 'error': 'cannot read \udcff.png', 'bad_input': True}) + '\n')
+    sys.stdout.flush()
+"""
+
+
+@pytest.mark.asyncio
+async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path) -> None:
+    script = tmp_path / "unpaired.py"
+    script.write_text(UNPAIRED)
+    folder = tmp_path / "runner"
+    folder.mkdir()
+    launch = warm.Launch("u", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
+    warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
+    await warm_runner.start()
+    progress: list[str] = []
+
+    async def on_progress(fraction: float, message: str) -> None:
+        progress.append(message)
+
+    request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {})
+    try:
+        result = await warm_runner.run_job(
+            request, timeout_s=5, log_path=tmp_path / "job.log", on_progress=on_progress
+        )
+    finally:
+        await warm_runner.close()
+    assert result.outcome is warm.Outcome.BAD_INPUT, result.error  # not a 5 s timeout
+    assert result.error == "cannot read \ufffd.png"
+    assert progress == ["reading \ufffd.png"]
+    assert "PROGRESS 0.500 reading \ufffd.png" in (tmp_path / "job.log").read_text()
