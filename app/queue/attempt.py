@@ -58,6 +58,12 @@ def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
     return random.uniform(ceiling / 2, ceiling)
 
 
+def storable(text: str) -> str:
+    """A model's words as PostgreSQL can store them: a NUL (which no text column nor jsonb takes,
+    and which failed the whole final write) becomes U+FFFD."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def describe(result: runner.RunResult, timeout_s: float) -> str:
     """A one-paragraph error for the job row: what ended the run, and the log's last lines."""
     if result.timed_out:
@@ -411,7 +417,7 @@ class Attempt:
         grown = scheduler.after_oom_mb(
             job.vram_mb, self.peak_mb, growth=self._config.oom_growth, capacity_mb=self._capacity_mb
         )
-        error = "out of GPU memory: " + what
+        error = "out of GPU memory: " + storable(what)
         if job.oom_retries >= self._config.oom_max_retries or grown <= job.vram_mb:
             why = f"{job.oom_retries} larger retries" if grown > job.vram_mb else "the whole GPU"
             return self._failure(f"{error}\n(still out of memory with {why})", retryable=False)
@@ -451,7 +457,7 @@ class Attempt:
 
     def _failure(self, error: str, *, retryable: bool, **detail: Any) -> Callable[[], Awaitable[Any]]:
         delay = retry_delay_s(self.job.attempt, self._config.retry_base_s, self._config.retry_max_s)
-        abnormal = bool(detail.pop("abnormal", False))
+        abnormal, error = bool(detail.pop("abnormal", False)), storable(error)
         detail = {"error": error.splitlines()[0], "retryable": retryable, **detail}
 
         async def write() -> None:
@@ -537,7 +543,7 @@ class Attempt:
         quarter = int(fraction * 4)
         if fraction < 1 and now - self._last_progress < 0.25 and quarter <= self._milestone:
             return
-        self._last_progress = now
+        self._last_progress, message = now, storable(message)
         try:
             if await self._manager.progress(self.job, fraction, message):
                 self.stop(CANCELED)
