@@ -96,7 +96,10 @@ def find_worker_models(worker_id: str) -> set[int]:
 
     def started_by(environ: bytes) -> bool:
         variables = environ.split(b"\0")
-        return run in variables or any(v.startswith(warm) for v in variables)
+        # A runner's marker is <worker id>:<model>:<gpu>, and neither model nor gpu has a colon:
+        # the runner of worker "h:w:b" is not one of worker "h:w".
+        runners = (v for v in variables if v.startswith(warm))
+        return run in variables or any(v.count(b":", len(warm)) == 1 for v in runners)
 
     return _groups_where(started_by)
 

@@ -40,6 +40,19 @@ def test_a_workers_runs_and_runners_are_found_by_its_exact_id(sleepers):
     assert sleepers["run"] not in found and sleepers["runner"] not in found
 
 
+def test_a_runner_of_a_worker_whose_name_extends_another_with_a_colon_is_not_the_others():
+    """Workers `w2` and `w2:b` on host `h`: the runner of `h:w2:b` (model relief, GPU 0) is not a
+    leftover of `h:w2`, whose restart must leave it alone."""
+    env = {"PATH": os.environ["PATH"], "GPUJOBS_RUNNER": "h:w2:b:relief:0"}
+    runner = subprocess.Popen(["sleep", "30"], env=env, start_new_session=True)
+    try:
+        assert runner.pid in leftovers.find_worker_models("h:w2:b")
+        assert runner.pid not in leftovers.find_worker_models("h:w2")
+    finally:
+        runner.kill()
+        runner.wait()
+
+
 def hold(worker_id: str) -> None:
     """Hold `worker_id` and let it go at once (ConfigError if it is held elsewhere)."""
     held = leftovers.hold_identity(worker_id)
