@@ -305,7 +305,7 @@ class Attempt:
         self, result: warm.WarmResult, out_dir: Path, about: Mapping[str, Any]
     ) -> Callable[[], Awaitable[Any]] | None:
         """The final write for a job run in a warm runner."""
-        stopped = result.stopped or self._stop_reason
+        stopped = self._stopped_by(result.stopped)
         if stopped is not None or result.outcome is warm.Outcome.STOPPED:
             return self._stopped_outcome(stopped or CANCELED)
         error = result.error or str(result.outcome)
@@ -374,7 +374,7 @@ class Attempt:
 
     def _outcome(self, result: runner.RunResult, out_dir: Path) -> Callable[[], Awaitable[Any]] | None:
         """The final write for a one-shot run."""
-        stopped = result.stopped or self._stop_reason
+        stopped = self._stopped_by(result.stopped)
         if stopped is not None:
             return self._stopped_outcome(stopped)
         if result.ok:
@@ -391,6 +391,14 @@ class Attempt:
             timed_out=result.timed_out,
             abnormal=result.signal is not None and not result.timed_out,  # a signal we did not send
         )
+
+    def _stopped_by(self, run_stopped: str | None) -> str | None:
+        """Why the run counts as stopped: the stop that ended it, or one that came after it ended
+        by itself (while its last progress or pid was written), but for a shutdown: the outcome of
+        a run that ended is written, not handed back to be run again."""
+        if run_stopped is not None or self._stop_reason == SHUTDOWN:
+            return run_stopped
+        return self._stop_reason
 
     def _stopped_outcome(self, reason: str) -> Callable[[], Awaitable[Any]] | None:
         """A run stopped from outside: lost (discard), shutdown (hand back), canceled, or broken."""
