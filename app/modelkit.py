@@ -197,10 +197,11 @@ def parse_reply(line: bytes) -> Reply:
         return Failed(job, _get(message, "error", str), *flags)
     job = _get(message, "job", str)
     if "progress" in message:
-        fraction = float(_get(message, "progress", (int, float)))
+        # Clamped before float(): an integer too large for a float is still past 1.
+        fraction = float(min(max(_get(message, "progress", (int, float)), 0), 1))
         if math.isnan(fraction):
             raise ProtocolError("'progress' is not a number")
-        return Progress(job, min(max(fraction, 0.0), 1.0), _get(message, "message", str, ""))
+        return Progress(job, fraction, _get(message, "message", str, ""))
     if "done" in message:
         outputs = _get(message, "outputs", list, [])
         if message["done"] is not True or not all(isinstance(name, str) for name in outputs):
@@ -254,7 +255,7 @@ class Job(NamedTuple):
     def progress(self, fraction: float, message: str = "") -> None:
         """Report how far the job is (0..1, clamped; NaN is ignored) with a short message."""
         if not math.isnan(fraction):
-            self.send(Progress(self.id, min(max(float(fraction), 0.0), 1.0), str(message)))
+            self.send(Progress(self.id, float(min(max(fraction, 0), 1)), str(message)))
 
 
 class _Channel:

@@ -138,3 +138,39 @@ async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path)
     assert result.error == "cannot read \ufffd.png"
     assert progress == ["reading \ufffd.png"]
     assert "PROGRESS 0.500 reading \ufffd.png" in (tmp_path / "job.log").read_text()
+
+
+HUGE = """
+import json, sys
+print(json.dumps({'ready': True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)['job']
+    sys.stdout.write('{"job": "%s", "progress": 1%s}\\n' % (job, '0' * 400))  # an int past any float
+    sys.stdout.write(json.dumps({'job': job, 'done': True}) + '\\n')
+    sys.stdout.flush()
+"""
+
+
+@pytest.mark.asyncio
+async def test_progress_past_any_float_is_complete_not_a_hang(tmp_path: Path) -> None:
+    script = tmp_path / "huge.py"
+    script.write_text(HUGE)
+    folder = tmp_path / "runner"
+    folder.mkdir()
+    launch = warm.Launch("h", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
+    warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
+    await warm_runner.start()
+    progress: list[float] = []
+
+    async def on_progress(fraction: float, message: str) -> None:
+        progress.append(fraction)
+
+    request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {})
+    try:
+        result = await warm_runner.run_job(
+            request, timeout_s=5, log_path=tmp_path / "job.log", on_progress=on_progress
+        )
+    finally:
+        await warm_runner.close()
+    assert result.outcome is warm.Outcome.DONE, result.error  # not a 5 s timeout
+    assert progress == [1.0]
