@@ -183,6 +183,11 @@ class Attempt:
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""
         job, spec = self.job, self.spec
+        try:  # checked at submit, but the registry may have changed since
+            params = spec.validate_params(job.params)
+        except errors.InvalidParams as exc:
+            changed = f"the model no longer takes the job's params: {exc.message}"
+            return self._failure(changed, retryable=False)
         media_type, data = self._image or await self._manager.input_by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
@@ -195,9 +200,9 @@ class Attempt:
         del data
         input_path = scratch / input_name
         if spec.persistent and self._pool is not None:
-            return await self._run_warm(input_path, scratch / "out", log_path)
+            return await self._run_warm(input_path, scratch / "out", log_path, params)
         argv = spec.build_argv(
-            job.params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
+            params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
         )
         # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
         env = runner.minimal_env(
@@ -234,7 +239,7 @@ class Attempt:
         return self._outcome(result, scratch / "out")
 
     async def _run_warm(
-        self, input_path: Path, out_dir: Path, log_path: Path
+        self, input_path: Path, out_dir: Path, log_path: Path, params: Mapping[str, registry.Value]
     ) -> Callable[[], Awaitable[Any]] | None:
         """Run the job in a warm runner of its model on its GPU: an idle one, else a new one or the
         first busy one to come free (app/warmpool.py). Stopped while it waits, it runs nothing."""
@@ -263,7 +268,7 @@ class Attempt:
         try:
             if self._stop_reason is not None:
                 runner.stop(self._stop_reason)
-            request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, job.params)
+            request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, params)
             result = await self._watched(
                 runner.pid or 0,
                 runner.run_job(

@@ -1,0 +1,23 @@
+"""A job queued under an older registry whose params the model's entry no longer takes (a param
+removed, a range narrowed, a required one added) fails at once, saying which param, without
+running its model: no retry can mend it."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.queue.jobs import JobState
+from tests.integration.test_worker import enqueue
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model", ["toy", "warm_a"])
+async def test_params_the_registry_no_longer_takes_fail_the_job_at_once(
+    manager, make_worker, tmp_path, model
+) -> None:
+    job_id = await enqueue(manager, model=model, max_attempts=3, bogus=1)  # not a param of either
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed and job.attempt == 1, (job.state, job.attempt, job.error)
+    assert "params.bogus: unknown parameter" in (job.error or "")
+    assert not (tmp_path / f"loads-{model}.txt").exists()  # no warm runner was started for it
