@@ -334,8 +334,10 @@ class _Loader:
         )
 
     def inherit(self, table: dict[str, object], tables: Mapping[str, object]) -> dict[str, object]:
-        """`extends = "other"`: the other model's fields (same file), overridden by this table's."""
-        base = table.pop("extends", None)
+        """`extends = "other"`: the other model's fields (same file), overridden by this table's.
+        The tables are read, never changed: whether a model extends another is seen as written,
+        whichever of them was loaded first."""
+        base = table.get("extends")
         if base is None:
             return table
         parent = tables.get(base) if isinstance(base, str) else None
@@ -345,7 +347,7 @@ class _Loader:
             "must name another model of this file that extends nothing",
         )
         assert isinstance(parent, dict)
-        return {**parent, **table}
+        return {**parent, **{key: value for key, value in table.items() if key != "extends"}}
 
     def warm(self, table: Mapping[str, object]) -> dict[str, Any]:
         """mode, serve_argv, load_timeout_s and idle_vram_mb, checked together."""

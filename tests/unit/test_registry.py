@@ -383,6 +383,35 @@ idle_vram_mb = 64
     assert builtin.get("relief-warm").params.keys() == builtin.get("relief").params.keys()
 
 
+CHAIN = """
+[models.a]
+extends = "tiny"
+timeout_s = 7
+
+[models.b]
+extends = "a"
+max_attempts = 3
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "model"),
+    [
+        (TINY + CHAIN, "b"),  # b extends a, which extends tiny: refused, whichever comes first
+        (TINY + "\n".join(reversed(CHAIN.split("\n\n"))), "b"),
+        (TINY + '[models.me]\nextends = "me"\n', "me"),
+    ],
+    ids=["chain", "chain_written_the_other_way", "itself"],
+)
+def test_extends_names_another_model_that_extends_nothing(
+    write_file: WriteFile, text: str, model: str
+) -> None:
+    with pytest.raises(errors.RegistryError) as caught:
+        registry.load_registry(write_file(text))
+    message = caught.value.message
+    assert f"model '{model}': field 'extends': must name another model" in message, message
+
+
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
