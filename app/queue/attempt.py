@@ -247,7 +247,7 @@ class Attempt:
         job, spec = self.job, self.spec
         key = warmpool.RunnerKey(spec.name, job.gpu)
         try:
-            hold_mb = spec.idle_vram_mb or spec.base_mb
+            hold_mb = spec.base_mb if spec.idle_vram_mb is None else spec.idle_vram_mb  # 0 is 0
             runner = await self._pool.acquire(
                 key, functools.partial(self._launch, key), hold_mb=hold_mb, give_up=self._stopped
             )
