@@ -64,12 +64,23 @@ def storable(text: str) -> str:
     return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
+def signal_name(number: int) -> str:
+    """SIGSEGV, SIGRTMIN+6 (the real-time signals between SIGRTMIN and SIGRTMAX have no name of
+    their own), or "signal N"."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        if signal.SIGRTMIN < number < signal.SIGRTMAX:
+            return f"SIGRTMIN+{number - signal.SIGRTMIN}"
+        return f"signal {number}"
+
+
 def describe(result: runner.RunResult, timeout_s: float) -> str:
     """A one-paragraph error for the job row: what ended the run, and the log's last lines."""
     if result.timed_out:
         head = f"timed out after {timeout_s:g} s"
     elif result.signal is not None:
-        head = f"killed by {signal.Signals(result.signal).name}"
+        head = f"killed by {signal_name(result.signal)}"
     else:
         head = f"exit code {result.exit_code}"
     tail = result.log_tail.strip()
