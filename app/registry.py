@@ -168,8 +168,8 @@ class ModelSpec:
         return self.mode == "persistent"
 
     def build_serve_argv(self, *, python: str = sys.executable) -> list[str]:
-        """The warm runner's command line."""
-        return [element.replace("{python}", python) for element in self.serve_argv]
+        """The warm runner's command line ({{ and }} are braces, as in argv)."""
+        return [element.format_map({"python": python}) for element in self.serve_argv]
 
     def out_of_memory(self, exit_code: int | None, log_tail: str) -> bool:
         """Did a failed run die of GPU out-of-memory (by exit code or a line in its log)?"""

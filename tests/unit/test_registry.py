@@ -412,6 +412,17 @@ def test_extends_names_another_model_that_extends_nothing(
     assert f"model '{model}': field 'extends': must name another model" in message, message
 
 
+def test_braces_in_serve_argv_are_written_as_in_argv(write_file: WriteFile) -> None:
+    """{{ and }} stand for one brace in serve_argv too, as the template check says and argv does."""
+    text = TINY.replace(
+        "[models.tiny]\n",
+        '[models.tiny]\nmode = "persistent"\nserve_argv = ["{python}", "--opts={{\\"a\\": 1}}"]\n',
+        1,
+    )
+    spec = registry.load_registry(write_file(text)).get("tiny")
+    assert spec.build_serve_argv(python="py") == ["py", '--opts={"a": 1}']
+
+
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
