@@ -194,6 +194,7 @@ class ModelSpec:
                 values[name] = spec.default
             else:
                 raise errors.InvalidParams(f"params.{name}: is required", field=f"params.{name}")
+        self._output_names(values)  # a param that names an output is refused now, not after the run
         return values
 
     def estimate_vram_mb(self, megapixels: float) -> int:
@@ -213,15 +214,22 @@ class ModelSpec:
 
     def expected_outputs(self, params: Mapping[str, Value]) -> list[tuple[str, str, OutputSpec]]:
         """(file name, media type, spec) of each output for these params; names are plain."""
-        values = {name: render_value(v) for name, v in self.validate_params(params).items()}
-        result: list[tuple[str, str, OutputSpec]] = []
+        names = self._output_names(self.validate_params(params))
+        pairs = zip(names, self.outputs, strict=True)
+        return [(name, output.media_type or media_type_for(name), output) for name, output in pairs]
+
+    def _output_names(self, values: Mapping[str, Value]) -> list[str]:
+        """The outputs' file names for these params; InvalidParams names the param that makes one
+        not a plain file name (or two the same)."""
+        rendered = {name: render_value(value) for name, value in values.items()}
+        names: list[str] = []
         for output in self.outputs:
-            name = output.name.format_map(values)
-            if not _PLAIN_FILE.fullmatch(name) or any(name == seen for seen, _, _ in result):
+            name = output.name.format_map(rendered)
+            if not _PLAIN_FILE.fullmatch(name) or name in names:
                 field = next((f"params.{p}" for p in self.params if f"{{{p}}}" in output.name), "params")
                 raise errors.InvalidParams(f"{field}: gives the output file name {name!r}", field=field)
-            result.append((name, output.media_type or media_type_for(name), output))
-        return result
+            names.append(name)
+        return names
 
     def public(self) -> dict[str, object]:
         """JSON-able description for GET /models (no argv: that is the operator's business)."""
