@@ -169,8 +169,8 @@ class WarmRunner:
             asyncio.create_task(self._read_stderr(proc.stderr), name=f"warm-stderr-{proc.pid}"),
         ]
         problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
-        if problem is None and self._out_of_turn is not None:  # in the same read as its ready line
-            problem = self._out_of_turn
+        if problem is None and self._ending is not None:  # a line out of turn came with its ready line
+            problem = self._out_of_turn or "ended right after its ready line"
         if problem is not None:
             await asyncio.shield(self._end(problem))
             tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"

@@ -174,3 +174,22 @@ async def test_progress_past_any_float_is_complete_not_a_hang(tmp_path: Path) ->
         await warm_runner.close()
     assert result.outcome is warm.Outcome.DONE, result.error  # not a 5 s timeout
     assert progress == [1.0]
+
+
+@pytest.mark.asyncio
+async def test_a_runner_that_exits_right_after_ready_is_not_handed_a_job(tmp_path: Path) -> None:
+    """Its ready line and its end come together: the start fails (or the runner is ended while
+    idle), and no job is sent to it to wait out its timeout."""
+    script = tmp_path / "brief.py"
+    script.write_text("import json, os\nos.write(1, (json.dumps({'ready': True}) + '\\n').encode())\n")
+    folder = tmp_path / "runner"
+    folder.mkdir()
+    launch = warm.Launch("b", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
+    for _ in range(5):
+        warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
+        try:
+            await warm_runner.start()
+        except warm.StartFailed:
+            continue
+        await asyncio.sleep(0.2)  # its end is seen while idle
+        assert warm_runner.state is not warm.RunnerState.IDLE, "a dead runner stayed idle"
