@@ -177,7 +177,7 @@ class Attempt:
             if self._on_model_end is not None:
                 self._on_model_end(self)
         if outcome is not None:
-            await asyncio.shield(self._persist(outcome))
+            await asyncio.shield(self._persist_or_fail(outcome))
         self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
         # The outcome's own line (job_succeeded, job_failed, lease_lost...) said how it ended.
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
@@ -540,6 +540,20 @@ class Attempt:
         """Whether this attempt's success is in the database (written by a try whose answer was lost)."""
         now = await self._manager.get(self.job.id)
         return now.state is JobState.succeeded and now.attempt == self.job.attempt
+
+    async def _persist_or_fail(self, write: Callable[[], Awaitable[Any]]) -> None:
+        """The final write; one that PostgreSQL refuses (not an outage) is replaced by a plain
+        failure, to be retried. Else the job would stay running, with no error, until its lease ran
+        out, and come back as a lost worker's (abnormal, counted towards quarantine)."""
+        try:
+            await self._persist(write)
+        except Exception as exc:
+            log.exception(
+                "the outcome could not be written; failing the attempt instead",
+                extra={"action": "outcome_refused", "job_id": str(self.job.id)},
+            )
+            refused = f"internal error in the worker: its outcome could not be written ({type(exc).__name__})"
+            await self._persist(self._failure(refused, retryable=True))
 
     async def _persist(self, write: Callable[[], Awaitable[Any]]) -> None:
         """Make the final write, riding out a database outage; fencing decides if it still counts."""

@@ -537,3 +537,31 @@ async def test_a_job_handed_back_with_a_cancel_pending_ends_canceled(manager, ma
             await conn.execute(text("UPDATE jobs SET cancel_requested = true WHERE id = :id"), {"id": job_id})
     job = await manager.get(job_id)
     assert (job.state, job.abnormal_runs) == (JobState.canceled, 0), job.error
+
+
+async def test_an_outcome_postgresql_refuses_fails_the_attempt_plainly(manager, make_worker, engine):
+    """A final write that PostgreSQL refused (not an outage: the statement itself, here a trigger's
+    refusal, once a NUL in the error) killed the attempt's task. The job stayed `running` with no
+    error until its lease ran out, then came back as a lost worker's job (abnormal, towards
+    quarantine). Now the attempt is failed with a plain error that says so, and retried."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                """
+                CREATE FUNCTION refuse_exit_3() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN RAISE EXCEPTION 'refused by the test'; END $$;
+                """
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER refuse_exit_3 BEFORE UPDATE ON jobs FOR EACH ROW "
+                "WHEN (NEW.error LIKE '%exit code 3%') EXECUTE FUNCTION refuse_exit_3()"
+            )
+        )
+    job_id = await enqueue(manager, exit_code=3)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.scheduled, (job.state, job.error)
+    assert job.error is not None and "outcome could not be written" in job.error
+    assert job.abnormal_runs == 0
