@@ -166,7 +166,10 @@ class Settings(BaseSettings):
         16, ge=1, le=256, description="Most jobs a worker claims in one statement when several slots are free"
     )
     quarantine_after: int = Field(
-        3, ge=1, description="Abnormal deaths (signals, lost workers) before a job is quarantined"
+        3,
+        ge=1,
+        description="Abnormal deaths (signals, warm runners dying mid-job, lost workers) before a job is "
+        "quarantined",
     )
     log_level: str = Field("INFO", description="Log level")
     log_format: Literal["text", "json"] = Field(
