@@ -197,6 +197,20 @@ bad_input_exit_codes = [65]
     return head + TOY_PARAMS.replace("{name}", name)
 
 
+def script_model(name: str, argv: list[str], *, max_attempts: int = 1, output: str = "out.txt") -> str:
+    """Registry TOML for a one-shot model that runs `argv` (placeholders as in any argv), 10 s at
+    most, 1000 MB, one declared output file; params go in `[models.<name>.params.*]` after it."""
+    return f"""
+[models.{name}]
+argv = {json.dumps(argv)}
+vram = {{ base_mb = 1000 }}
+timeout_s = 10
+max_attempts = {max_attempts}
+[[models.{name}.outputs]]
+name = "{output}"
+"""
+
+
 WARM_TOY = HERE / "models" / "warm_toy.py"
 
 

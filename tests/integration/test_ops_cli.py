@@ -109,6 +109,22 @@ async def test_a_schema_newer_than_the_code_is_named_not_a_traceback(settings, e
         assert await conn.scalar(text("SELECT version_num FROM alembic_version")) == "0099"
 
 
+async def exit_without_the_workers_table(engine, process: subprocess.Popen[bytes]) -> int:
+    """Take the heartbeat's table away under a running worker (its heartbeat then dies), and
+    return the process's exit code (within 60 s); the table is put back whatever happens."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    async with engine.begin() as conn:
+        await conn.execute(text("ALTER TABLE workers RENAME TO workers_gone"))
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(process.wait), timeout=60)
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text("ALTER TABLE workers_gone RENAME TO workers"))
+
+
 async def test_a_worker_that_stops_on_its_own_exits_non_zero(settings, engine, spawn_worker, tmp_path):
     """A worker whose heartbeat, reaper or listener dies stops (it cannot keep its leases); the
     process then exited 0, as after a requested stop, so a supervisor restarting on failure
@@ -124,13 +140,7 @@ async def test_a_worker_that_stops_on_its_own_exits_non_zero(settings, engine, s
                 if await conn.scalar(text("SELECT count(*) FROM workers WHERE state = 'running'")):
                     break
             await asyncio.sleep(0.1)
-    async with engine.begin() as conn:  # the heartbeat's table goes away under it
-        await conn.execute(text("ALTER TABLE workers RENAME TO workers_gone"))
-    try:
-        code = await asyncio.wait_for(asyncio.to_thread(worker.wait), timeout=60)
-    finally:
-        async with engine.begin() as conn:
-            await conn.execute(text("ALTER TABLE workers_gone RENAME TO workers"))
+    code = await exit_without_the_workers_table(engine, worker)
     assert code == 1, code
     log = (tmp_path / "worker-stops-0.log").read_text()
     assert "side task" in log and "error: the worker stopped after an error" in log, log[-3000:]
@@ -196,8 +206,6 @@ async def test_serve_whose_worker_stops_on_its_own_exits_non_zero(settings, engi
     /readyz said ready, and no job ran on that host again until someone looked."""
     import asyncio
 
-    from sqlalchemy import text
-
     port = free_port()
     env = worker_env(settings, "serve-stops", heartbeat_interval_s="0.2", lease_s="5")
     log = tmp_path / "serve.log"
@@ -206,13 +214,7 @@ async def test_serve_whose_worker_stops_on_its_own_exits_non_zero(settings, engi
         serve = await asyncio.to_thread(subprocess.Popen, argv, env=env, stdout=out, stderr=out)
     try:
         wait_until_serving(serve, f"http://127.0.0.1:{port}", log)
-        async with engine.begin() as conn:  # the heartbeat's table goes away under it
-            await conn.execute(text("ALTER TABLE workers RENAME TO workers_gone"))
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(serve.wait), timeout=60)
-        finally:
-            async with engine.begin() as conn:
-                await conn.execute(text("ALTER TABLE workers_gone RENAME TO workers"))
+        code = await exit_without_the_workers_table(engine, serve)
     finally:
         if serve.poll() is None:
             serve.kill()

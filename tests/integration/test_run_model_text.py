@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.queue.jobs import JobState
-from tests.conftest import HERE, toy_model
+from tests.conftest import HERE, script_model, toy_model
 from tests.integration.test_worker import enqueue
 
 ONESHOT = "import sys; sys.stderr.buffer.write(b'bad \\x00 byte\\n'); sys.exit(1)"
@@ -34,15 +34,8 @@ def models_file(tmp_path: Path) -> Path:
     path = tmp_path / "models.toml"
     path.write_text(
         toy_model("toy")
+        + script_model("nul", ["{python}", "-c", ONESHOT])
         + f"""
-[models.nul]
-argv = {json.dumps(["{python}", "-c", ONESHOT])}
-vram = {{ base_mb = 1000 }}
-timeout_s = 10
-max_attempts = 1
-[[models.nul.outputs]]
-name = "out.txt"
-
 [models.nul_warm]
 mode = "persistent"
 argv = ["{{python}}", "-c", "pass"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import toy_model
+from tests.conftest import script_model, toy_model
 from tests.integration.test_api_intake import counts
 
 
@@ -19,18 +19,13 @@ def models_file(tmp_path: Path) -> Path:
     path = tmp_path / "models.toml"
     path.write_text(
         toy_model("toy")
-        + f"""
-[models.named]
-argv = {json.dumps(["{python}", "-c", "pass", "{output_dir}", "{label}"])}
-vram = {{ base_mb = 1000 }}
-timeout_s = 10
-max_attempts = 3
-[models.named.params.label]
-type = "str"
-default = "plain"
-[[models.named.outputs]]
-name = "mesh-{{label}}.glb"
-"""
+        + script_model(
+            "named",
+            ["{python}", "-c", "pass", "{output_dir}", "{label}"],
+            max_attempts=3,
+            output="mesh-{label}.glb",
+        )
+        + '[models.named.params.label]\ntype = "str"\ndefault = "plain"\n'
     )
     return path
 

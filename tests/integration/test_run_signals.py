@@ -3,13 +3,12 @@ attempt as killed by that signal, like any other: not as an internal error of th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from app.queue.jobs import JobState
-from tests.conftest import toy_model
+from tests.conftest import script_model, toy_model
 from tests.integration.test_worker import enqueue
 
 SUICIDE = "import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 6)"
@@ -19,18 +18,7 @@ SUICIDE = "import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 6)"
 def models_file(tmp_path: Path) -> Path:
     """`toy`, and `rt`, which kills itself with SIGRTMIN+6."""
     path = tmp_path / "models.toml"
-    path.write_text(
-        toy_model("toy")
-        + f"""
-[models.rt]
-argv = {json.dumps(["{python}", "-c", SUICIDE])}
-vram = {{ base_mb = 1000 }}
-timeout_s = 10
-max_attempts = 1
-[[models.rt.outputs]]
-name = "out.txt"
-"""
-    )
+    path.write_text(toy_model("toy") + script_model("rt", ["{python}", "-c", SUICIDE]))
     return path
 
 

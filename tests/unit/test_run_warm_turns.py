@@ -113,19 +113,19 @@ for line in sys.stdin:
 """
 
 
-@pytest.mark.asyncio
-async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path) -> None:
-    script = tmp_path / "unpaired.py"
-    script.write_text(UNPAIRED)
+async def _one_job(tmp_path: Path, source: str) -> tuple[warm.WarmResult, list[tuple[float, str]]]:
+    """Run one job through a runner made of `source`; its result and the progress it reported."""
+    script = tmp_path / "runner.py"
+    script.write_text(source)
     folder = tmp_path / "runner"
     folder.mkdir()
-    launch = warm.Launch("u", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
+    launch = warm.Launch("r", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
     warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
     await warm_runner.start()
-    progress: list[str] = []
+    progress: list[tuple[float, str]] = []
 
     async def on_progress(fraction: float, message: str) -> None:
-        progress.append(message)
+        progress.append((fraction, message))
 
     request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {})
     try:
@@ -134,9 +134,15 @@ async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path)
         )
     finally:
         await warm_runner.close()
+    return result, progress
+
+
+@pytest.mark.asyncio
+async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path) -> None:
+    result, progress = await _one_job(tmp_path, UNPAIRED)
     assert result.outcome is warm.Outcome.BAD_INPUT, result.error  # not a 5 s timeout
     assert result.error == "cannot read \ufffd.png"
-    assert progress == ["reading \ufffd.png"]
+    assert progress == [(0.5, "reading \ufffd.png")]
     assert "PROGRESS 0.500 reading \ufffd.png" in (tmp_path / "job.log").read_text()
 
 
@@ -153,27 +159,9 @@ for line in sys.stdin:
 
 @pytest.mark.asyncio
 async def test_progress_past_any_float_is_complete_not_a_hang(tmp_path: Path) -> None:
-    script = tmp_path / "huge.py"
-    script.write_text(HUGE)
-    folder = tmp_path / "runner"
-    folder.mkdir()
-    launch = warm.Launch("h", (sys.executable, str(script)), runner.minimal_env(None), folder, folder / "log")
-    warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
-    await warm_runner.start()
-    progress: list[float] = []
-
-    async def on_progress(fraction: float, message: str) -> None:
-        progress.append(fraction)
-
-    request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {})
-    try:
-        result = await warm_runner.run_job(
-            request, timeout_s=5, log_path=tmp_path / "job.log", on_progress=on_progress
-        )
-    finally:
-        await warm_runner.close()
+    result, progress = await _one_job(tmp_path, HUGE)
     assert result.outcome is warm.Outcome.DONE, result.error  # not a 5 s timeout
-    assert progress == [1.0]
+    assert [fraction for fraction, _ in progress] == [1.0]
 
 
 @pytest.mark.asyncio
