@@ -19,7 +19,7 @@ import asyncio
 import bisect
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -51,7 +51,7 @@ QUEUE_ENTRY: Final = frozenset(
 )
 ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out_of_memory"}) | FINAL
 # How long a hole in the event ids may stay open (a transaction not yet committed) before it is
-# taken for a rolled-back insert and skipped.
+# taken for a rolled-back insert and given up: counted ids past it wait no longer.
 GAP_WAIT_S: Final = 10.0
 # The most a scrape waits on the database: well inside Prometheus's scrape timeout (10 s by
 # default), so a database that takes connections and never answers reads as down, not as a
@@ -87,12 +87,65 @@ class Buckets:
         return pairs
 
 
-class JobTally:
-    """Counters and histograms of job life, built by reading job_events in id order."""
+class Ledger:
+    """Which event ids are counted: all up to `floor`, then ranges above it with holes between.
+
+    A hole is an id not (yet) read: an insert whose transaction has not committed, or one that
+    rolled back (or a sequence's jump after a crash) and never will. Rows past a hole are counted
+    at once; a hole is given up once a row past it was read GAP_WAIT_S ago, and all the holes seen
+    by then are given up together, so a new process catches up over a long history in one wait.
+    """
 
     def __init__(self) -> None:
-        self.floor = 0  # every event id up to here is counted (or was a rolled-back hole)
-        self._gap_since: float | None = None
+        self.floor = 0  # every id up to here is counted or given up
+        self._ranges: list[list[int]] = []  # counted [first, last] above the floor, in order
+        self._reads: deque[tuple[float, int]] = deque()  # (when, highest id read then)
+        self._read_long_ago = 0  # the highest id read at least GAP_WAIT_S ago
+
+    def counted(self, event_id: int) -> bool:
+        """Whether the id is counted (or given up)."""
+        if event_id <= self.floor:
+            return True
+        i = bisect.bisect_right(self._ranges, event_id, key=lambda r: r[0])
+        return i > 0 and self._ranges[i - 1][1] >= event_id
+
+    def mark(self, event_id: int) -> None:
+        """Record the id as counted (one not counted yet)."""
+        ranges = self._ranges
+        i = bisect.bisect_right(ranges, event_id, key=lambda r: r[0])
+        if i > 0 and ranges[i - 1][1] + 1 == event_id:
+            ranges[i - 1][1] = event_id
+            if i < len(ranges) and ranges[i][0] == event_id + 1:  # the hole between them is filled
+                ranges[i - 1][1] = ranges.pop(i)[1]
+        elif i < len(ranges) and ranges[i][0] == event_id + 1:
+            ranges[i][0] = event_id
+        else:
+            ranges.insert(i, [event_id, event_id])
+
+    def advance(self, highest_read: int | None, now: float) -> None:
+        """Move the floor past counted ids and past holes read around at least GAP_WAIT_S ago."""
+        if highest_read is not None and (not self._reads or highest_read > self._reads[-1][1]):
+            self._reads.append((now, highest_read))
+        while self._reads and now - self._reads[0][0] >= GAP_WAIT_S:
+            self._read_long_ago = max(self._read_long_ago, self._reads.popleft()[1])
+        while self._ranges and (
+            self._ranges[0][0] == self.floor + 1 or self._ranges[0][0] <= self._read_long_ago
+        ):
+            self.floor = self._ranges.pop(0)[1]
+
+    def next_read(self, after: int) -> int:
+        """Where to read on from `after`: at the next hole that may still fill, else past every id read."""
+        holes = [self.floor + 1] if self._ranges else []
+        holes += [r[1] + 1 for r in self._ranges[:-1]]
+        later = [h for h in holes if h > after]
+        return later[0] - 1 if later else max(after, self._ranges[-1][1] if self._ranges else self.floor)
+
+
+class JobTally:
+    """Counters and histograms of job life, built by reading job_events (each event once)."""
+
+    def __init__(self) -> None:
+        self.ids = Ledger()
         self.submitted: Counter[str] = Counter()
         self.finished: Counter[tuple[str, str]] = Counter()
         self.attempts: Counter[str] = Counter()
@@ -101,18 +154,20 @@ class JobTally:
         self.run: dict[str, Buckets] = {}
         self.end_to_end: dict[str, Buckets] = {}
 
-    def add(self, rows: Iterable[Any], now: float) -> int:
-        """Count rows (ordered by id) up to the first hole that may still fill; returns how many."""
+    @property
+    def floor(self) -> int:
+        """Every event id up to here is counted (or was a hole given up)."""
+        return self.ids.floor
+
+    def add(self, rows: Sequence[Any], now: float) -> int:
+        """Count the rows (ordered by id) not counted yet; returns how many."""
         counted = 0
         for row in rows:
-            if row.id != self.floor + 1:
-                self._gap_since = self._gap_since if self._gap_since is not None else now
-                if now - self._gap_since < GAP_WAIT_S:
-                    break
-            self._gap_since = None
-            self._count(row)
-            self.floor = row.id
-            counted += 1
+            if not self.ids.counted(row.id):
+                self._count(row)
+                self.ids.mark(row.id)
+                counted += 1
+        self.ids.advance(rows[-1].id if rows else None, now)
         return counted
 
     def _count(self, row: Any) -> None:
@@ -221,11 +276,14 @@ class DatabaseMetrics:
 
     async def _tail(self, deadline: float) -> None:
         """Count new events in batches (a new process catches up over a few scrapes)."""
+        after = self.tally.floor
         while time.monotonic() < deadline:
-            rows = await self._manager.events_for_metrics(after=self.tally.floor, limit=self._batch)
-            counted = self.tally.add(rows, time.monotonic())
-            if len(rows) < self._batch or counted < len(rows):
+            after = self.tally.ids.next_read(after)  # holes that may fill, then what is new
+            rows = await self._manager.events_for_metrics(after=after, limit=self._batch)
+            self.tally.add(rows, time.monotonic())
+            if len(rows) < self._batch:
                 return
+            after = rows[-1].id
 
     def collect(self) -> Iterable[Metric]:
         """Every database-derived family, from the last refresh."""
