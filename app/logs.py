@@ -110,21 +110,42 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """`time level logger: message  key=value ...`, for people reading a terminal."""
+    """`time level logger: message  key=value ...`, for people reading a terminal.
+
+    A record is one line, then its traceback if it has one: line breaks and other control
+    characters in the message and the fields (a request's decoded path, a model's error) are
+    written escaped, so no one can add a line of their own or drive the reader's terminal.
+    """
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        """The record as text, with its fields appended as key=value."""
-        text = mask(super().format(record))
+        """The record as text, with its fields appended as key=value, then its traceback."""
+        head = logging.makeLogRecord(vars(record))
+        head.msg, head.args = _one_line(mask(record.getMessage())), None
+        head.exc_info = head.exc_text = head.stack_info = None
+        text = super().format(head)
         extra = " ".join(f"{k}={_short(v)}" for k, v in fields(record).items())
-        return f"{text}  {extra}" if extra else text
+        text = f"{text}  {extra}" if extra else text
+        if record.exc_info:
+            text += "\n" + mask(self.formatException(record.exc_info))
+        if record.stack_info:
+            text += "\n" + self.formatStack(record.stack_info)
+        return text
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(text: str) -> str:
+    """`text` with control characters escaped as Python writes them (\\n, \\x1b)."""
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
 
 
 def _short(value: Any) -> str:
     text = str(value)
-    return json.dumps(text) if (" " in text or not text) else text
+    return json.dumps(text) if (" " in text or not text or _CONTROL.search(text)) else text
 
 
 def setup(level: str = "INFO", fmt: str = "text", *, stream: TextIO | None = None) -> None:

@@ -1,0 +1,44 @@
+"""The service's own log lines, as the text formatter writes them, for requests over real HTTP."""
+
+from __future__ import annotations
+
+import logging
+
+from app import logs
+from tests.conftest import api_client
+from tests.integration.test_observability import capture
+
+
+async def test_a_request_is_one_text_line_whatever_its_path_holds(settings):
+    """The path of a request line is decoded (%0A is a line break, %1B an escape): a client wrote
+    a line of its own choosing into the text log ("... ERROR gpujobs.worker: job failed") and could
+    send escape sequences to the terminal of whoever read it."""
+    handler, stop = capture(logs.TextFormatter())
+    forged = "2026-01-01 00:00:00,000 ERROR   gpujobs.worker: database wiped"
+    try:
+        async with api_client(settings, key=None) as http:
+            answer = await http.get(f"/jobs/x%0D%0A{forged.replace(' ', '%20')}%1B[2J")
+            assert answer.status_code in (401, 404, 422)
+    finally:
+        stop()
+    [line] = [line for line in handler.lines if "http_request" in line]
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line, line
+    assert "GET /jobs/x\\r\\n2026-01-01" in line and "\\x1b[2J" in line  # still readable
+
+
+def test_a_traceback_follows_its_line_and_its_fields():
+    """A text line's fields came after the whole traceback, so the line that starts the record
+    did not carry them; the traceback itself is kept, below the line."""
+    handler, stop = capture(logs.TextFormatter())
+    log = logging.getLogger("gpujobs.test")
+    try:
+        try:
+            raise ValueError("broken\nstill broken")
+        except ValueError:
+            log.exception("it failed", extra={"action": "demo"})
+    finally:
+        stop()
+    [record] = handler.lines
+    first, *rest = record.split("\n")
+    assert first.endswith("gpujobs.test: it failed  action=demo"), first
+    assert rest[0] == "Traceback (most recent call last):" and "ValueError: broken" in rest[-2]
