@@ -11,7 +11,8 @@ On connect the stream sends the current state (with the newest event id), then l
 a reconnect with `Last-Event-ID: n` it sends the events after `n` from the history instead, so
 nothing is repeated or skipped. It closes after a final state. Live events come from the process's
 one LISTEN connection (`notify.JobFeed`); the database is read only on connect and after the feed
-lost notifications (RESYNC), never polled.
+lost notifications (RESYNC), never polled. A client that reconnects to a finished job having seen
+its last event gets 204, which tells a browser's EventSource to stop reconnecting.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from app import notify
 from app.api.deps import CallerDep, ServicesDep
@@ -177,6 +178,7 @@ def _last_event_id(value: str | None) -> int | None:
     response_class=StreamingResponse,
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "state and progress events"},
+        204: {"description": "The job has ended and Last-Event-ID is its last event: nothing to follow"},
         404: {"model": ErrorPublic, "description": "No such job"},
     },
 )
@@ -186,9 +188,14 @@ async def stream_job(
     services: ServicesDep,
     caller: CallerDep,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
-) -> StreamingResponse:
+) -> Response:
     """Server-sent events of the job's state and progress until it ends; resumes after Last-Event-ID."""
-    await services.manager.get(job_id, owner=caller.owner_filter)  # 404 before the stream starts
+    job = await services.manager.get(job_id, owner=caller.owner_filter)  # 404 before the stream starts
+    after = _last_event_id(last_event_id)
+    if after is not None and job.state.final:
+        events = await services.manager.events(job_id, owner=caller.owner_filter)
+        if all(e.id <= after for e in events):  # it has seen the end: an EventSource stops on 204
+            return Response(status_code=204)
     stream = JobStream(
         services.manager,
         request.app.state.feed,
@@ -197,7 +204,7 @@ async def stream_job(
         keepalive_s=request.app.state.settings.stream_keepalive_s,
     )
     return StreamingResponse(
-        stream.events(_last_event_id(last_event_id)),
+        stream.events(after),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
