@@ -247,6 +247,7 @@ class DatabaseMetrics:
         self._refreshed_at: float | None = None
         self._up = 0
         self.tally = JobTally()
+        self.caught_up = False  # the whole history read once: until then the tally is left out
         self._depth: list[tuple[str, str, int, int]] = []
         self._workers: list[records.WorkerInfo] = []
 
@@ -275,13 +276,15 @@ class DatabaseMetrics:
             self._refreshed_at = time.monotonic()
 
     async def _tail(self, deadline: float) -> None:
-        """Count new events in batches (a new process catches up over a few scrapes)."""
+        """Count new events in batches (a new process catches up over a few scrapes, meanwhile
+        leaving its job counters out: lower than the last process's, they would read as a reset)."""
         after = self.tally.floor
         while time.monotonic() < deadline:
             after = self.tally.ids.next_read(after)  # holes that may fill, then what is new
             rows = await self._manager.events_for_metrics(after=after, limit=self._batch)
             self.tally.add(rows, time.monotonic())
             if len(rows) < self._batch:
+                self.caught_up = True
                 return
             after = rows[-1].id
 
@@ -290,7 +293,8 @@ class DatabaseMetrics:
         up = GaugeMetricFamily("gpujobs_metrics_database_up", "1 if the last read of the database worked")
         up.add_metric([], self._up)
         yield up
-        yield from self.tally.families()
+        if self.caught_up:  # a partial count would read as a counter reset, then a false rate
+            yield from self.tally.families()
         depth = GaugeMetricFamily(
             "gpujobs_jobs", "Unfinished jobs by state and model", labels=["state", "model"]
         )
