@@ -5,8 +5,8 @@ attempt being worked on. The context lives in contextvars, so it follows asyncio
 copies its creator's context) without being passed around; fields given with `extra=` win.
 
 Secrets never reach the output: fields named like a key, secret, password, token, signature or
-authorization are replaced, passwords in URLs are masked, and bytes are shown only by their length
-(so an uploaded image can never be dumped into a log).
+authorization are replaced, passwords in URLs (and signatures of links) are masked, and bytes are
+shown only by their length (so an uploaded image can never be dumped into a log).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ _CONTEXT: Final[dict[str, contextvars.ContextVar[Any]]] = {
 
 FORMATS: Final = ("text", "json")
 _SECRET_NAME = re.compile(r"key|secret|password|passwd|token|authorization|sig$|signature", re.IGNORECASE)
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")  # the user name may be empty
+# A URL's query can carry a secret too: libpq and asyncpg take `?password=`, signed links `&sig=`.
+_QUERY_SECRET = re.compile(r"([?&](?:ssl)?(?:password|sig)=)[^&#\s]+", re.IGNORECASE)
 _API_KEY = re.compile(r"\bgpj_[A-Za-z0-9_-]{8,}")  # app.auth's key format
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 # (uvicorn adds `color_message`, the message with terminal colors: left out.)
@@ -75,8 +77,9 @@ def scrub(name: str, value: Any) -> Any:
 
 
 def mask(text: str) -> str:
-    """`text` with URL passwords and API keys masked."""
-    return _API_KEY.sub("gpj_***", _URL_PASSWORD.sub(r"\1***@", text))
+    """`text` with URL passwords (in the user part or the query), link signatures and API keys masked."""
+    text = _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+    return _API_KEY.sub("gpj_***", text)
 
 
 def fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 from app import logs
-from tests.conftest import api_client
+from tests.conftest import api_client, worker_env
 from tests.integration.test_observability import capture
 
 
@@ -42,3 +44,28 @@ def test_a_traceback_follows_its_line_and_its_fields():
     first, *rest = record.split("\n")
     assert first.endswith("gpujobs.test: it failed  action=demo"), first
     assert rest[0] == "Traceback (most recent call last):" and "ValueError: broken" in rest[-2]
+
+
+def test_a_database_password_is_masked_however_the_url_gives_it(settings):
+    """A password given as the URL's `?password=` (libpq and asyncpg take it there) or after an
+    empty user name (`postgresql://:pw@host`) was written out in full by the command that could not
+    reach the database, where one after a user name was masked."""
+    for url in (
+        "postgresql://gpujobs@127.0.0.1:9/gpujobs?password=hunter2",
+        "postgresql://:hunter2@127.0.0.1:9/gpujobs",
+    ):
+        env = {**worker_env(settings, "masked"), "GPUJOBS_DATABASE_URL": url}
+        done = subprocess.run(
+            [sys.executable, "-m", "app", "keys", "list"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and "cannot reach the database" in done.stderr, done.stderr
+        assert "hunter2" not in done.stderr and "***" in done.stderr, done.stderr
+
+
+def test_mask_covers_passwords_keys_and_link_signatures_in_any_message():
+    line = logs.mask(
+        "postgres://:pw1@db/x postgresql://u@db/x?password=pw2&sslpassword=pw3 "
+        "/files/j/mesh.glb?exp=1700000000&sig=c2lnbmF0dXJl gpj_abcdefghijkl"
+    )
+    assert not any(secret in line for secret in ("pw1", "pw2", "pw3", "c2lnbmF0dXJl", "abcdefgh")), line
+    assert "password=***" in line and "sig=***" in line and "exp=1700000000" in line
