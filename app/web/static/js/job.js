@@ -2,7 +2,7 @@
 // (three.js, only then) once the job has a mesh.
 import { fragment, swap } from './api.js';
 import { setupActions } from './actions.js';
-import { Watcher, showProgress, startClock } from './live.js';
+import { FINAL, Watcher, showProgress, startClock } from './live.js';
 
 const page = document.getElementById('job-page');
 const id = page.dataset.job;
@@ -13,10 +13,14 @@ async function showMesh() {
   const status = document.getElementById('job-status');
   const url = status?.dataset.meshUrl;
   const which = `${url}#${status?.dataset.meshAttempt}`;
+  const empty = document.getElementById('viewer-empty');
+  if (!url && !shown && FINAL.has(status?.dataset.state)) {
+    // it ended with nothing to draw: the page as served says so (job.html), and so must this one
+    empty.textContent = status.dataset.expired ? "Retention deleted this job's files." : 'This job has no mesh to show.';
+  }
   if (!url || which === shown) return;
   shown = which;
   const container = document.getElementById('viewer');
-  const empty = document.getElementById('viewer-empty');
   empty.textContent = 'Loading the preview…';
   try {
     if (!viewer) {
@@ -49,7 +53,7 @@ const watcher = new Watcher({
   status: null,
 });
 
-if (!['succeeded', 'failed', 'canceled', 'quarantined'].includes(document.getElementById('job-status').dataset.state)) {
+if (!FINAL.has(document.getElementById('job-status').dataset.state)) {
   watcher.watch(id);
 }
 startClock();
