@@ -77,6 +77,11 @@ class Subscription:
             item = RESYNC
         self._queue.put_nowait(item)
 
+    @property
+    def pending(self) -> int:
+        """How many notes (or RESYNC) wait to be taken."""
+        return self._queue.qsize()
+
     async def next(self, timeout_s: float) -> Note | str | None:
         """The next note or RESYNC; None when nothing came within `timeout_s`."""
         try:

@@ -122,7 +122,7 @@ class JobStream:
         if (
             job.state is JobState.running
             and job.progress > 0
-            and (job.attempt, job.progress) > self._progress
+            and (job.attempt, job.progress) != self._progress
         ):
             self._progress = (job.attempt, job.progress)
             note = notify.Note(
@@ -132,16 +132,22 @@ class JobStream:
         self.done = job.state.final
         return out
 
-    def on_note(self, note: notify.Note) -> str | None:
-        """A live note as an event, or None when it repeats or predates what was sent."""
+    def on_note(self, note: notify.Note, *, stale: bool = False) -> str | None:
+        """A live note as an event, or None when it repeats or predates what was sent.
+
+        A `stale` note was waiting before the database was last read: its progress is news only
+        above what that read sent. A later one is the model's newest word, lower or not (a model
+        may report each of its stages from 0 to 1), unless it is of an earlier attempt."""
         if note.event is not None:
             if note.event <= self.last_id:
                 return None
             self.last_id = note.event
-        elif note.state == "running" and (note.attempt, note.progress) < self._progress:
+        elif note.state == "running" and (
+            (note.attempt, note.progress) < self._progress if stale else note.attempt < self._progress[0]
+        ):
             return None
         if note.state == "running":
-            self._progress = max(self._progress, (note.attempt, note.progress))
+            self._progress = (note.attempt, note.progress)
         self.done = note.state in FINAL
         return _of_note(note)
 
@@ -152,17 +158,21 @@ class JobStream:
             yield f"retry: {RETRY_MS}\n\n"
             for chunk in await self.catch_up(after):
                 yield chunk
+            stale = subscription.pending  # notes that came before (or while) the database was read
             while not self.done:
                 item = await subscription.next(self._keepalive_s)
                 if item is None:
                     yield ": keepalive\n\n"
-                elif isinstance(item, notify.Note):
-                    live = self.on_note(item)
+                    continue
+                stale -= 1
+                if isinstance(item, notify.Note):
+                    live = self.on_note(item, stale=stale >= 0)
                     if live is not None:
                         yield live
                 else:  # RESYNC: notes may have been lost; the history has them
                     for chunk in await self.catch_up(self.last_id):
                         yield chunk
+                    stale = subscription.pending
         finally:
             self._feed.unsubscribe(subscription)
 

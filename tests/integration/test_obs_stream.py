@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from tests.conftest import api_client
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import api_client, script_model, toy_model
 from tests.integration.test_stream import events, submit_toy
+from tests.integration.test_worker import enqueue
 
 
 async def test_a_reconnect_after_the_final_event_is_told_to_stop(settings, make_worker):
@@ -27,3 +33,36 @@ async def test_a_reconnect_after_the_final_event_is_told_to_stop(settings, make_
         async with http.stream("GET", f"/jobs/{job_id}/stream", headers=missed) as response:
             assert response.status_code == 200
             assert [e["id"] async for e in events(response)] == [final]
+
+
+STAGES = """\
+import pathlib, sys, time
+for fraction, stage in ((0.9, "meshing"), (0.2, "texturing"), (0.6, "texturing")):
+    print("PROGRESS", fraction, stage, flush=True)
+    time.sleep(0.6)
+pathlib.Path(sys.argv[1], "out.txt").write_text("done")
+"""
+
+
+@pytest.fixture
+def models_file(tmp_path: Path) -> Path:
+    """`toy`, and `stages`: a model whose progress starts again for its second stage."""
+    path = tmp_path / "models.toml"
+    path.write_text(toy_model("toy") + script_model("stages", ["{python}", "-c", STAGES, "{output_dir}"]))
+    return path
+
+
+async def test_progress_that_starts_again_for_a_new_stage_reaches_the_stream(settings, manager, make_worker):
+    """A model reporting each stage from 0 to 1 (nothing in docs/models.md says a fraction only
+    grows): GET /jobs/{id} said "texturing" at 20 %, while the stream dropped every report below
+    the highest it had sent, so the page and `submit --wait` showed "meshing" at 90 % to the end."""
+    job_id = await enqueue(manager, model="stages")
+    async with api_client(settings) as http:
+        async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
+            worker = asyncio.create_task(make_worker().run())
+            seen = [e async for e in events(response)]
+            await worker
+    shown = [(e["data"]["progress"], e["data"].get("message")) for e in seen if e["event"] == "progress"]
+    live = [p for p in shown if p[1] is not None]
+    assert live == [(0.9, "meshing"), (0.2, "texturing"), (0.6, "texturing")], shown
+    assert seen[-1]["data"]["state"] == "succeeded"
