@@ -32,7 +32,7 @@ def test_a_traceback_follows_its_line_and_its_fields():
     """A text line's fields came after the whole traceback, so the line that starts the record
     did not carry them; the traceback itself is kept, below the line."""
     handler, stop = capture(logs.TextFormatter())
-    log = logging.getLogger("gpujobs.test")
+    log = logging.getLogger("gpujobs.obs_test")  # (gpujobs.test is made not to propagate)
     try:
         try:
             raise ValueError("broken\nstill broken")
@@ -42,7 +42,7 @@ def test_a_traceback_follows_its_line_and_its_fields():
         stop()
     [record] = handler.lines
     first, *rest = record.split("\n")
-    assert first.endswith("gpujobs.test: it failed  action=demo"), first
+    assert first.endswith("gpujobs.obs_test: it failed  action=demo"), first
     assert rest[0] == "Traceback (most recent call last):" and "ValueError: broken" in rest[-2]
 
 
