@@ -504,10 +504,14 @@ class JobManager:
             rows = (await conn.execute(statement, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
-    async def leftovers_on_host(self, *, host: str, worker_id: str | None = None) -> list[TakenBack]:
-        """Running jobs with a process on `host` whose lease expired (or, given, of `worker_id`)."""
+    async def leftovers_on_host(
+        self, *, host: str, worker_id: str | None = None, lease_s: float = 0.0
+    ) -> list[TakenBack]:
+        """Running jobs with a process on `host` whose lease expired (or, given, of `worker_id`);
+        `lease_s` as in `recover_expired`."""
+        values = {"host": host, "worker_id": worker_id, "lease_s": lease_s}
         async with self._auto.connect() as conn:
-            rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, {"host": host, "worker_id": worker_id})).all()
+            rows = (await conn.execute(sql.LEFTOVERS_ON_HOST, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), r.pid, r.host) for r in rows]
 
     async def recover_expired(
@@ -517,12 +521,16 @@ class JobManager:
         in_hand: Sequence[uuid.UUID] = (),
         host: str | None = None,
         cleared: Sequence[uuid.UUID] = (),
+        lease_s: float = 0.0,
     ) -> list[TakenBack]:
         """Queue again (or fail) running jobs whose lease ran out, except those `by_worker` runs.
 
         With `host`, a job on that host is taken only if it is in `cleared`: its leftover
-        processes were looked for (and killed) after its lease ran out (`leftovers_on_host`)."""
+        processes were looked for (and killed) after its lease ran out (`leftovers_on_host`).
+        Within `lease_s` (a worker's lease) of PostgreSQL's start no lease counts as run out: no
+        worker could renew one while the database was away (sql._LEASE_RAN_OUT)."""
         values = {
+            "lease_s": lease_s,
             "by_worker": by_worker,
             "reason": "lease expired",
             "in_hand": list(in_hand),

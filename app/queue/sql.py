@@ -413,16 +413,27 @@ AGE_QUEUED = text(
 
 # -- leases -----------------------------------------------------------------------------------
 
+# When a lease counts as run out: past its time, and not within `:lease_s` of PostgreSQL's start.
+# While the database was away (stopped, restarting, crashed) no worker could renew a lease, so
+# a lease that lapsed then says nothing of its worker: every lease gets one more `:lease_s` from
+# the server's start to be renewed in, before any reaper may take its job back. (The reaper and
+# the heartbeat use this one rule, so a lease the heartbeat may still renew is one no reaper
+# takes, nor kills the processes of.)
+_LEASE_RAN_OUT = (
+    "lease_expires_at < now()"
+    " AND pg_postmaster_start_time() < now() - make_interval(secs => CAST(:lease_s AS float8))"
+)
+
 # Renew the leases of the jobs this worker is running (`:ids`) and its own heartbeat; returns
 # those it still owns. A lease that already ran out is not renewed, even if no reaper took the
 # job yet: once expired, another worker may be killing its process and taking it back. A job
 # whose attempt died inside the worker is left to expire.
 HEARTBEAT = text(
-    """
+    f"""
     WITH renewed AS (
         UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_s)
         WHERE worker_id = :worker_id AND state = 'running' AND id = ANY(CAST(:ids AS uuid[]))
-          AND lease_expires_at > now()
+          AND NOT ({_LEASE_RAN_OUT})
         RETURNING id, attempt, cancel_requested
     ), me AS (
         UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state
@@ -471,15 +482,16 @@ _TAKE_BACK = f"""
     FROM back
 """
 
-# Expired leases, except the jobs the calling worker is running right now: after a database
-# outage their leases may have lapsed, but their worker is alive and will renew or finish them.
+# Expired leases (`_LEASE_RAN_OUT`, by the caller's `:lease_s`), except the jobs the calling
+# worker is running right now: after a database outage their leases may have lapsed, but their
+# worker is alive and will renew or finish them.
 # Of the jobs on the caller's own host (`:host`; NULL: no such rule) only those in `:cleared`
 # are taken: the ones whose leftover processes it has just looked for and killed. A lease that
 # ran out after that look waits for the next round, so the old run is gone before a new attempt
 # of the job can start.
 RECOVER_EXPIRED = text(
     _TAKE_BACK.format(
-        where="lease_expires_at < now() AND NOT (id = ANY(CAST(:in_hand AS uuid[])))"
+        where=f"{_LEASE_RAN_OUT} AND NOT (id = ANY(CAST(:in_hand AS uuid[])))"
         " AND (CAST(:host AS text) IS NULL OR host IS DISTINCT FROM CAST(:host AS text)"
         " OR id = ANY(CAST(:cleared AS uuid[])))",
         channel=QUEUED_CHANNEL,
@@ -493,10 +505,10 @@ REQUEUE_OWN = text(_TAKE_BACK.format(where="worker_id = :worker_id", channel=QUE
 # the old run is gone before a new attempt can start (found by pid, or by /proc when the run
 # ended its worker before the pid was recorded).
 LEFTOVERS_ON_HOST = text(
-    """
+    f"""
     SELECT id, attempt, worker_id, state, pid, host FROM jobs
     WHERE state = 'running' AND host = :host
-      AND (lease_expires_at < now() OR worker_id = CAST(:worker_id AS text))
+      AND (({_LEASE_RAN_OUT}) OR worker_id = CAST(:worker_id AS text))
     """
 )
 

@@ -469,7 +469,11 @@ class Worker:
         await self._age_queued()
         cleared = await self._kill_leftovers()
         taken = await self._manager.recover_expired(
-            by_worker=self.id, in_hand=list(self._running), host=self.host, cleared=cleared
+            by_worker=self.id,
+            in_hand=list(self._running),
+            host=self.host,
+            cleared=cleared,
+            lease_s=self._config.lease_s,
         )
         for t in taken:
             log.warning(
@@ -498,7 +502,10 @@ class Worker:
         """Kill model processes on this host of jobs about to be taken back, before they are;
         returns the jobs so cleared (only those may be taken back from this host)."""
         cleared = []
-        for leftover in await self._manager.leftovers_on_host(host=self.host, worker_id=worker_id):
+        found = await self._manager.leftovers_on_host(
+            host=self.host, worker_id=worker_id, lease_s=self._config.lease_s
+        )
+        for leftover in found:
             if leftover.id not in self._running:
                 await leftovers.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
                 cleared.append(leftover.id)
