@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from app import gpu, registry, scheduler, warmpool
+from app import errors, gpu, registry, scheduler, warmpool
 from app.queue import manager as manager_
 from app.queue.jobs import Claimed, Job
 
@@ -87,6 +87,7 @@ class Planner:
         self._warm_streak = 0
         self.estimates: dict[str, scheduler.RunTime] = {}
         self._estimates_at = -math.inf
+        self.unreadable = False  # the last claim could not read the GPUs
 
     # -- budgets --------------------------------------------------------------------------
 
@@ -164,16 +165,24 @@ class Planner:
         )
 
     def shortfall_mb(self, job: Job, running: Sequence[InHand]) -> int:
-        """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real."""
+        """MB idle warm runners must give up so `job` (just claimed, on its GPU) fits for real
+        (0 when the GPUs cannot be read: the claim that placed the job read them just before)."""
         if self._pool is None or job.gpu is None:
             return 0
+        try:
+            return self._shortfall_mb(job, running, self._pool)
+        except errors.AppError as exc:
+            log.warning("GPUs could not be read: %s", exc.message, extra={"action": "gpu_read_failed"})
+            return 0
+
+    def _shortfall_mb(self, job: Job, running: Sequence[InHand], pool: warmpool.WarmPool) -> int:
         reserved, unseen = self._taken_mb([r for r in running if r.job.id != job.id])
         need = job.vram_mb
         if self._models.get(job.model).persistent:  # its own idle runner's memory is its to use
-            need -= self._pool.idle_hold_mb(warmpool.RunnerKey(job.model, job.gpu))
+            need -= pool.idle_hold_mb(warmpool.RunnerKey(job.model, job.gpu))
         for g in self._inventory.snapshot():
             if g.index == job.gpu:  # what it has with the runners kept, below 0 if they must pay a deficit
-                free = self._room_mb(g, reserved[g.index], unseen[g.index]) - self._pool.reserved_mb(g.index)
+                free = self._room_mb(g, reserved[g.index], unseen[g.index]) - pool.reserved_mb(g.index)
                 return max(0, need - free)
         return 0
 
@@ -204,9 +213,23 @@ class Planner:
         ahead: Mapping[int, int] | None = None,
     ) -> list[Claimed]:
         """Claim the jobs this worker should start next (at most `claim_batch`), best first;
-        `ahead`: jobs per GPU it may claim beyond the cap (see `free_slots`)."""
-        rooms = self.rooms(running)
-        slots = self.free_slots(running, ahead)
+        `ahead`: jobs per GPU it may claim beyond the cap (see `free_slots`). Nothing while the
+        GPUs cannot be read (an NVML error): what they have free is unknown."""
+        try:
+            rooms = self.rooms(running)
+            slots = self.free_slots(running, ahead)
+        except errors.AppError as exc:  # the inventory's NVML errors; the next claim reads again
+            if not self.unreadable:
+                log.warning(
+                    "GPUs could not be read; claiming paused: %s",
+                    exc.message,
+                    extra={"action": "gpu_read_failed"},
+                )
+            self.unreadable = True
+            return []
+        if self.unreadable:
+            log.info("GPUs read again; claiming resumed", extra={"action": "gpu_read_again"})
+            self.unreadable = False
         budgets = {
             r.index: r.available_mb
             for r in rooms

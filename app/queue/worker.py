@@ -123,6 +123,7 @@ class Worker:
         self._run_s: dict[str, float] = {}  # model -> its recent runs' length (moving average)
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
+        self._gpus: list[gpu.Gpu] = []  # the last reading of the GPUs that NVML answered
 
     @property
     def id(self) -> str:
@@ -150,8 +151,19 @@ class Worker:
                 "warm": self.pool.report(g.index),
                 "warm_starts": self.pool.starts_on(g.index),
             }
-            for g in (self._inventory.snapshot() if gpus is None else gpus)
+            for g in (self._read_gpus() if gpus is None else gpus)
         ]
+
+    def _read_gpus(self) -> list[gpu.Gpu]:
+        """A fresh reading of the GPUs or, while NVML fails (a driver hiccup), the last one it
+        gave: what the heartbeat reports and a claimed job's growth cap read, so that an NVML
+        error stops neither the leases' renewal nor a claimed job's start (claims themselves
+        pause meanwhile: Planner.claim)."""
+        try:
+            self._gpus = self._inventory.snapshot()
+        except errors.AppError as exc:
+            log.warning("GPUs could not be read: %s", exc.message, extra={"action": "gpu_read_failed"})
+        return self._gpus
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -205,7 +217,7 @@ class Worker:
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
-        gpus = self._inventory.snapshot()
+        self._gpus = gpus = self._inventory.snapshot()
         self._refuse_if_nothing_fits(gpus)
         await self._manager.register_worker(
             worker_id=self.id,
@@ -388,7 +400,7 @@ class Worker:
         """The most a job may use here: the largest GPU's size less the buffer. Not the size of the
         GPU a job ran on: placed on the smallest that fits, a job out of memory there grows onto
         a larger one."""
-        largest = max((g.total_mb for g in self._inventory.snapshot()), default=0)
+        largest = max((g.total_mb for g in self._read_gpus()), default=0)
         return max(0, largest - self._config.scheduling.vram_buffer_mb)
 
     def _model_ended(self, run: attempt_.Attempt) -> None:

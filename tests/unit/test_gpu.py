@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -24,9 +25,14 @@ def fake_pynvml(
     processes: Sequence[Sequence[tuple[int, int | None]]] = (),
     init_error: str | None = None,
 ) -> types.ModuleType:
-    """A module with the slice of pynvml's API that NvmlInventory uses: (name, total, free) bytes."""
+    """A module with the slice of pynvml's API that NvmlInventory uses: (name, total, free) bytes.
+    While `module.state["failing"]` holds a message, every reading of a device raises it."""
     module = types.ModuleType("fake_pynvml")
-    state = {"initialised": 0, "shutdown": 0}
+    state: dict[str, Any] = {"initialised": 0, "shutdown": 0, "failing": None}
+
+    def reading() -> None:
+        if state["failing"] is not None:
+            raise FakeNvmlError(state["failing"])
 
     def init() -> None:
         if init_error is not None:
@@ -37,10 +43,12 @@ def fake_pynvml(
         state["shutdown"] += 1
 
     def memory(index: int) -> types.SimpleNamespace:
+        reading()
         _, total, free = devices[index]
         return types.SimpleNamespace(total=total, free=free, used=total - free)
 
     def procs(index: int) -> list[types.SimpleNamespace]:
+        reading()
         listed = processes[index] if index < len(processes) else ()
         return [types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in listed]
 

@@ -1,0 +1,35 @@
+"""A worker on NVML whose readings fail for a while (a driver hiccup): it keeps its jobs' leases
+and goes on claiming once the readings come back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app import gpu
+from app.queue.jobs import JobState
+from tests.integration.test_durability import running, until
+from tests.integration.test_worker import enqueue
+from tests.unit.test_gpu import GIB, fake_pynvml
+
+
+async def test_nvml_failing_for_a_while_stops_neither_the_worker_nor_its_jobs(manager, make_worker, settings):
+    """NVML raised while a job ran: the heartbeat's GPU reading raised with it, the heartbeat task
+    died and the worker stopped (its running jobs' leases no longer renewed, nothing claimed
+    again). Now the heartbeat renews the leases with the last reading it had, claims pause while
+    the GPUs cannot be read, and both resume when NVML answers again."""
+    nvml = fake_pynvml([("NVIDIA test", 24 * GIB, 24 * GIB)])
+    worker = make_worker(burst=False, inventory=gpu.NvmlInventory(nvml))
+    first = await enqueue(manager, sleep=settings.lease_s * 1.5, steps=6)
+    async with running(worker) as serving:
+        await until(manager, first, lambda j: j.pid is not None)
+        nvml.state["failing"] = "Unknown Error"
+        await asyncio.sleep(settings.lease_s)  # heartbeats and claims meet the error
+        later = await enqueue(manager, sleep=0.1, steps=1)
+        await asyncio.sleep(settings.poll_interval_s * 2)
+        assert (await manager.get(later)).state is JobState.queued  # GPUs unread: nothing claimed
+        nvml.state["failing"] = None
+        done = await until(manager, later, lambda j: j.state.final)
+        assert done.state is JobState.succeeded
+        assert serving.claimed == 2
+    job = await manager.get(first)
+    assert (job.state, job.attempt, job.abnormal_runs) == (JobState.succeeded, 1, 0)
