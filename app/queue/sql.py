@@ -418,7 +418,9 @@ AGE_QUEUED = text(
 # a lease that lapsed then says nothing of its worker: every lease gets one more `:lease_s` from
 # the server's start to be renewed in, before any reaper may take its job back. (The reaper and
 # the heartbeat use this one rule, so a lease the heartbeat may still renew is one no reaper
-# takes, nor kills the processes of.)
+# takes, nor kills the processes of.) What the server cannot tell goes unseen: a network cut
+# between the workers and a server that stayed up, or a failover to a standby started earlier;
+# there leases run out as they would for a lost worker.
 _LEASE_RAN_OUT = (
     "lease_expires_at < now()"
     " AND pg_postmaster_start_time() < now() - make_interval(secs => CAST(:lease_s AS float8))"
