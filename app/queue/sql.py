@@ -357,6 +357,41 @@ RELEASE = text(
     """
 )
 
+# After a claim whose answer never came (the connection dropped once it had committed, maybe):
+# jobs running under this worker's name that it does not hold (`:in_hand`) and that never started
+# a model (no pid) go back to the queue as RELEASE hands a job back, no attempt spent, or end
+# canceled when a cancel is pending. Without it they waited out their lease and came back as a lost
+# worker's: an attempt spent and an abnormal death counted, for a run that never started.
+RELEASE_UNKNOWN = text(
+    f"""
+    WITH unknown AS (
+        SELECT id FROM jobs
+        WHERE worker_id = :worker_id AND state = 'running' AND pid IS NULL
+          AND NOT (id = ANY(CAST(:in_hand AS uuid[])))
+        FOR UPDATE SKIP LOCKED
+    ), released AS (
+        UPDATE jobs AS j
+        SET state = CAST(CASE WHEN j.cancel_requested THEN 'canceled' ELSE 'queued' END AS job_state),
+            max_attempts = j.max_attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
+            run_after = now(), lease_expires_at = NULL, progress = 0, progress_message = NULL,
+            finished_at = CASE WHEN j.cancel_requested THEN now() END
+        FROM unknown WHERE j.id = unknown.id
+        RETURNING j.id, j.attempt, j.worker_id, j.model, j.state, j.progress
+    ), event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, CASE state WHEN 'canceled' THEN 'canceled' ELSE 'released' END, attempt, worker_id,
+               jsonb_build_object('reason', 'the answer of its claim was lost')
+        FROM released
+        RETURNING id, job_id, kind
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released WHERE state = 'queued'
+    ), told AS ({_tell("released")}
+    )
+    SELECT id, state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM released
+    """
+)
+
 # Retries whose time has come go back to the queue (and wake the workers).
 PROMOTE_DUE = text(
     f"""

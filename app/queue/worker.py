@@ -124,6 +124,7 @@ class Worker:
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
         self._gpus: list[gpu.Gpu] = []  # the last reading of the GPUs that NVML answered
+        self._claim_unsure = False  # a claim failed with the database: it may have taken jobs
 
     @property
     def id(self) -> str:
@@ -285,10 +286,14 @@ class Worker:
                     raise
                 log.warning("database unavailable; claiming paused", extra={"action": "db_down"})
                 claimed, delay = 0, min(delay * 2, 30.0)
+                self._claim_unsure = True
             # Burst mode ends when a claim found nothing and nothing finished meanwhile (a finish
-            # during the claim sets the wake flag: there may be room now).
+            # during the claim sets the wake flag: there may be room now), and no job is left
+            # running here unknown to it (a lost claim's, handed back and claimed again).
             if self._config.burst and not claimed and not self._running and not self._wake.is_set():
-                return
+                if not (self._claim_unsure and await self._released_unknown()):
+                    return
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)
             if self._running and self._config.claim_gather_s > 0:
@@ -320,6 +325,8 @@ class Worker:
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
+        if self._claim_unsure:
+            await self._release_unknown()
         started = 0
         while not self._stopping.is_set():
             batch = await self.planner.claim(
@@ -336,6 +343,26 @@ class Worker:
                 self._start_attempt(claimed.job, claimed.input)
             started += len(batch)
         return started
+
+    async def _released_unknown(self) -> bool:
+        """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
+        try:
+            await self._release_unknown()
+        except Exception as exc:
+            if not db.is_unavailable(exc):
+                raise
+            return False
+        return True
+
+    async def _release_unknown(self) -> None:
+        """After a claim that failed with the database: it may have committed, its jobs running
+        here under this worker's name unknown to it. They go back to the queue, unspent."""
+        for job_id in await self._manager.release_unknown(worker_id=self.id, in_hand=list(self._running)):
+            log.warning(
+                "handed back a job whose claim's answer was lost",
+                extra={"action": "job_released", "job_id": str(job_id)},
+            )
+        self._claim_unsure = False
 
     def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
         self.claimed += 1
