@@ -471,7 +471,11 @@ class Attempt:
         """Track the peak GPU memory of the model's process group while it runs (NVML)."""
         assert self._inventory is not None
         while True:
-            usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
+            try:
+                usage = await asyncio.to_thread(gpu.group_usage_mb, self._inventory, pgid)
+            except errors.AppError:  # NVML failed (a driver hiccup): read again at the next tick
+                await asyncio.sleep(self._config.sample_interval_s)
+                continue
             self.gpu_pids.update(usage)
             total = sum(usage.values())
             self.seen_mb = max(total, self._loaded_mb)

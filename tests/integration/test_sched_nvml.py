@@ -33,3 +33,21 @@ async def test_nvml_failing_for_a_while_stops_neither_the_worker_nor_its_jobs(ma
         assert serving.claimed == 2
     job = await manager.get(first)
     assert (job.state, job.attempt, job.abnormal_runs) == (JobState.succeeded, 1, 0)
+
+
+async def test_a_runs_peak_memory_is_still_read_after_nvml_failed_for_a_while(manager, make_worker, settings):
+    """The sampler of a run's GPU memory died with the first NVML error, unseen: the run's peak was
+    never recorded after a driver hiccup (the learned VRAM estimate goes by these peaks)."""
+    seen: list[tuple[int, int | None]] = []
+    nvml = fake_pynvml([("NVIDIA test", 24 * GIB, 24 * GIB)], processes=[seen])
+    worker = make_worker(burst=False, inventory=gpu.NvmlInventory(nvml))
+    job_id = await enqueue(manager, sleep=4, steps=4)
+    async with running(worker):
+        pid = (await until(manager, job_id, lambda j: j.pid is not None)).pid
+        nvml.state["failing"] = "Unknown Error"
+        await asyncio.sleep(1.5)  # the sampler reads NVML every 0.5 s
+        nvml.state["failing"] = None
+        seen.append((pid, 2000 * 1024 * 1024))  # the model takes its memory once NVML answers again
+        done = await until(manager, job_id, lambda j: j.state.final)
+    assert done.state is JobState.succeeded
+    assert done.vram_peak_mb == 2000
