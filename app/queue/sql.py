@@ -612,7 +612,7 @@ _RETRY = f"""
     WITH retried AS (
         UPDATE jobs
         SET state = 'queued', max_attempts = attempt + :attempts, run_after = now(),
-            error = NULL, cancel_requested = false, finished_at = NULL, progress = 0,
+            error = NULL, cancel_requested = false, started_at = NULL, finished_at = NULL, progress = 0,
             progress_message = NULL, results = '[]'::jsonb, lease_expires_at = NULL, pid = NULL,
             abnormal_runs = 0, oom_retries = 0
         WHERE state IN ('failed', 'canceled', 'quarantined') AND expired_at IS NULL AND {{where}}

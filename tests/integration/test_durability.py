@@ -331,6 +331,22 @@ async def test_admin_retry(manager, make_worker, api):
     assert (await api.post(f"/admin/jobs/{uuid.uuid4()}/retry")).status_code == 404
 
 
+async def test_a_retried_job_canceled_before_it_runs_again_adds_no_run_time(manager, make_worker, api, engine):
+    """A retry kept the last run's started_at: canceled while queued (or run again a day later), the
+    job's run time in /admin/stats was the whole stretch since that old start (86,400 s seen)."""
+    failed = await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    async with engine.begin() as conn:  # the failed run was a day ago
+        await conn.execute(
+            text("UPDATE jobs SET started_at = started_at - interval '1 day' WHERE id = :id"), {"id": failed}
+        )
+    assert (await api.post(f"/admin/jobs/{failed}/retry")).status_code == 200
+    assert (await manager.get(failed)).started_at is None  # queued again: not started since
+    assert (await api.post(f"/jobs/{failed}/cancel")).json()["state"] == "canceled"
+    stats = (await api.get("/admin/stats")).json()
+    assert stats["finished"] == 1 and stats["run_s"] is None, stats  # the one finished job never ran since
+
+
 async def test_admin_bulk_retry_by_filter(manager, make_worker, api):
     bad = [await enqueue(manager, exit_code=65) for _ in range(3)]
     await enqueue(manager)  # succeeds: never retried
