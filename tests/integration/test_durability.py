@@ -331,7 +331,7 @@ async def test_admin_retry(manager, make_worker, api):
     assert (await api.post(f"/admin/jobs/{uuid.uuid4()}/retry")).status_code == 404
 
 
-async def test_a_retried_job_canceled_before_it_runs_again_adds_no_run_time(manager, make_worker, api, engine):
+async def test_a_retried_job_canceled_before_it_runs_again_has_no_run_time(manager, make_worker, api, engine):
     """A retry kept the last run's started_at: canceled while queued (or run again a day later), the
     job's run time in /admin/stats was the whole stretch since that old start (86,400 s seen)."""
     failed = await enqueue(manager, exit_code=65)
