@@ -141,6 +141,10 @@ class JobRow(Base):
         ),
         # Listing a caller's jobs newest first, with a (created_at, id) cursor.
         Index("ix_jobs_owner_created", "owner", text("created_at DESC"), text("id DESC")),
+        # Listing everyone's jobs (admins, the web UI) in the same order: all, of a state, of a model.
+        Index("ix_jobs_created", text("created_at DESC"), text("id DESC")),
+        Index("ix_jobs_state_created", "state", text("created_at DESC"), text("id DESC")),
+        Index("ix_jobs_model_created", "model", text("created_at DESC"), text("id DESC")),
         # Retention: finished jobs whose files are still on disk, oldest first.
         Index(
             "ix_jobs_retention",
