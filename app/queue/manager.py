@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import db, errors
@@ -287,7 +287,10 @@ class JobManager:
             query = query.where(t.model == model)
         if cursor is not None:
             at, job_id = _parse_cursor(cursor)
-            query = query.where((t.created_at < at) | ((t.created_at == at) & (t.id < job_id)))
+            # A row comparison: the list's indexes (created_at DESC, id DESC) start at the cursor.
+            # Spelt as `created_at < at OR (created_at = at AND id < job_id)` every older row was
+            # read and sorted, however deep the page.
+            query = query.where(tuple_(t.created_at, t.id) < tuple_(at, job_id))
         async with self._auto.connect() as conn:
             jobs = [Job.from_row(r) for r in (await conn.execute(query)).all()]
         more = len(jobs) > limit
