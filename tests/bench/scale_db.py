@@ -143,13 +143,18 @@ def gpujobs(url: str, *args: str) -> str:
     ).stdout
 
 
-async def build(server: str, name: str) -> str:
-    """Create, migrate and fill the database; its URL."""
+async def on_server(server: str, statement: str) -> None:
+    """Run one statement on the server's `postgres` database (CREATE or DROP DATABASE)."""
     admin = await asyncpg.connect(f"{server}/postgres")
     try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
+        await admin.execute(statement)
     finally:
         await admin.close()
+
+
+async def build(server: str, name: str) -> str:
+    """Create, migrate and fill the database; its URL."""
+    await on_server(server, f'CREATE DATABASE "{name}"')
     url = f"{server}/{name}"
     gpujobs(url, "migrate")
     conn = await asyncpg.connect(url)
@@ -175,11 +180,7 @@ async def build(server: str, name: str) -> str:
 
 async def drop(server: str, name: str) -> None:
     """Drop the database."""
-    admin = await asyncpg.connect(f"{server}/postgres")
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    await on_server(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def main() -> None:
