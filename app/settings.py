@@ -9,7 +9,7 @@ import functools
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +19,9 @@ from app import errors
 # The longest duration a setting may name: ten years. Longer ones are mistakes, and reach past what
 # PostgreSQL's timestamps hold once added to or taken from now() (a lease of 1e12 s killed the reaper).
 LONGEST_S = 10 * 365 * 86_400
+# A duration setting: its field adds the lower bound and the description.
+Seconds = Annotated[float, Field(le=LONGEST_S)]
+WholeSeconds = Annotated[int, Field(le=LONGEST_S)]
 
 
 class Settings(BaseSettings):
@@ -56,15 +59,9 @@ class Settings(BaseSettings):
     )
     priority_min: int = Field(-100, description="Lowest priority a job may ask for")
     priority_max: int = Field(100, description="Highest priority a job may ask for")
-    lease_s: float = Field(
-        20, gt=0, le=LONGEST_S, description="How long a claimed job's lease lasts without a heartbeat"
-    )
-    heartbeat_interval_s: float = Field(
-        5, gt=0, le=LONGEST_S, description="How often a worker renews its leases"
-    )
-    poll_interval_s: float = Field(
-        2, gt=0, le=LONGEST_S, description="Claim poll when no NOTIFY arrives (fallback)"
-    )
+    lease_s: Seconds = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")
+    heartbeat_interval_s: Seconds = Field(5, gt=0, description="How often a worker renews its leases")
+    poll_interval_s: Seconds = Field(2, gt=0, description="Claim poll when no NOTIFY arrives (fallback)")
     claim_gather_s: float = Field(
         0.001,
         ge=0,
@@ -82,9 +79,7 @@ class Settings(BaseSettings):
         "took less than this, one more job is claimed, to start as a slot frees (it holds its VRAM "
         "and lease while it waits; 0 = claim only for free slots)",
     )
-    reap_interval_s: float = Field(
-        5, gt=0, le=LONGEST_S, description="How often a worker looks for expired leases"
-    )
+    reap_interval_s: Seconds = Field(5, gt=0, description="How often a worker looks for expired leases")
     worker_name: str = Field(
         "", description="Worker name; its identity is <host>:<name> (empty: worker), one live worker each"
     )
@@ -97,35 +92,28 @@ class Settings(BaseSettings):
     link_secret: str | None = Field(
         None, description="HMAC secret for download links; unset = generated once in storage_dir"
     )
-    link_ttl_s: int = Field(3600, gt=0, le=LONGEST_S, description="How long a download link stays valid")
+    link_ttl_s: WholeSeconds = Field(3600, gt=0, description="How long a download link stays valid")
     public_metrics: bool = Field(True, description="GET /metrics needs no API key (false: an admin key)")
     public_docs: bool = Field(True, description="/docs, /redoc and /openapi.json need no API key")
     cors_origins: str = Field(
         "", description="Browser origins that may call the API, comma-separated (https://app.example.com)"
     )
-    kill_grace_s: float = Field(
-        5, ge=0, le=LONGEST_S, description="Seconds between SIGTERM and SIGKILL of a model"
-    )
-    shutdown_grace_s: float = Field(
-        30, ge=0, le=LONGEST_S, description="On SIGTERM, how long running jobs may finish"
-    )
+    kill_grace_s: Seconds = Field(5, ge=0, description="Seconds between SIGTERM and SIGKILL of a model")
+    shutdown_grace_s: Seconds = Field(30, ge=0, description="On SIGTERM, how long running jobs may finish")
     max_log_mb: float = Field(
         16,
         ge=0,
         description="Largest log file, in MB: past it a job's log keeps its start and its last lines, "
         "a warm runner's runner.log rotates to runner.log.1 (0 = no cap)",
     )
-    retry_base_s: float = Field(
-        5, ge=0, le=LONGEST_S, description="First retry delay; doubles each attempt (jitter)"
-    )
-    retry_max_s: float = Field(600, ge=0, le=LONGEST_S, description="Longest retry delay")
+    retry_base_s: Seconds = Field(5, ge=0, description="First retry delay; doubles each attempt (jitter)")
+    retry_max_s: Seconds = Field(600, ge=0, description="Longest retry delay")
     # Scheduling (README "Scheduling"): aging, reservations and backfill, learned VRAM, OOM, quarantine.
     age_step_s: float = Field(60, gt=0, description="A queued job gains one priority point per this wait")
     age_max_boost: int = Field(10, ge=0, le=1000, description="Most priority points a job gains by waiting")
-    reserve_after_s: float = Field(
+    reserve_after_s: Seconds = Field(
         120,
         ge=0,
-        le=LONGEST_S,
         description="The top job that fits no GPU gets a GPU held for it after this wait",
     )
     backfill_min_samples: int = Field(
@@ -142,15 +130,12 @@ class Settings(BaseSettings):
     )
     oom_max_retries: int = Field(2, ge=0, description="Out-of-memory re-queues with a larger estimate")
     oom_growth: float = Field(1.5, gt=1, description="Factor the VRAM estimate grows by after an OOM")
-    gpu_settle_timeout_s: float = Field(
+    gpu_settle_timeout_s: Seconds = Field(
         30,
         ge=0,
-        le=LONGEST_S,
         description="How long NVML may take to show a job's GPU memory taken (from its start) or freed",
     )
-    warm_idle_s: float = Field(
-        300, gt=0, le=LONGEST_S, description="A warm runner with no job for this long is stopped"
-    )
+    warm_idle_s: Seconds = Field(300, gt=0, description="A warm runner with no job for this long is stopped")
     warm_paced: bool = Field(
         False,
         description="A job that finds its model's warm runners busy waits for one, unless the jobs "
@@ -175,24 +160,20 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as readable text, or one JSON object per line"
     )
-    metrics_cache_s: float = Field(
-        5, ge=0, le=LONGEST_S, description="How long /metrics reuses what it read from the database"
+    metrics_cache_s: Seconds = Field(
+        5, ge=0, description="How long /metrics reuses what it read from the database"
     )
     ready_min_workers: int = Field(
         0, ge=0, description="/readyz answers 503 while fewer live workers heartbeat (0 = never)"
     )
-    stream_keepalive_s: float = Field(
-        15, gt=0, le=LONGEST_S, description="Comment line sent on an idle job stream"
-    )
+    stream_keepalive_s: Seconds = Field(15, gt=0, description="Comment line sent on an idle job stream")
     retention_days: float = Field(
         30,
         ge=0,
         le=36_500,
         description="Finished jobs older than this lose their files and inputs (0 = keep all)",
     )
-    retention_interval_s: float = Field(
-        3600, gt=0, le=LONGEST_S, description="How often a worker runs retention"
-    )
+    retention_interval_s: Seconds = Field(3600, gt=0, description="How often a worker runs retention")
 
     @field_validator("database_url")
     @classmethod
