@@ -448,6 +448,7 @@ AGE_QUEUED = text(
 
 # -- leases -----------------------------------------------------------------------------------
 
+
 # When a lease counts as run out: past its time, and not within `:lease_s` of PostgreSQL's start.
 # While the database was away (stopped, restarting, crashed) no worker could renew a lease, so
 # a lease that lapsed then says nothing of its worker: every lease gets one more `:lease_s` from
@@ -456,14 +457,16 @@ AGE_QUEUED = text(
 # takes, nor kills the processes of.) What the server cannot tell goes unseen: a network cut
 # between the workers and a server that stayed up, or a failover to a standby started earlier;
 # there leases run out as they would for a lost worker.
-_LEASE_RAN_OUT = (
-    "lease_expires_at < now()"
-    " AND pg_postmaster_start_time() < now() - make_interval(secs => CAST(:lease_s AS float8))"
-)
+def _server_up_for(seconds: str) -> str:
+    """SQL: PostgreSQL has been running (since its last start) for the bind parameter `seconds`."""
+    return f"pg_postmaster_start_time() < now() - make_interval(secs => CAST(:{seconds} AS float8))"
+
+
+_LEASE_RAN_OUT = f"lease_expires_at < now() AND {_server_up_for('lease_s')}"
 
 # Renew the leases of the jobs this worker is running (`:ids`) and its own heartbeat; returns
-# those it still owns. A lease that already ran out is not renewed, even if no reaper took the
-# job yet: once expired, another worker may be killing its process and taking it back. A job
+# those it still owns. A lease that ran out (`_LEASE_RAN_OUT`) is not renewed, even if no reaper
+# took the job yet: another worker may be killing its process and taking it back. A job
 # whose attempt died inside the worker is left to expire.
 HEARTBEAT = text(
     f"""
@@ -552,11 +555,11 @@ LEFTOVERS_ON_HOST = text(
 # Workers silent for :dead_after_s, by the database's clock and not within :dead_after_s of its
 # start: no worker could heartbeat while it was away (as for leases, `_LEASE_RAN_OUT`).
 MARK_DEAD_WORKERS = text(
-    """
+    f"""
     UPDATE workers SET state = 'dead'
     WHERE state IN ('running', 'stopping')
       AND heartbeat_at < now() - make_interval(secs => :dead_after_s)
-      AND pg_postmaster_start_time() < now() - make_interval(secs => :dead_after_s)
+      AND {_server_up_for("dead_after_s")}
     RETURNING id
     """
 )
