@@ -291,7 +291,7 @@ class Worker:
             # during the claim sets the wake flag: there may be room now), and no job is left
             # running here unknown to it (a lost claim's, handed back and claimed again).
             if self._config.burst and not claimed and not self._running and not self._wake.is_set():
-                if not (self._claim_unsure and await self._released_unknown()):
+                if not (self._claim_unsure and await self._try_release_unknown()):
                     return
                 continue
             with contextlib.suppress(TimeoutError):
@@ -344,7 +344,7 @@ class Worker:
             started += len(batch)
         return started
 
-    async def _released_unknown(self) -> bool:
+    async def _try_release_unknown(self) -> bool:
         """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
         try:
             await self._release_unknown()
