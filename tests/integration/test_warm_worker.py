@@ -212,7 +212,9 @@ async def test_a_loaded_runners_memory_is_not_counted_twice_when_it_takes_a_job(
 
 async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_path):
     first = await enqueue(manager, model="warm_a", vram_mb=2000)
-    async with running(make_worker([24_576], burst=False, max_jobs_per_gpu=1)):
+    # No claim ahead: after a first run shorter than claim_ahead_s the worker took `cold` ahead the
+    # moment it was queued, before `warm` was, and the two never waited side by side.
+    async with running(make_worker([24_576], burst=False, max_jobs_per_gpu=1, claim_ahead_s=0)):
         await until(manager, first, lambda j: j.state is JobState.succeeded)
         busy = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=1.0)  # holds the one slot...
         await until(manager, busy, lambda j: j.state is JobState.running)
