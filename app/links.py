@@ -7,10 +7,12 @@ comes from settings or is generated once into the storage folder (never from the
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -20,15 +22,21 @@ from app import errors
 
 
 def load_or_create_secret(storage_dir: Path) -> bytes:
-    """The link secret kept in `storage_dir/link_secret`, created (0600) on first use."""
+    """The link secret kept in `storage_dir/link_secret`, created (0600) on first use.
+
+    The secret is written to a file of its own first and linked into place whole, so a process
+    starting beside another never reads the file created but not yet written."""
     path = storage_dir / "link_secret"
     storage_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_bytes().strip()
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_urlsafe(48).encode())
+    if not path.exists():
+        fd, draft = tempfile.mkstemp(prefix=".link_secret.", dir=storage_dir)  # 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_urlsafe(48).encode())
+            with contextlib.suppress(FileExistsError):  # another process was first: its secret holds
+                os.link(draft, path)
+        finally:
+            os.unlink(draft)
     return path.read_bytes().strip()
 
 

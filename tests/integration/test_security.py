@@ -428,6 +428,26 @@ async def test_link_signature_binds_job_name_and_expiry(settings):
             signer.verify(job, "out.txt", exp, bad, now=1000)
 
 
+def test_processes_that_start_together_read_one_whole_link_secret(tmp_path):
+    """Two API processes starting together on a fresh storage folder (several `serve` processes, or
+    one with GPUJOBS_API_PROCESSES): the second could open the file the first had just created,
+    before it wrote the secret, and read it empty ("must be at least 16 characters")."""
+    import concurrent.futures
+    import threading
+
+    for round_ in range(40):
+        folder = tmp_path / str(round_)
+        start = threading.Barrier(8)
+
+        def read(folder: Path = folder, start: threading.Barrier = start) -> bytes:
+            start.wait()
+            return links.load_or_create_secret(folder)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            secrets = set(pool.map(lambda _: read(), range(8)))
+        assert len(secrets) == 1 and len(secrets.pop()) >= 32, round_
+
+
 def test_link_secret_is_random_private_and_outside_the_repository(tmp_path):
     one, two = links.load_or_create_secret(tmp_path / "a"), links.load_or_create_secret(tmp_path / "b")
     assert one != two and len(one) >= 32
