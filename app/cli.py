@@ -156,41 +156,37 @@ def serve(
     ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default GPUJOBS_HOST)")] = None,
     port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port (default GPUJOBS_PORT)")] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(min=1, max=64, help="API processes on the port (default GPUJOBS_API_PROCESSES, 1)"),
+    ] = None,
 ) -> None:
     """Run the HTTP API (and, by default, a worker beside it)."""
-    import uvicorn
-
-    from app.api.main import create_app
+    from app import serve as serve_
+    from app.api.main import check_settings
 
     settings = _settings()
     if worker is not None:  # the flag overrides GPUJOBS_RUN_WORKER; without it, the setting holds
         settings = settings.model_copy(update={"run_worker": worker})
+    count = processes if processes is not None else settings.api_processes
     _usable_storage(settings)
     try:
         with database(settings) as ready:
             asyncio.run(_check_schema(ready.database_url or ""))
-            app = create_app(ready)
-            # The default asyncio loop: subprocess start is several times slower under uvloop.
-            config = uvicorn.Config(
-                app,
-                host=host or ready.host,
-                port=port if port is not None else ready.port,
-                loop="asyncio",
-                log_level=ready.log_level.lower(),
-                access_log=False,
-                log_config=None,  # our logging (logs.setup): one format for every line
-                timeout_graceful_shutdown=5,  # open event streams must not hold a shutdown forever
-            )
-            server = uvicorn.Server(config)
-            app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
-            server.run()
+            # Refused here in one line, not by each API process's start-up in a traceback (and
+            # the link secret's file exists before several processes read it).
+            check_settings(ready)
+            where = (host or ready.host, port if port is not None else ready.port)
+            if count == 1:
+                code = serve_.serve_app(ready, *where)
+            else:
+                code = serve_.serve_processes(ready, count, *where)
     except errors.AppError as exc:
         raise _fail(exc) from exc
-    if not server.started:  # the start-up failed (said in the log): uvicorn.run's exit code
-        raise typer.Exit(3)
-    if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
+    if code == serve_.WORKER_FAILED:
         typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
-        raise typer.Exit(1)
+    if code:
+        raise typer.Exit(code)
 
 
 @cli.command()

@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         "", description="Worker name; its identity is <host>:<name> (empty: worker), one live worker each"
     )
     run_worker: bool = Field(True, description="`gpujobs serve` also runs a worker in the same process")
+    api_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="API processes `gpujobs serve` runs on its one port (uploads use a core each); "
+        "the worker, if any, runs in the first",
+    )
     gpus: str | None = Field(None, description='Virtual GPUs when NVML is absent, e.g. "24GiB,24GiB"')
     virtual_gpu_mb: int = Field(24_576, gt=0, description="Size of the one virtual GPU when gpus is unset")
     vram_buffer_mb: int = Field(512, ge=0, description="VRAM kept free on every GPU")

@@ -30,13 +30,23 @@ from app.web import pages as web_pages
 log = logging.getLogger("gpujobs.api")
 
 
+def _link_secret(settings: Settings) -> bytes:
+    if settings.link_secret:
+        return settings.link_secret.encode()
+    return links.load_or_create_secret(settings.storage_dir)
+
+
+def check_settings(settings: Settings) -> None:
+    """Refuse, with an AppError that names what to fix, what the app's start-up would refuse: the
+    models file and the link secret (`gpujobs serve` calls this before it serves; inside the
+    start-up the same error came out as uvicorn's traceback)."""
+    registry.load_registry(settings.models_file)
+    links.LinkSigner(_link_secret(settings), ttl_s=settings.link_ttl_s)
+
+
 def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.KeyStore) -> Services:
     """Everything the routes need, from settings."""
-    secret = (
-        settings.link_secret.encode()
-        if settings.link_secret
-        else links.load_or_create_secret(settings.storage_dir)
-    )
+    secret = _link_secret(settings)
     limits = intake.Limits(
         max_upload_bytes=settings.max_upload_bytes,
         max_pixels=int(settings.max_image_megapixels * 1e6),

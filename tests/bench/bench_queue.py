@@ -339,12 +339,33 @@ def own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds of one live process, all its threads (0 when unreadable)."""
+def process_cpu_s(pid: int, *, reaped: bool = False) -> float:
+    """CPU seconds of one live process, all its threads (0 when unreadable); with `reaped`, those of
+    the children it waited for too."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        ticks = sum(int(f) for f in fields[11 : 15 if reaped else 13])
+        return ticks / os.sysconf("SC_CLK_TCK")
     return 0.0
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (from /proc/<pid>/task/<tid>/children)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    todo.extend(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its descendants, the ones they reaped included (`gpujobs serve`
+    with several API processes is a parent and its children)."""
+    return sum(process_cpu_s(p, reaped=True) for p in process_tree(pid))
 
 
 def percentiles(values: list[float]) -> str:

@@ -737,7 +737,7 @@ async def measure(
     deadline = time.perf_counter() + sizes.upload_timeout_s
 
     def mark() -> None:
-        marks.append((time.perf_counter(), Cpu.now(run), bq.process_cpu_s(api_pid)))
+        marks.append((time.perf_counter(), Cpu.now(run), bq.tree_cpu_s(api_pid)))
 
     async def client() -> None:
         for i in todo:
@@ -799,6 +799,11 @@ def status_kb(pid: int, key: str) -> int:
             if line.startswith(f"{key}:"):
                 return int(line.split()[1])
     return 0
+
+
+def tree_kb(pid: int, key: str) -> int:
+    """A `Vm...` line summed over `pid` and its descendants (the API's processes), in kB."""
+    return sum(status_kb(p, key) for p in bq.process_tree(pid))
 
 
 async def start_api(run: Run) -> tuple[bq.Child, str]:
@@ -865,12 +870,13 @@ async def post_uploads(run: Run, api: bq.Child, base: str, picture: Picture, siz
 
 
 async def api_uploads(run: Run, picture: Picture, sizes: Sizes) -> tuple[Measured, int, int]:
-    """The uploads through the API process; (measures, its RSS before, its peak RSS) in kB."""
+    """The uploads through the API (`gpujobs serve --no-worker`, one process or a parent and its
+    children); (measures, its RSS before, its peak RSS) in kB, summed over its processes."""
     api, base = await start_api(run)
     try:
-        idle_kb = status_kb(api.proc.pid, "VmRSS")
+        idle_kb = tree_kb(api.proc.pid, "VmRSS")
         measured = await post_uploads(run, api, base, picture, sizes)
-        return measured, idle_kb, status_kb(api.proc.pid, "VmHWM")
+        return measured, idle_kb, tree_kb(api.proc.pid, "VmHWM")
     finally:
         api.proc.send_signal(signal.SIGTERM)
         await api.reap(timeout_s=30)
@@ -914,9 +920,10 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} req/s" for r in api_rounds))
     run.add(section, "  CPU ms per request", api.cpu_line())
     run.add(section, "  first round, all clients at once (not counted): slowest", f"{api.burst_ms:.0f} ms")
-    run.add(
-        section, "API process RSS: idle / peak (VmHWM)", f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
-    )
+    processes = dict(run.settings).get("GPUJOBS_API_PROCESSES", "1")
+    run.add(section, "API processes (GPUJOBS_API_PROCESSES; --set to change)", processes)
+    memory = f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
+    run.add(section, "API RSS, its processes summed: idle / peak (VmHWM)", memory)
     run.figure("upload ratio", api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0)
     run.figure("upload p99/p50", api.timed.ms(99) / api.timed.ms(50))
     run.figure("pg p99/p50", pg.timed.ms(99) / pg.timed.ms(50))

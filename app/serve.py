@@ -1,0 +1,272 @@
+"""`gpujobs serve`: the HTTP API in one process, or in several that share one port.
+
+One process is the default. An upload costs the API several milliseconds of CPU (the multipart
+form, the image check, the hash, the send of the megabyte), and one Python process uses one core,
+so on a host with cores to spare one process is the bound on uploads long before PostgreSQL is
+(tests/bench/README.md). With `GPUJOBS_API_PROCESSES` = N > 1 a parent binds the port once and
+keeps N children serving it: the kernel hands each new connection to a child that is waiting in
+`accept`, so a busy child takes no more. Only child 0 runs the in-process worker. A child that
+dies is started again (after a pause if it died young); one that could not start at all on its
+first try (a port, a database, a setting) ends the whole command with its exit code. The parent
+does no HTTP itself: it waits on the children and on SIGTERM/SIGINT, which it passes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from app.settings import Settings
+
+log = logging.getLogger("gpujobs.serve")
+
+# Exit codes, as `gpujobs serve` in one process gives them.
+WORKER_FAILED: Final = 1  # the in-process worker stopped after an error
+START_FAILED: Final = 3  # uvicorn could not start (the port, the app's start-up)
+# A child that dies this soon after its start waits before the next start, doubling to the cap.
+YOUNG_S: Final = 10.0
+PAUSE_FIRST_S: Final = 0.5
+PAUSE_MAX_S: Final = 30.0
+METRICS_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def uvicorn_config(app: FastAPI | str, settings: Settings, host: str, port: int) -> uvicorn.Config:
+    """The server's settings, the same in one process and in each of several."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        # The default asyncio loop: subprocess start is several times slower under uvloop.
+        loop="asyncio",
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        log_config=None,  # our logging (logs.setup): one format for every line
+        timeout_graceful_shutdown=5,  # open event streams must not hold a shutdown forever
+    )
+
+
+def serve_app(settings: Settings, host: str, port: int, sockets: list[socket.socket] | None = None) -> int:
+    """Run the app in this process until it is asked to stop; the exit code `gpujobs serve` gives."""
+    import uvicorn
+
+    from app.api.main import create_app
+
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn_config(app, settings, host, port))
+    app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=sockets)
+    if not server.started:  # the start-up failed (said in the log)
+        return START_FAILED
+    if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
+        return WORKER_FAILED
+    return 0
+
+
+def _child_main(
+    index: int, settings: Settings, host: str, port: int, sock: socket.socket, parent: int
+) -> None:
+    """A child's whole life (a fresh interpreter: multiprocessing's spawn)."""
+    from app import logs
+
+    logs.setup(settings.log_level, settings.log_format, stream=sys.stderr)
+    # Out of the terminal's process group: Ctrl-C reaches the parent alone, which passes SIGTERM on
+    # (a child that shut down by itself first would be taken for one that died, and started again).
+    os.setpgid(0, 0)
+    _end_with_parent(parent)
+    sys.exit(serve_app(settings, host, port, sockets=[sock]))
+
+
+def _end_with_parent(parent: int) -> None:
+    """Have Linux send this process SIGTERM when its parent dies (SIGKILL, a crash), so a child
+    never goes on serving the port alone; elsewhere, nothing."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the call above
+        sys.exit(0)
+
+
+@dataclass
+class _Child:
+    index: int
+    process: BaseProcess
+    started: float
+    first: bool  # its first start: a start-up failure then ends the command
+    pause_s: float = 0.0  # the pause before its next start, if it dies young
+
+
+class Supervisor:
+    """The parent of N API processes on one listening socket."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        processes: int,
+        sock: socket.socket,
+        *,
+        on_child_exit: Callable[[int], None] = lambda _pid: None,
+    ) -> None:
+        self._settings = settings
+        self._processes = processes
+        self._sock = sock
+        self._host, self._port = sock.getsockname()[:2]
+        self._on_child_exit = on_child_exit
+        self._context = multiprocessing.get_context("spawn")
+        self._children: dict[int, _Child] = {}
+        self._restart_at: dict[int, tuple[float, float]] = {}  # index -> (when, pause used)
+        self._stop = threading.Event()
+        self.exit_code = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Start the children and keep them running until stopped; then stop them, and wait."""
+        for index in range(self._processes):
+            self._start(index, first=True, pause_s=0.0)
+        try:
+            while not self._stop.is_set():
+                self._reap(timeout_s=0.2)
+                self._restart_due()
+        finally:
+            self._stop_all()
+        return self.exit_code
+
+    def pids(self) -> dict[int, int]:
+        """Each live child's pid, by index."""
+        return {i: c.process.pid for i, c in self._children.items() if c.process.pid is not None}
+
+    def _start(self, index: int, *, first: bool, pause_s: float) -> None:
+        settings = self._settings.model_copy(update={"run_worker": self._settings.run_worker and index == 0})
+        process = self._context.Process(
+            target=_child_main,
+            args=(index, settings, self._host, self._port, self._sock, os.getpid()),
+            name=f"gpujobs-api-{index}",
+        )
+        process.start()
+        self._children[index] = _Child(index, process, time.monotonic(), first, pause_s)
+        log.info("API process %d started (pid %s)", index, process.pid)
+
+    def _reap(self, *, timeout_s: float) -> None:
+        sentinels = {c.process.sentinel: c for c in self._children.values()}
+        for ended in multiprocessing.connection.wait(list(sentinels), timeout=timeout_s):
+            child = sentinels[ended]  # type: ignore[index]
+            child.process.join()
+            del self._children[child.index]
+            self._ended(child)
+
+    def _ended(self, child: _Child) -> None:
+        code, pid = child.process.exitcode, child.process.pid
+        if pid is not None:
+            self._on_child_exit(pid)
+        if self._stop.is_set():
+            return
+        if child.first and code == START_FAILED:
+            log.error("API process %d (pid %s) could not start; stopping the others", child.index, pid)
+            self.exit_code = START_FAILED
+            self._stop.set()
+            return
+        lived_s = time.monotonic() - child.started
+        pause_s = min(max(child.pause_s * 2, PAUSE_FIRST_S), PAUSE_MAX_S) if lived_s < YOUNG_S else 0.0
+        what = "the in-process worker failed" if code == WORKER_FAILED else _exit_text(code)
+        log.error(
+            "API process %d (pid %s) ended (%s) after %.1f s; starting it again in %.1f s",
+            child.index, pid, what, lived_s, pause_s,
+        )  # fmt: skip
+        self._restart_at[child.index] = (time.monotonic() + pause_s, pause_s)
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for index, (when, pause_s) in list(self._restart_at.items()):
+            if when <= now and not self._stop.is_set():
+                del self._restart_at[index]
+                self._start(index, first=False, pause_s=pause_s)
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait."""
+        for child in self._children.values():
+            with contextlib.suppress(OSError):
+                child.process.terminate()
+        while self._children:
+            self._reap(timeout_s=1.0)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _metrics_dir() -> Iterator[None]:
+    """A private folder for the children's per-process metrics (prometheus_client's multiprocess
+    mode), unless the operator named one; removed on the way out."""
+    if os.environ.get(METRICS_DIR_VAR):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="gpujobs-metrics-")
+    os.environ[METRICS_DIR_VAR] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop(METRICS_DIR_VAR, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _mark_dead(pid: int) -> None:
+    from app import metrics
+
+    mark = getattr(metrics, "mark_process_dead", None)
+    if mark is not None:
+        mark(pid)
+
+
+@contextlib.contextmanager
+def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
+    def stop(signum: int, _frame: Any) -> None:
+        log.info("%s: stopping the API processes", signal.Signals(signum).name)
+        supervisor.stop()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def serve_processes(settings: Settings, processes: int, host: str, port: int) -> int:
+    """Bind host:port once and keep `processes` children serving it; the exit code."""
+    config = uvicorn_config("app.api.main:create_app", settings, host, port)
+    try:
+        sock = config.bind_socket()
+    except SystemExit:  # uvicorn logged why (the address is in use, say)
+        return START_FAILED
+    with sock, _metrics_dir():
+        supervisor = Supervisor(settings, processes, sock, on_child_exit=_mark_dead)
+        with _signals_stop(supervisor):
+            return supervisor.run()

@@ -1,0 +1,207 @@
+"""`gpujobs serve --processes N` (GPUJOBS_API_PROCESSES): N API processes on one port.
+
+Real `gpujobs serve` processes on a free port; the children are found in /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, png_bytes, wait_until_serving, worker_env
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+
+
+def api_children(pid: int) -> list[int]:
+    """The API processes `gpujobs serve` (pid) started: its spawned children (not multiprocessing's
+    resource tracker)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"spawn_main" in cmdline:
+                    found.append(int(child))
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def until(check, *, timeout_s: float = 30, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving(
+    settings, tmp_path: Path, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:  # type: ignore[no-untyped-def]
+    """`gpujobs serve` with `args` on a free port; (process, base URL) once it answers; killed after."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", "--port", str(port), *args],
+            env=worker_env(settings, "serve", **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    children: list[int] = []
+    try:
+        wait_until_serving(serve, base, log)
+        children = api_children(serve.pid)
+        yield serve, base
+    finally:
+        children += api_children(serve.pid) if serve.poll() is None else []
+        if serve.poll() is None:
+            serve.terminate()
+            try:
+                serve.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+                serve.wait()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def fresh_get(base: str, path: str = "/healthz") -> httpx.Response:
+    """A GET on a new connection (each one goes to whichever process accepts it)."""
+    with httpx.Client(base_url=base, timeout=5) as http:
+        return http.get(path)
+
+
+def test_each_api_process_serves_the_port(settings, tmp_path):
+    """With one process stopped (SIGSTOP), every new connection is answered by the other: both
+    accept on the one port."""
+    with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
+        children = api_children(serve.pid)
+        assert len(children) == 2, children
+        for stopped in children:
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                assert [fresh_get(base).status_code for _ in range(8)] == [200] * 8
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+
+
+async def test_the_worker_runs_in_one_process_and_jobs_run(settings, tmp_path, make_key):
+    """Three API processes, one in-process worker (in the first): one worker is registered, and jobs
+    submitted through any process run to success."""
+    import asyncio
+
+    key = await make_key("alice")
+    await asyncio.to_thread(submit_and_finish, settings, tmp_path, {"Authorization": f"Bearer {key}"})
+
+
+def submit_and_finish(settings, tmp_path: Path, auth: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    with serving(settings, tmp_path, "--processes", "3") as (serve, base):
+        assert len(api_children(serve.pid)) == 3
+        until(lambda: fresh_get(base, "/readyz").json()["workers"] == 1, what="the worker registers")
+        ids = []
+        for i in range(6):  # new connections, so several processes take them
+            with httpx.Client(base_url=base, timeout=10, headers=auth) as http:
+                image = png_bytes(color=(i, 10, 20))
+                files = {"image": ("a.png", image, "image/png")}
+                answer = http.post("/jobs", files=files, data={"model": "toy"})
+                assert answer.status_code == 201, answer.text
+                ids.append(answer.json()["id"])
+
+        def states() -> list[str]:
+            with httpx.Client(base_url=base, timeout=10, headers=auth) as http:
+                return [http.get(f"/jobs/{i}").json()["state"] for i in ids]
+
+        until(lambda: states() == ["succeeded"] * 6, timeout_s=60, what="the jobs succeed")
+        workers = {fresh_get(base, "/readyz").json()["workers"] for _ in range(6)}
+        assert workers == {1}, workers
+
+
+def test_a_process_that_dies_is_started_again(settings, tmp_path):
+    """A child killed (SIGKILL, as the kernel's OOM killer does) is replaced; the others answer meanwhile."""
+    with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
+        first, second = api_children(serve.pid)
+        os.kill(second, signal.SIGKILL)
+        assert fresh_get(base).status_code == 200
+        until(lambda: len(api_children(serve.pid)) == 2 and second not in api_children(serve.pid))
+        [new] = set(api_children(serve.pid)) - {first}
+        until(lambda: Path(f"/proc/{new}/net").exists())
+        assert [fresh_get(base).status_code for _ in range(4)] == [200] * 4
+        log = (tmp_path / "serve.log").read_text()
+        assert f"API process 1 (pid {second}) ended (killed by SIGKILL)" in log, log[-3000:]
+
+
+def test_sigterm_stops_every_process_and_exits_0(settings, tmp_path):
+    with serving(settings, tmp_path, "--processes", "3") as (serve, _base):
+        children = api_children(serve.pid)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        assert not [pid for pid in children if alive(pid)]
+
+
+def test_the_processes_end_with_their_parent(settings, tmp_path):
+    """A parent killed outright (SIGKILL) leaves no API process serving the port alone."""
+    with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
+        children = api_children(serve.pid)
+        serve.kill()
+        serve.wait()
+        until(lambda: not [pid for pid in children if alive(pid)], what="the children end")
+        with pytest.raises(httpx.ConnectError):
+            fresh_get(base)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"link_secret": "short"}, "GPUJOBS_LINK_SECRET must be at least 16 characters"),
+        ({"models_file": "{tmp}/models.toml"}, "model 'x': field 'max_attempts': is required"),
+    ],
+)
+def test_a_setting_the_app_refuses_is_said_in_one_line_before_serving(
+    settings, tmp_path, processes, setting, said
+):
+    """A link secret too short, or a models file with a mistake, came out of the app's start-up as
+    uvicorn's traceback, exit 3; with several processes each would fail the same way at every
+    start. Now `serve` says it in one line, exit 2, and no process starts."""
+    (tmp_path / "models.toml").write_text('[models.x]\nargv = ["true"]\n')
+    env = worker_env(settings, "bad", **{k: v.format(tmp=tmp_path) for k, v in setting.items()})
+    env["COLUMNS"] = "400"
+    argv = [sys.executable, "-m", "app", "serve", "--processes", processes, "--port", str(free_port())]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "started server process" not in done.stderr.lower(), done.stderr
+    [line] = [line for line in done.stderr.splitlines() if said in line]
+    assert line.startswith("error: "), line
+
+
+def test_a_port_in_use_exits_3_and_starts_nothing(settings, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "app", "serve", "--processes", "2", "--port", str(port)]
+        env = worker_env(settings, "taken")
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "API process" not in done.stderr and "address already in use" in done.stderr.lower(), done.stderr
