@@ -123,6 +123,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 await task
         await observers.stop()
+        await manager.teller.flush()  # the last uploads' NOTIFYs
         if queue_engine is not None:
             await queue_engine.dispose()
         await engine.dispose()

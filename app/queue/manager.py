@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import itertools
 import json
+import logging
 import math
 import time
 import uuid
@@ -18,6 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app import db, errors
 from app.queue import batcher, records, sql
 from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vram_class
+
+log = logging.getLogger("gpujobs.queue")
 
 # `app.tables` (the ORM classes) is imported by the three reads that use it (get, list_jobs,
 # input_by_id), not here: a worker seldom calls them, and building the classes cost each worker's
@@ -179,6 +184,48 @@ class WaitingCount:
         return self._count
 
 
+class Teller:
+    """NOTIFYs sent in the background after the commits they tell of, many per statement (sql.TELL).
+
+    `tell` returns at once; one statement is in flight at a time, and what is told meanwhile goes
+    out together in the next. A database that fails the statement loses those notes (logged): the
+    workers' poll finds the jobs, and a job's stream reads the database first."""
+
+    MAX_NOTES = 500  # per statement
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._pending: dict[tuple[str, str], None] = {}  # ordered; a note told twice goes once
+        self._sender: asyncio.Task[None] | None = None
+        self.statements = 0  # sent (tests, benchmarks)
+
+    def tell(self, channel: str, payload: str) -> None:
+        self._pending[(channel, payload)] = None
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send(), name="gpujobs-teller")
+
+    async def flush(self) -> None:
+        """Wait until everything told so far was sent (or given up)."""
+        while self._sender is not None and not self._sender.done():
+            await asyncio.shield(self._sender)
+
+    async def _send(self) -> None:
+        while self._pending:
+            notes = list(itertools.islice(self._pending, self.MAX_NOTES))
+            for note in notes:
+                del self._pending[note]
+            values = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+            try:
+                await db.fetch_row(self._engine, sql.TELL, values)
+                self.statements += 1
+            except Exception as exc:
+                unavailable = db.is_unavailable(exc)
+                log.warning(
+                    "%d NOTIFYs not sent (%s); workers find their jobs on their poll", len(notes), exc,
+                    exc_info=not unavailable, extra={"action": "notify_lost"},
+                )  # fmt: skip
+
+
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
@@ -193,6 +240,7 @@ class JobManager:
         self.quarantine_after = quarantine_after  # abnormal deaths (signals, lost workers) allowed
         self.waiting = WaitingCount()  # for the queue limit of enqueue()
         self._successes: batcher.Batcher[tuple[Job, str, str], bool] = batcher.Batcher(self._succeed_many)
+        self.teller = Teller(engine)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -211,6 +259,8 @@ class JobManager:
             self.waiting.counted(row["jobs_waiting"])
         if row["outcome"] == "queued":
             self.waiting.added()
+            if row["id"] is not None:
+                self._tell_queued(Job.from_row(row), row["submitted_event"])
         if row["outcome"] == "queue_full":
             raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
         if row["outcome"] == "owner_full":
@@ -225,6 +275,13 @@ class JobManager:
             assert existing is not None
             return existing, False
         return Job.from_row(row), row["outcome"] == "queued"
+
+    def _tell_queued(self, job: Job, event: int) -> None:
+        """Have the queued job's NOTIFYs sent (after ENQUEUE's commit: sql.TELL says why)."""
+        note: dict[str, object] = {"job": str(job.id), "state": job.state.value, "attempt": job.attempt}
+        note |= {"progress": job.progress, "event": event, "kind": "submitted"}
+        self.teller.tell(sql.JOB_CHANNEL, json.dumps(note))
+        self.teller.tell(sql.QUEUED_CHANNEL, job.model)
 
     @staticmethod
     async def _idempotent(conn: AsyncConnection, job: NewJob) -> Job | None:

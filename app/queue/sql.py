@@ -42,17 +42,19 @@ FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_
 # - `verdict`: else 'owner_full' when the owner has :owner_limit jobs waiting (0: no limit), else
 #   'queue_full' when the count reached :queue_limit; nothing is written;
 # - else 'queued': the image is stored once per content (`found` by sha256, else inserted; on a
-#   concurrent duplicate the row that won comes back), the job, its `submitted` event, NOTIFYs.
+#   concurrent duplicate the row that won comes back), the job, its `submitted` event (its NOTIFYs
+#   follow the commit: TELL).
 #   `found` locks the row it finds (FOR KEY SHARE, as the job's foreign key check would, later):
 #   retention deletes an image whose last job expired, and could do so between this read and the
 #   job's insert, which then failed on the foreign key. Retention locks the rows it may delete
 #   first (LOCK_INPUTS); whichever comes second waits for the other's end. Retention then sees the
 #   new job and keeps the image, or this read skips the deleted row and the image is stored again.
-# Returns one row: `outcome`, `jobs_waiting` (the count, or NULL), then the job's columns (NULL when
+# Returns one row: `outcome`, `jobs_waiting` (the count, or NULL), `submitted_event` (the event's id,
+# or NULL), then the job's columns (NULL when
 # full, or when a concurrent request took the idempotency key first: the caller then reads that job
 # with FIND_IDEMPOTENT).
 ENQUEUE = text(
-    f"""
+    """
     WITH prior AS (
         SELECT * FROM jobs WHERE owner = :owner AND idempotency_key = CAST(:idempotency_key AS text)
     ), counted AS (
@@ -99,13 +101,25 @@ ENQUEUE = text(
                                   'declared_vram_mb', declared_vram_mb)
         FROM job
         RETURNING id, job_id, kind
-    ), told AS ({_tell("job")}
-    ), woken AS (
-        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM job
     )
-    SELECT verdict.outcome, verdict.waiting AS jobs_waiting, j.*
+    SELECT verdict.outcome, verdict.waiting AS jobs_waiting, (SELECT id FROM event) AS submitted_event, j.*
     FROM verdict LEFT JOIN (SELECT * FROM job UNION ALL SELECT * FROM prior) AS j ON true
-    WHERE (SELECT count(*) FROM told) >= 0 AND (SELECT count(*) FROM woken) >= 0
+    """
+)
+
+# NOTIFYs sent apart from the statements they tell of, after those commit (JobManager.teller):
+# many in one statement, whose commit does not wait for the disk (`synchronous_commit` off for
+# this transaction alone, which writes nothing else). PostgreSQL serializes the commits of every
+# transaction that notifies, under one lock held until the commit is on disk (async.c,
+# PreCommit_Notify): with its NOTIFYs inside, each upload's commit, a megabyte of image to flush,
+# took its turn behind the others', and waited behind any other notifier stuck in its commit.
+# Lost in a crash, they cost a wait of at most GPUJOBS_POLL_INTERVAL_S (workers poll) and nothing
+# else (a job's stream reads the database first).
+TELL = text(
+    """
+    SELECT set_config('synchronous_commit', 'off', true) AS commit,
+           (SELECT count(pg_notify(c, p))
+            FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent
     """
 )
 

@@ -54,6 +54,7 @@ async def claim_plans(manager: JobManager, engine: Any, monkeypatch: Any, claim:
     async def run() -> None:
         assert await manager.claim(**claim) == []
 
+    await manager.teller.flush()  # the enqueues' NOTIFYs, sent in the background, are not the claim
     return await both_plans(engine, monkeypatch, run)
 
 

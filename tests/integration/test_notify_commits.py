@@ -1,0 +1,88 @@
+"""An upload's commit does not queue behind other transactions' NOTIFYs.
+
+PostgreSQL serializes the commits of every transaction that notifies, under one lock held until
+the commit is durable. Here another session holds that lock for as long as the test wants: its
+commit waits for a synchronous standby that does not exist. This needs a server of its own
+(`synchronous_standby_names` is server-wide), so the test starts one, whatever DATABASE_URL says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+
+from app import db, migrate, pgserver
+from app.queue import sql
+from app.queue.manager import JobManager
+from tests.integration.test_worker import enqueue
+
+
+@contextlib.asynccontextmanager
+async def own_server(folder: Path) -> AsyncIterator[str]:
+    """A private embedded server, migrated; its asyncpg (not SQLAlchemy) URL."""
+    server = pgserver.EmbeddedPostgres(folder)
+    url = await asyncio.to_thread(server.start)
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        yield url
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def until(check, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_upload_commits_while_another_notifier_is_stuck_in_its_commit(tmp_path):
+    """With its NOTIFYs inside, ENQUEUE waited on the notify lock for as long as any other notifier
+    took to commit (here, for ever). Now the job is stored at once, and its NOTIFYs follow when the
+    lock is free."""
+    async with own_server(tmp_path / "pg") as url:
+        raw = url.replace("postgresql+asyncpg://", "postgresql://")
+        admin = await asyncpg.connect(raw)
+        stuck = await asyncpg.connect(raw, server_settings={"synchronous_commit": "on"})
+        listener = await asyncpg.connect(raw)
+        engine = db.create_engine(url)
+        try:
+            await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+            await admin.execute("ALTER DATABASE postgres SET synchronous_commit = local")  # the service's
+            await admin.execute("SELECT pg_reload_conf()")
+            notes: asyncio.Queue[str] = asyncio.Queue()
+            await listener.add_listener(sql.QUEUED_CHANNEL, lambda *args: notes.put_nowait(args[3]))
+            holder = asyncio.create_task(
+                stuck.execute(
+                    "BEGIN; CREATE TEMP TABLE held (x int); SELECT pg_notify('elsewhere', 'x'); COMMIT"
+                )
+            )  # the table: a transaction id, so the commit waits for the standby
+
+            async def holding() -> bool:
+                query = "SELECT wait_event FROM pg_stat_activity WHERE pid = $1"
+                return await admin.fetchval(query, stuck.get_server_pid()) == "SyncRep"
+
+            await until(holding)
+            manager = JobManager(engine)
+            job_id = await asyncio.wait_for(enqueue(manager), timeout=10)
+            stored = await admin.fetchval("SELECT state FROM jobs WHERE id = $1", job_id)
+            assert stored == "queued"
+            assert notes.empty()  # its wake-up waits for the lock, in the background
+
+            await admin.execute("SELECT pg_cancel_backend($1)", stuck.get_server_pid())
+            await asyncio.wait_for(holder, timeout=10)  # committed locally; the wait was cancelled
+            assert await asyncio.wait_for(notes.get(), timeout=10) == "toy"
+            await manager.teller.flush()
+        finally:
+            # Else every commit that follows waits for the standby: the temporary table's drop
+            # when `stuck` closes, and the server's shutdown with it.
+            await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            await admin.execute("SELECT pg_reload_conf()")
+            for conn in (admin, stuck, listener):
+                await conn.close()
+            await engine.dispose()
