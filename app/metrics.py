@@ -1,4 +1,4 @@
-"""Prometheus metrics: job life, queue, workers and GPUs from the database; HTTP per process.
+"""Prometheus metrics: job life, queue, workers and GPUs from the database; HTTP and streams per process.
 
 Two kinds of series, so that numbers add up with any number of API and worker processes:
 
@@ -8,23 +8,37 @@ Two kinds of series, so that numbers add up with any number of API and worker pr
   process did, workers included, and every API process reports the same values. Queue depth and the
   worker / GPU gauges come from the `jobs` table and the workers' last heartbeat snapshots.
   Aggregate them across API processes with `max without (instance)`, not `sum`.
-- **Per process** (`gpujobs_http_*`, `gpujobs_stream_subscribers`, `process_*`, `python_*`): each
-  API process counts its own requests; Prometheus's `instance` label tells the processes apart;
-  aggregate with `sum`. The client's multiprocess mode is not used: each process is its own target.
+- **Measured by each process** (`gpujobs_http_*`, `gpujobs_stream_subscribers`, `process_*`,
+  `python_*`). Without `PROMETHEUS_MULTIPROC_DIR`, each API process reports its own: Prometheus's
+  `instance` label tells the processes apart; aggregate with `sum`.
+
+  With `PROMETHEUS_MULTIPROC_DIR` set (by `gpujobs serve --processes N`, whose processes share one
+  port, or by an operator running several workers of the app), the client's multiprocess mode is
+  used: each process writes its HTTP histogram and stream count to its own files in that folder,
+  and any process's /metrics sums them all, so a scrape reaching any one reports the whole service.
+  The HTTP histogram counts every process that ever wrote there (one that ended keeps its
+  requests: a counter that dropped would read as a reset); `gpujobs_stream_subscribers` sums the
+  living processes (`mark_process_dead` drops an ended one). `process_*` and `python_gc_*` are
+  left out: they describe one process, so summed they are wrong, and alone they would describe
+  whichever process the scrape reached, a different one each time (counters jumping down and up).
+  `python_info` stays: it is the same in every process. The folder must be empty when the first
+  process starts (the client's rule: stale files of earlier processes would be counted again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import logging
+import os
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -362,20 +376,59 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
     yield from (age, running, *memory.values(), gpu_jobs, warm, starts)
 
 
-class _Gauge:
-    """A gauge whose value is read from a callable at scrape time."""
+MULTIPROC_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"
 
-    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
-        self._name, self._doc, self._read = name, doc, read
 
-    def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily(self._name, self._doc)
-        family.add_metric([], self._read())
-        yield family
+def multiprocess_dir() -> str | None:
+    """The folder of the client's multiprocess mode; None when the mode is off (the variable unset)."""
+    return os.environ.get(MULTIPROC_DIR_VAR)
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop an ended process's stream count from the sums; its HTTP counts stay. No-op without the mode."""
+    path = multiprocess_dir()
+    if path is not None:
+        multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSeries:
+    """The series a process measures itself: HTTP latency and open job streams."""
+
+    http: Histogram
+    streams: Gauge
+
+
+def _process_series(registry: CollectorRegistry | None, *, streams_doc: str) -> ProcessSeries:
+    http = Histogram(
+        "gpujobs_http_request_duration_seconds",
+        "Time to answer an HTTP request (until the response headers), by route and status",
+        ["method", "route", "status"],
+        buckets=HTTP_BUCKETS_S,
+        registry=registry,
+    )
+    streams = Gauge("gpujobs_stream_subscribers", streams_doc, multiprocess_mode="livesum", registry=registry)
+    return ProcessSeries(http, streams)
+
+
+@functools.cache
+def _shared_process_series() -> ProcessSeries:
+    """Multiprocess mode: the process's one set, written to its files (several sets would overwrite
+    each other's values there); read back, with every other process's, by the MultiProcessCollector."""
+    if values.ValueClass is values.MutexValue:
+        raise RuntimeError(f"{MULTIPROC_DIR_VAR} was set after prometheus_client was imported, not before")
+    series = _process_series(None, streams_doc="Open job streams in the service's living processes")
+    series.streams.set(0)  # a file left by a dead process of the same pid must not count its streams
+    return series
 
 
 class Metrics:
-    """One API process's registry: database series, HTTP latency, stream count, process stats."""
+    """One API process's registry: database series, HTTP latency, stream count, process stats.
+
+    The database series are this process's collector in every mode; the others are this
+    registry's own, or with `PROMETHEUS_MULTIPROC_DIR` the process's shared set, reported summed
+    over every process's files (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -383,24 +436,21 @@ class Metrics:
         *,
         cache_s: float,
         dead_after_s: float,
-        subscribers: Callable[[], int],
         models: Iterable[str] = (),
     ) -> None:
         self.registry = CollectorRegistry()
         self.database = DatabaseMetrics(manager, cache_s=cache_s, dead_after_s=dead_after_s, models=models)
         self.registry.register(self.database)
-        self.registry.register(
-            _Gauge("gpujobs_stream_subscribers", "Open job streams in this process", lambda: subscribers())
-        )
-        self.http = Histogram(
-            "gpujobs_http_request_duration_seconds",
-            "Time to answer an HTTP request (until the response headers), by route and status",
-            ["method", "route", "status"],
-            buckets=HTTP_BUCKETS_S,
-            registry=self.registry,
-        )
-        for collector in (ProcessCollector, PlatformCollector, GCCollector):
-            collector(registry=self.registry)
+        path = multiprocess_dir()
+        if path is None:
+            series = _process_series(self.registry, streams_doc="Open job streams in this process")
+            for collector in (ProcessCollector, PlatformCollector, GCCollector):
+                collector(registry=self.registry)
+        else:
+            series = _shared_process_series()
+            multiprocess.MultiProcessCollector(self.registry, path)  # type: ignore[no-untyped-call]
+            PlatformCollector(registry=self.registry)  # python_info: the same in every process
+        self.http, self.streams = series.http, series.streams
 
     async def render(self) -> bytes:
         """The exposition text, after refreshing the database series if they are stale."""

@@ -130,7 +130,6 @@ class Observability:
             services.manager,
             cache_s=settings.metrics_cache_s,
             dead_after_s=settings.dead_worker_after_s,
-            subscribers=lambda: self.feed.subscribers,
             models=services.models.models,
         )
         app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import prometheus_client
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -98,9 +99,11 @@ class JobStream:
         *,
         owner: str | None,
         keepalive_s: float,
+        open_streams: prometheus_client.Gauge,
     ) -> None:
         self._manager = manager
         self._feed = feed
+        self._open_streams = open_streams  # gpujobs_stream_subscribers
         self._job_id = job_id
         self._owner = owner
         self._keepalive_s = keepalive_s
@@ -154,6 +157,7 @@ class JobStream:
     async def events(self, after: int | None) -> AsyncIterator[str]:
         """The whole stream: catch up, then live notes until a final state."""
         subscription = self._feed.subscribe(self._job_id)  # before reading: nothing falls in between
+        self._open_streams.inc()  # a gauge the processes' files can sum: a count kept as the feed keeps it
         try:
             yield f"retry: {RETRY_MS}\n\n"
             for chunk in await self.catch_up(after):
@@ -175,6 +179,7 @@ class JobStream:
                     stale = subscription.pending
         finally:
             self._feed.unsubscribe(subscription)
+            self._open_streams.dec()
 
 
 def _last_event_id(value: str | None) -> int | None:
@@ -212,6 +217,7 @@ async def stream_job(
         job_id,
         owner=caller.owner_filter,
         keepalive_s=request.app.state.settings.stream_keepalive_s,
+        open_streams=request.app.state.metrics.streams,
     )
     return StreamingResponse(
         stream.events(after),
