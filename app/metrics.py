@@ -12,17 +12,13 @@ Two kinds of series, so that numbers add up with any number of API and worker pr
   `python_*`). Without `PROMETHEUS_MULTIPROC_DIR`, each API process reports its own: Prometheus's
   `instance` label tells the processes apart; aggregate with `sum`.
 
-  With `PROMETHEUS_MULTIPROC_DIR` set (by `gpujobs serve --processes N`, whose processes share one
-  port, or by an operator running several workers of the app), the client's multiprocess mode is
-  used: each process writes its HTTP histogram and stream count to its own files in that folder,
-  and any process's /metrics sums them all, so a scrape reaching any one reports the whole service.
-  The HTTP histogram counts every process that ever wrote there (one that ended keeps its
-  requests: a counter that dropped would read as a reset); `gpujobs_stream_subscribers` sums the
-  living processes (`mark_process_dead` drops an ended one). `process_*` and `python_gc_*` are
-  left out: they describe one process, so summed they are wrong, and alone they would describe
-  whichever process the scrape reached, a different one each time (counters jumping down and up).
-  `python_info` stays: it is the same in every process. The folder must be empty when the first
-  process starts (the client's rule: stale files of earlier processes would be counted again).
+  With `PROMETHEUS_MULTIPROC_DIR` set (by `gpujobs serve --processes N`, or an operator's own
+  workers behind one port) the client's multiprocess mode sums them over the processes' files, so
+  a scrape reaching any process reports the whole service: HTTP over every process that ever wrote
+  there (an ended one's requests stay: a counter that fell would read as a reset), streams over the
+  living (`mark_process_dead`). `process_*` and `python_gc_*` are left out (one process's numbers:
+  wrong summed, and a different process at each scrape); `python_info` is the same everywhere.
+  The folder must be empty when the processes start (old files would be counted again).
 """
 
 from __future__ import annotations
@@ -423,12 +419,7 @@ def _shared_process_series() -> ProcessSeries:
 
 
 class Metrics:
-    """One API process's registry: database series, HTTP latency, stream count, process stats.
-
-    The database series are this process's collector in every mode; the others are this
-    registry's own, or with `PROMETHEUS_MULTIPROC_DIR` the process's shared set, reported summed
-    over every process's files (see the module docstring).
-    """
+    """One API process's registry: database series, HTTP latency, stream count, process stats."""
 
     def __init__(
         self,
