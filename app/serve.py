@@ -238,11 +238,10 @@ def _metrics_dir() -> Iterator[None]:
 
 
 def _mark_dead(pid: int) -> None:
+    """Drop an ended child's live gauges from the shared metrics (its counters stay)."""
     from app import metrics
 
-    mark = getattr(metrics, "mark_process_dead", None)
-    if mark is not None:
-        mark(pid)
+    metrics.mark_process_dead(pid)
 
 
 @contextlib.contextmanager

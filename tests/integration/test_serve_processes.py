@@ -104,6 +104,41 @@ def test_each_api_process_serves_the_port(settings, tmp_path):
                 os.kill(stopped, signal.SIGCONT)
 
 
+def healthz_count(base: str) -> float:
+    """`/healthz` requests counted in the HTTP histogram, as one process's `/metrics` says."""
+    text = fresh_get(base, "/metrics").text
+    prefix = 'gpujobs_http_request_duration_seconds_count{method="GET",route="/healthz",status="200"} '
+    return sum(float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_every_process_reports_the_requests_of_all(settings, tmp_path):
+    """Prometheus scrapes one port and reaches one process: each reports what all of them answered
+    (their metrics shared through a private folder, removed at the end)."""
+    with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
+        first, second = api_children(serve.pid)
+        environ = Path(f"/proc/{first}/environ").read_bytes().split(b"\0")
+        [folder] = [
+            Path(v.split(b"=", 1)[1].decode()) for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")
+        ]
+        assert folder.is_dir()
+        before = healthz_count(base)
+        for stopped, count in ((first, 5), (second, 3)):  # 5 answered by the second, then 3 by the first
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                assert [fresh_get(base).status_code for _ in range(count)] == [200] * count
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+        for stopped in (first, second):  # whichever process answers the scrape
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                assert healthz_count(base) == before + 8
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        assert not folder.exists()
+
+
 async def test_the_worker_runs_in_one_process_and_jobs_run(settings, tmp_path, make_key):
     """Three API processes, one in-process worker (in the first): one worker is registered, and jobs
     submitted through any process run to success."""
