@@ -138,9 +138,13 @@ class Supervisor:
         self._children: dict[int, _Child] = {}
         self._restart_at: dict[int, tuple[float, float]] = {}  # index -> (when, pause used)
         self._stop = threading.Event()
+        self._force = threading.Event()  # asked to stop again while stopping: kill
         self.exit_code = 0
 
     def stop(self) -> None:
+        """Stop the children gracefully; asked again while they stop, kill them."""
+        if self._stop.is_set():
+            self._force.set()
         self._stop.set()
 
     def run(self) -> int:
@@ -210,8 +214,17 @@ class Supervisor:
         for child in self._children.values():
             with contextlib.suppress(OSError):
                 child.process.terminate()
+        killed = False
         while self._children:
-            self._reap(timeout_s=1.0)
+            if self._force.is_set() and not killed:
+                log.warning(
+                    "asked again: killing the API processes still stopping (their jobs are recovered)"
+                )
+                for child in self._children.values():
+                    with contextlib.suppress(OSError):
+                        child.process.kill()
+                killed, self.exit_code = True, self.exit_code or 1
+            self._reap(timeout_s=0.2)
 
 
 def _exit_text(code: int | None) -> str:
@@ -247,7 +260,7 @@ def _mark_dead(pid: int) -> None:
 @contextlib.contextmanager
 def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
     def stop(signum: int, _frame: Any) -> None:
-        log.info("%s: stopping the API processes", signal.Signals(signum).name)
+        log.info("%s: stopping the API processes (again: killing them)", signal.Signals(signum).name)
         supervisor.stop()
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}

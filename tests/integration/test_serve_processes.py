@@ -192,6 +192,20 @@ def test_sigterm_stops_every_process_and_exits_0(settings, tmp_path):
         assert not [pid for pid in children if alive(pid)]
 
 
+def test_a_second_sigterm_kills_the_processes_that_do_not_stop(settings, tmp_path):
+    """A child that does not stop (here: stopped with SIGSTOP, its SIGTERM pending) held the parent
+    for ever; a second SIGTERM kills it, and the parent exits 1."""
+    with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, _base):
+        children = api_children(serve.pid)
+        os.kill(children[0], signal.SIGSTOP)
+        serve.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            serve.wait(timeout=2)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=10) == 1
+        until(lambda: not [pid for pid in children if alive(pid)], what="the children end")
+
+
 def test_the_processes_end_with_their_parent(settings, tmp_path):
     """A parent killed outright (SIGKILL) leaves no API process serving the port alone."""
     with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
