@@ -32,6 +32,7 @@ async def own_server(folder: Path) -> AsyncIterator[str]:
         yield url
     finally:
         await asyncio.to_thread(server.stop)
+    assert not (folder / "postmaster.pid").exists(), "the private server is still running"
 
 
 async def until(check, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
@@ -79,8 +80,9 @@ async def test_an_upload_commits_while_another_notifier_is_stuck_in_its_commit(t
             assert await asyncio.wait_for(notes.get(), timeout=10) == "toy"
             await manager.teller.flush()
         finally:
-            # Else every commit that follows waits for the standby: the temporary table's drop
-            # when `stuck` closes, and the server's shutdown with it.
+            # Else the temporary table's drop when `stuck` closes waits for the standby, and the
+            # server's shutdown waits for it (the server was left running).
+            await stuck.execute("SET synchronous_commit = local")
             await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
             await admin.execute("SELECT pg_reload_conf()")
             for conn in (admin, stuck, listener):
