@@ -183,7 +183,8 @@ def serve(
                 code = serve_.serve_processes(ready, count, *where)
     except errors.AppError as exc:
         raise _fail(exc) from exc
-    if code == serve_.WORKER_FAILED:
+    # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
+    if code == serve_.WORKER_FAILED and count == 1:
         typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
     if code:
         raise typer.Exit(code)

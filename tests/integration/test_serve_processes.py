@@ -204,6 +204,9 @@ def test_a_second_sigterm_kills_the_processes_that_do_not_stop(settings, tmp_pat
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=10) == 1
         until(lambda: not [pid for pid in children if alive(pid)], what="the children end")
+        # exit 1 here is the kill, not a failed worker (there is none: --no-worker)
+        log = (tmp_path / "serve.log").read_text()
+        assert "in-process worker stopped" not in log, log[-3000:]
 
 
 def test_the_processes_end_with_their_parent(settings, tmp_path):
