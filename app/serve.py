@@ -45,6 +45,9 @@ START_FAILED: Final = 3  # uvicorn could not start (the port, the app's start-up
 YOUNG_S: Final = 10.0
 PAUSE_FIRST_S: Final = 0.5
 PAUSE_MAX_S: Final = 30.0
+# A signal this soon after the first is that one delivered twice (`timeout` signals its child, then
+# its process group, the child included), not an operator asking again.
+REPEAT_S: Final = 1.0
 METRICS_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -139,11 +142,15 @@ class Supervisor:
         self._restart_at: dict[int, tuple[float, float]] = {}  # index -> (when, pause used)
         self._stop = threading.Event()
         self._force = threading.Event()  # asked to stop again while stopping: kill
+        self._asked_at: float | None = None  # when stop() was first called
         self.exit_code = 0
 
     def stop(self) -> None:
-        """Stop the children gracefully; asked again while they stop, kill them."""
-        if self._stop.is_set():
+        """Stop the children gracefully; asked again while they stop (REPEAT_S or more later), kill them."""
+        now = time.monotonic()
+        if self._asked_at is None:
+            self._asked_at = now
+        elif now - self._asked_at >= REPEAT_S:
             self._force.set()
         self._stop.set()
 

@@ -209,6 +209,22 @@ def test_a_second_sigterm_kills_the_processes_that_do_not_stop(settings, tmp_pat
         assert "in-process worker stopped" not in log, log[-3000:]
 
 
+def test_one_stop_request_signalled_twice_at_once_still_stops_gracefully(settings, tmp_path):
+    """`timeout` (and whatever signals a process and then its group) can deliver one SIGTERM twice,
+    the second just after the parent began to stop: that was taken for a second request, and the
+    processes were killed (exit 1, the worker's jobs left to their leases). A repeat that close is
+    the same request."""
+    with serving(settings, tmp_path, "--processes", "2") as (serve, _base):
+        children = api_children(serve.pid)
+        log = tmp_path / "serve.log"
+        serve.send_signal(signal.SIGTERM)
+        until(lambda: "SIGTERM: stopping the API processes" in log.read_text(), what="the first SIGTERM")
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0, log.read_text()[-3000:]
+        assert "killing the API processes" not in log.read_text()
+        assert not [pid for pid in children if alive(pid)]
+
+
 def test_the_processes_end_with_their_parent(settings, tmp_path):
     """A parent killed outright (SIGKILL) leaves no API process serving the port alone."""
     with serving(settings, tmp_path, "--processes", "2", "--no-worker") as (serve, base):
