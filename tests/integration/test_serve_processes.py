@@ -57,10 +57,14 @@ def serving(
     """`gpujobs serve` with `args` on a free port; (process, base URL) once it answers; killed after."""
     port = free_port()
     log = tmp_path / "serve.log"
+    environ = worker_env(settings, "serve", **env)
+    # its private metrics folder here: a parent killed outright (a test below) leaves it behind
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    environ["TMPDIR"] = str(tmp_path / "tmp")
     with log.open("wb") as out:
         serve = subprocess.Popen(
             [sys.executable, "-m", "app", "serve", "--port", str(port), *args],
-            env=worker_env(settings, "serve", **env),
+            env=environ,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
