@@ -123,7 +123,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 await task
         await observers.stop()
-        await manager.teller.flush()  # the last uploads' NOTIFYs
+        # The last uploads' NOTIFYs, given up after as long as uvicorn gives open connections.
+        await manager.teller.flush(timeout_s=5)
         if queue_engine is not None:
             await queue_engine.dispose()
         await engine.dispose()

@@ -197,6 +197,7 @@ class Teller:
         self._engine = engine
         self._pending: dict[tuple[str, str], None] = {}  # ordered; a note told twice goes once
         self._sender: asyncio.Task[None] | None = None
+        self._sending = 0  # notes in the statement in flight
         self.statements = 0  # sent (tests, benchmarks)
 
     def tell(self, channel: str, payload: str) -> None:
@@ -204,10 +205,24 @@ class Teller:
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send(), name="gpujobs-teller")
 
-    async def flush(self) -> None:
-        """Wait until everything told so far was sent (or given up)."""
-        while self._sender is not None and not self._sender.done():
-            await asyncio.shield(self._sender)
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until everything told so far was sent (or given up); after `timeout_s`, give up
+        what is left (logged): a statement waiting behind another notifier's commit, which can
+        wait for ever, must not hold a shutdown."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._sender is not None and not self._sender.done():
+                    await asyncio.shield(self._sender)
+        except TimeoutError:
+            assert self._sender is not None
+            left = len(self._pending) + self._sending
+            self._pending.clear()
+            self._sender.cancel()
+            await asyncio.wait({self._sender})
+            log.warning(
+                "%d NOTIFYs not sent within %.1f s; workers find their jobs on their poll", left, timeout_s,
+                extra={"action": "notify_lost"},
+            )  # fmt: skip
 
     async def _send(self) -> None:
         while self._pending:
@@ -215,6 +230,7 @@ class Teller:
             for note in notes:
                 del self._pending[note]
             values = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+            self._sending = len(notes)
             try:
                 await db.fetch_row(self._engine, sql.TELL, values)
                 self.statements += 1

@@ -17,6 +17,7 @@ from pathlib import Path
 import asyncpg
 
 from app import db, migrate, pgserver
+from app.api.main import create_app
 from app.queue import sql
 from app.queue.manager import JobManager
 from tests.integration.test_worker import enqueue
@@ -88,3 +89,49 @@ async def test_an_upload_commits_while_another_notifier_is_stuck_in_its_commit(t
             for conn in (admin, stuck, listener):
                 await conn.close()
             await engine.dispose()
+
+
+async def test_the_api_stops_while_a_notifier_is_stuck_in_its_commit(settings, tmp_path):
+    """The API's shutdown sends the NOTIFYs still due (Teller.flush). One stuck behind another
+    notifier's commit held the shutdown for ever: SIGTERM never ended the process (before, uvicorn
+    cut the stuck upload off after its graceful timeout). Now the shutdown gives them up after a
+    few seconds; the workers' poll finds the jobs."""
+    async with own_server(tmp_path / "pg") as url:
+        raw = url.replace("postgresql+asyncpg://", "postgresql://")
+        admin = await asyncpg.connect(raw)
+        stuck = await asyncpg.connect(raw, server_settings={"synchronous_commit": "on"})
+        holder = None
+        try:
+            await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+            await admin.execute("ALTER DATABASE postgres SET synchronous_commit = local")
+            await admin.execute("SELECT pg_reload_conf()")
+            holder = asyncio.create_task(
+                stuck.execute(
+                    "BEGIN; CREATE TEMP TABLE held (x int); SELECT pg_notify('elsewhere', 'x'); COMMIT"
+                )
+            )
+
+            async def holding() -> bool:
+                query = "SELECT wait_event FROM pg_stat_activity WHERE pid = $1"
+                return await admin.fetchval(query, stuck.get_server_pid()) == "SyncRep"
+
+            await until(holding)
+            app = create_app(settings.model_copy(update={"database_url": url, "run_worker": False}))
+
+            async def serve_one_upload() -> None:
+                async with app.router.lifespan_context(app):
+                    await asyncio.wait_for(enqueue(app.state.services.manager), timeout=10)
+
+            started = time.monotonic()
+            await asyncio.wait_for(serve_one_upload(), timeout=30)
+            assert time.monotonic() - started < 15
+        finally:
+            await admin.execute("SELECT pg_cancel_backend($1)", stuck.get_server_pid())
+            if holder is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(holder, timeout=10)
+            await stuck.execute("SET synchronous_commit = local")  # as in the test above
+            await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            await admin.execute("SELECT pg_reload_conf()")
+            for conn in (admin, stuck):
+                await conn.close()
