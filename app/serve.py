@@ -156,9 +156,9 @@ class Supervisor:
 
     def run(self) -> int:
         """Start the children and keep them running until stopped; then stop them, and wait."""
-        for index in range(self._processes):
-            self._start(index, first=True, pause_s=0.0)
-        try:
+        try:  # a start that fails stops those already started
+            for index in range(self._processes):
+                self._start(index, first=True, pause_s=0.0)
             while not self._stop.is_set():
                 self._reap(timeout_s=0.2)
                 self._restart_due()

@@ -277,3 +277,27 @@ def test_a_port_in_use_exits_3_and_starts_nothing(settings, tmp_path):
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "API process" not in done.stderr and "address already in use" in done.stderr.lower(), done.stderr
+
+
+def test_a_process_that_cannot_be_started_stops_those_already_started(settings, tmp_path):
+    """A start that fails (the spawn itself: no memory, too many processes) left the children
+    started before it serving on their own, their metrics folder removed under them, and the parent
+    waiting on them at its exit for ever. They are stopped."""
+    import socket
+
+    from app import serve as serve_
+
+    class FailingSecond(serve_.Supervisor):
+        def _start(self, index: int, *, first: bool, pause_s: float) -> None:
+            if index == 1:
+                raise OSError("no room for another process")
+            super()._start(index, first=first, pause_s=pause_s)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        supervisor = FailingSecond(settings.model_copy(update={"run_worker": False}), 2, sock)
+        with pytest.raises(OSError, match="no room"):
+            supervisor.run()
+        started = list(supervisor.pids().values())
+        assert started == [], f"still running: {started}"
