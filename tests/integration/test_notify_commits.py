@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
@@ -43,51 +43,72 @@ async def until(check, timeout_s: float = 10) -> None:  # type: ignore[no-untype
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def notify_lock_held(raw: str) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Another session holds PostgreSQL's notify lock, stuck in its commit: it waits for a
+    synchronous standby that does not exist (the database's own sessions commit with
+    `synchronous_commit = local`, so they do not). Yields `release()`, which ends the wait."""
+    admin = await asyncpg.connect(raw)
+    await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+    await admin.execute("ALTER DATABASE postgres SET synchronous_commit = local")
+    await admin.execute("SELECT pg_reload_conf()")
+    # A session reads the configuration when it starts: connect once the reload has taken, or its
+    # commit may not wait at all.
+    while True:
+        stuck = await asyncpg.connect(raw, server_settings={"synchronous_commit": "on"})
+        if await stuck.fetchval("SHOW synchronous_standby_names") == "nobody":
+            break
+        await stuck.close()
+        await asyncio.sleep(0.05)
+    holder = asyncio.create_task(
+        stuck.execute("BEGIN; CREATE TEMP TABLE held (x int); SELECT pg_notify('other', 'x'); COMMIT")
+    )  # the table: a transaction id, so the commit waits for the standby
+
+    async def holding() -> bool:
+        query = "SELECT wait_event FROM pg_stat_activity WHERE pid = $1"
+        return await admin.fetchval(query, stuck.get_server_pid()) == "SyncRep"
+
+    async def release() -> None:
+        await admin.execute("SELECT pg_cancel_backend($1)", stuck.get_server_pid())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(holder, timeout=10)  # committed locally; the wait was cancelled
+
+    try:
+        await until(holding)
+        yield release
+    finally:
+        await release()
+        # Else the temporary table's drop when `stuck` closes waits for the standby, and the
+        # server's shutdown waits for it (the server was left running).
+        await stuck.execute("SET synchronous_commit = local")
+        await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        await admin.execute("SELECT pg_reload_conf()")
+        await stuck.close()
+        await admin.close()
+
+
 async def test_an_upload_commits_while_another_notifier_is_stuck_in_its_commit(tmp_path):
     """With its NOTIFYs inside, ENQUEUE waited on the notify lock for as long as any other notifier
     took to commit (here, for ever). Now the job is stored at once, and its NOTIFYs follow when the
     lock is free."""
     async with own_server(tmp_path / "pg") as url:
         raw = url.replace("postgresql+asyncpg://", "postgresql://")
-        admin = await asyncpg.connect(raw)
-        stuck = await asyncpg.connect(raw, server_settings={"synchronous_commit": "on"})
         listener = await asyncpg.connect(raw)
         engine = db.create_engine(url)
         try:
-            await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
-            await admin.execute("ALTER DATABASE postgres SET synchronous_commit = local")  # the service's
-            await admin.execute("SELECT pg_reload_conf()")
             notes: asyncio.Queue[str] = asyncio.Queue()
             await listener.add_listener(sql.QUEUED_CHANNEL, lambda *args: notes.put_nowait(args[3]))
-            holder = asyncio.create_task(
-                stuck.execute(
-                    "BEGIN; CREATE TEMP TABLE held (x int); SELECT pg_notify('elsewhere', 'x'); COMMIT"
-                )
-            )  # the table: a transaction id, so the commit waits for the standby
-
-            async def holding() -> bool:
-                query = "SELECT wait_event FROM pg_stat_activity WHERE pid = $1"
-                return await admin.fetchval(query, stuck.get_server_pid()) == "SyncRep"
-
-            await until(holding)
-            manager = JobManager(engine)
-            job_id = await asyncio.wait_for(enqueue(manager), timeout=10)
-            stored = await admin.fetchval("SELECT state FROM jobs WHERE id = $1", job_id)
-            assert stored == "queued"
-            assert notes.empty()  # its wake-up waits for the lock, in the background
-
-            await admin.execute("SELECT pg_cancel_backend($1)", stuck.get_server_pid())
-            await asyncio.wait_for(holder, timeout=10)  # committed locally; the wait was cancelled
-            assert await asyncio.wait_for(notes.get(), timeout=10) == "toy"
-            await manager.teller.flush()
+            async with notify_lock_held(raw) as release:
+                manager = JobManager(engine)
+                job_id = await asyncio.wait_for(enqueue(manager), timeout=10)
+                stored = await listener.fetchval("SELECT state FROM jobs WHERE id = $1", job_id)
+                assert stored == "queued"
+                assert notes.empty()  # its wake-up waits for the lock, in the background
+                await release()
+                assert await asyncio.wait_for(notes.get(), timeout=10) == "toy"
+                await manager.teller.flush()
         finally:
-            # Else the temporary table's drop when `stuck` closes waits for the standby, and the
-            # server's shutdown waits for it (the server was left running).
-            await stuck.execute("SET synchronous_commit = local")
-            await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
-            await admin.execute("SELECT pg_reload_conf()")
-            for conn in (admin, stuck, listener):
-                await conn.close()
+            await listener.close()
             await engine.dispose()
 
 
@@ -98,24 +119,7 @@ async def test_the_api_stops_while_a_notifier_is_stuck_in_its_commit(settings, t
     few seconds; the workers' poll finds the jobs."""
     async with own_server(tmp_path / "pg") as url:
         raw = url.replace("postgresql+asyncpg://", "postgresql://")
-        admin = await asyncpg.connect(raw)
-        stuck = await asyncpg.connect(raw, server_settings={"synchronous_commit": "on"})
-        holder = None
-        try:
-            await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
-            await admin.execute("ALTER DATABASE postgres SET synchronous_commit = local")
-            await admin.execute("SELECT pg_reload_conf()")
-            holder = asyncio.create_task(
-                stuck.execute(
-                    "BEGIN; CREATE TEMP TABLE held (x int); SELECT pg_notify('elsewhere', 'x'); COMMIT"
-                )
-            )
-
-            async def holding() -> bool:
-                query = "SELECT wait_event FROM pg_stat_activity WHERE pid = $1"
-                return await admin.fetchval(query, stuck.get_server_pid()) == "SyncRep"
-
-            await until(holding)
+        async with notify_lock_held(raw):
             app = create_app(settings.model_copy(update={"database_url": url, "run_worker": False}))
 
             async def serve_one_upload() -> None:
@@ -125,13 +129,3 @@ async def test_the_api_stops_while_a_notifier_is_stuck_in_its_commit(settings, t
             started = time.monotonic()
             await asyncio.wait_for(serve_one_upload(), timeout=30)
             assert time.monotonic() - started < 15
-        finally:
-            await admin.execute("SELECT pg_cancel_backend($1)", stuck.get_server_pid())
-            if holder is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(holder, timeout=10)
-            await stuck.execute("SET synchronous_commit = local")  # as in the test above
-            await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
-            await admin.execute("SELECT pg_reload_conf()")
-            for conn in (admin, stuck):
-                await conn.close()
