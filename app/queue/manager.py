@@ -240,6 +240,8 @@ class Teller:
                     "%d NOTIFYs not sent (%s); workers find their jobs on their poll", len(notes), exc,
                     exc_info=not unavailable, extra={"action": "notify_lost"},
                 )  # fmt: skip
+            finally:
+                self._sending = 0
 
 
 class JobManager:
