@@ -145,6 +145,7 @@ _CONNECTION_ERRORS = (
     asyncpg.CannotConnectNowError,
     asyncpg.InterfaceError,
     asyncpg.AdminShutdownError,
+    asyncpg.InternalClientError,  # a connection asyncpg finds mid-operation (after a restart): unusable
 )
 # Other OSErrors count only with one of these numbers and no file name: a socket that could not
 # connect (ENOENT: the server's unix socket is gone). A full disk, an I/O error or a missing file

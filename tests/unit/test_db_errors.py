@@ -97,3 +97,14 @@ async def test_a_pool_with_no_connection_free_in_time_is_unavailable(database_ur
         assert db.is_unavailable(caught.value), repr(caught.value)
     finally:
         await engine.dispose()
+
+
+def test_a_connection_asyncpg_finds_mid_operation_is_unavailable() -> None:
+    """After a database restart, a worker's claim met a pooled connection asyncpg still took for busy
+    with an earlier operation: `InternalClientError: cannot switch to state 12; another operation
+    (2) is in progress` (test_sched_outage, about 1 run in 20). Not taken for an outage, it ended
+    the worker's claim loop, and the worker stopped, and `fetch_rows` put the connection back in the
+    pool. Such a connection cannot be used: an outage to callers, who retry, and `fetch_rows`
+    discards it."""
+    error = asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+    assert db.is_unavailable(error)
