@@ -48,7 +48,6 @@ PAUSE_MAX_S: Final = 30.0
 # A signal this soon after the first is that one delivered twice (`timeout` signals its child, then
 # its process group, the child included), not an operator asking again.
 REPEAT_S: Final = 1.0
-METRICS_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def uvicorn_config(app: FastAPI | str, settings: Settings, host: str, port: int) -> uvicorn.Config:
@@ -85,9 +84,7 @@ def serve_app(settings: Settings, host: str, port: int, sockets: list[socket.soc
     return 0
 
 
-def _child_main(
-    index: int, settings: Settings, host: str, port: int, sock: socket.socket, parent: int
-) -> None:
+def _child_main(settings: Settings, host: str, port: int, sock: socket.socket, parent: int) -> None:
     """A child's whole life (a fresh interpreter: multiprocessing's spawn)."""
     from app import logs
 
@@ -174,7 +171,7 @@ class Supervisor:
         settings = self._settings.model_copy(update={"run_worker": self._settings.run_worker and index == 0})
         process = self._context.Process(
             target=_child_main,
-            args=(index, settings, self._host, self._port, self._sock, os.getpid()),
+            args=(settings, self._host, self._port, self._sock, os.getpid()),
             name=f"gpujobs-api-{index}",
         )
         process.start()
@@ -245,23 +242,18 @@ def _exit_text(code: int | None) -> str:
 def _metrics_dir() -> Iterator[None]:
     """A private folder for the children's per-process metrics (prometheus_client's multiprocess
     mode), unless the operator named one; removed on the way out."""
-    if os.environ.get(METRICS_DIR_VAR):
+    from app import metrics
+
+    if metrics.multiprocess_dir():
         yield
         return
     folder = tempfile.mkdtemp(prefix="gpujobs-metrics-")
-    os.environ[METRICS_DIR_VAR] = folder
+    os.environ[metrics.MULTIPROC_DIR_VAR] = folder
     try:
         yield
     finally:
-        os.environ.pop(METRICS_DIR_VAR, None)
+        os.environ.pop(metrics.MULTIPROC_DIR_VAR, None)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _mark_dead(pid: int) -> None:
-    """Drop an ended child's live gauges from the shared metrics (its counters stay)."""
-    from app import metrics
-
-    metrics.mark_process_dead(pid)
 
 
 @contextlib.contextmanager
@@ -280,12 +272,15 @@ def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
 
 def serve_processes(settings: Settings, processes: int, host: str, port: int) -> int:
     """Bind host:port once and keep `processes` children serving it; the exit code."""
+    from app import metrics
+
     config = uvicorn_config("app.api.main:create_app", settings, host, port)
     try:
         sock = config.bind_socket()
     except SystemExit:  # uvicorn logged why (the address is in use, say)
         return START_FAILED
     with sock, _metrics_dir():
-        supervisor = Supervisor(settings, processes, sock, on_child_exit=_mark_dead)
+        # An ended child's live gauges leave the shared metrics; its counters stay.
+        supervisor = Supervisor(settings, processes, sock, on_child_exit=metrics.mark_process_dead)
         with _signals_stop(supervisor):
             return supervisor.run()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, png_bytes, wait_until_serving, worker_env
+from tests.integration.test_durability import alive
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 
@@ -32,15 +33,6 @@ def api_children(pid: int) -> list[int]:
                 if b"spawn_main" in cmdline:
                     found.append(int(child))
     return sorted(found)
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def until(check, *, timeout_s: float = 30, what: str = "") -> None:  # type: ignore[no-untyped-def]
