@@ -277,8 +277,6 @@ class JobManager:
             self.waiting.counted(row["jobs_waiting"])
         if row["outcome"] == "queued":
             self.waiting.added()
-            if row["id"] is not None:
-                self._tell_queued(Job.from_row(row), row["submitted_event"])
         if row["outcome"] == "queue_full":
             raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
         if row["outcome"] == "owner_full":
@@ -292,7 +290,10 @@ class JobManager:
                 existing = await self._idempotent(conn, job)
             assert existing is not None
             return existing, False
-        return Job.from_row(row), row["outcome"] == "queued"
+        stored = Job.from_row(row)
+        if row["outcome"] == "queued":
+            self._tell_queued(stored, row["submitted_event"])
+        return stored, row["outcome"] == "queued"
 
     def _tell_queued(self, job: Job, event: int) -> None:
         """Have the queued job's NOTIFYs sent (after ENQUEUE's commit: sql.TELL says why)."""
