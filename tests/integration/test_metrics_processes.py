@@ -32,8 +32,7 @@ GET_JOB = {"method": "GET", "route": "/jobs/{job_id}", "status": "200"}
 def serving_processes(settings: Any, folder: Path, logs: Path, count: int) -> Iterator[list[Any]]:
     """`count` `gpujobs serve --no-worker` processes, each on its own port, all on this test's
     database and sharing the multiprocess folder; yields [(base URL, process)]."""
-    # The link secret given: processes starting together on an empty storage folder race to create it.
-    env = worker_env(settings, "serve", link_secret=settings.link_secret, log_level="WARNING")
+    env = worker_env(settings, "serve", log_level="WARNING")
     env[MULTIPROC_DIR] = str(folder)
     started = []
     for i in range(count):
