@@ -116,6 +116,14 @@ class Job:
         data["results"] = tuple(ResultFile.from_json(r) for r in data.get("results") or ())
         return cls(**data)
 
+    @property
+    def ended_waiting(self) -> bool:
+        """Whether the job ended while it waited for its next attempt (canceled during a retry's
+        backoff), so its last attempt's run ended before the job did, at a time not kept. Every way
+        from `running` back to a wait sets run_after to that moment or later, and a claim starts
+        after run_after: a job ended in its run exactly when that run started at or after it."""
+        return self.state.final and self.started_at is not None and self.started_at < self.run_after
+
     def result(self, name: str) -> ResultFile | None:
         """The result file with this name, if any."""
         return next((r for r in self.results if r.name == name), None)

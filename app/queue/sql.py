@@ -730,11 +730,12 @@ WORKERS = text(
 )
 
 # Jobs that finished within :window_s: counts, failures, and wait / run percentiles (wait: from
-# submission to the start of the last attempt; run: that attempt's start to the end).
+# submission to the start of the last attempt; run: that attempt's start to the end, for the jobs
+# that ended in a run: not one canceled while it waited for a retry, see Job.ended_waiting).
 FINISHED_STATS = text(
     """
     WITH recent AS (
-        SELECT state, created_at, started_at, finished_at FROM jobs
+        SELECT state, created_at, started_at, finished_at, run_after FROM jobs
         WHERE finished_at > now() - make_interval(secs => :window_s)
     )
     SELECT count(*) AS finished,
@@ -746,7 +747,7 @@ FINISHED_STATS = text(
            ) FILTER (WHERE started_at IS NOT NULL) AS wait_s,
            percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP (
                ORDER BY extract(epoch FROM finished_at - started_at)
-           ) FILTER (WHERE started_at IS NOT NULL) AS run_s
+           ) FILTER (WHERE started_at >= run_after) AS run_s
     FROM recent
     """
 )

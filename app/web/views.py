@@ -101,9 +101,10 @@ def plain(value: object) -> str:
 
 
 def timings(job: Job, now: datetime) -> tuple[float | None, float | None]:
-    """(wait, run) in seconds: waiting until the last attempt started, running until it ended."""
+    """(wait, run) in seconds: waiting until the last attempt started, running until it ended. A
+    job waiting for its next attempt, or that ended so, has waited all along and has no run now."""
     created, started, finished = job.created_at, job.started_at, job.finished_at
-    if job.state in (JobState.queued, JobState.scheduled) or started is None:
+    if job.state in (JobState.queued, JobState.scheduled) or started is None or job.ended_waiting:
         end = finished if job.state.final and finished is not None else now
         return (end - created).total_seconds(), None
     wait = (started - created).total_seconds()

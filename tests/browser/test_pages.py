@@ -13,7 +13,7 @@ import pytest
 
 from app import storage
 from app.api import security
-from app.queue.jobs import JobState
+from app.queue.jobs import Job, JobState
 from app.web import session, views
 from tests.conftest import XRW, api_client, client_for, png_bytes, signed_in
 
@@ -246,19 +246,24 @@ def test_wait_and_run_times():
     created = datetime(2026, 1, 1, tzinfo=UTC)
     now = created + timedelta(seconds=100)
 
-    class Row:
-        def __init__(self, state: JobState, started: float | None, finished: float | None) -> None:
-            self.state = state
-            self.created_at = created
-            self.started_at = None if started is None else created + timedelta(seconds=started)
-            self.finished_at = None if finished is None else created + timedelta(seconds=finished)
+    def at(seconds: float | None) -> datetime | None:
+        return None if seconds is None else created + timedelta(seconds=seconds)
+
+    def job(state: JobState, started: float | None, finished: float | None, run_after: float = 0) -> Job:
+        return Job(
+            uuid.uuid4(), "tester", "toy", {}, None, 0.1, 0, 1000, state, 1, 3, at(run_after), None,
+            None, None, None, None, 0, 1000, None, 0, 0, 0.0, None, None, False, None, created,
+            at(started), at(finished),
+        )  # fmt: skip
 
     cases = {
-        (JobState.queued, None, None): (100, None),
-        (JobState.running, 10, None): (10, 90),
-        (JobState.succeeded, 10, 40): (10, 30),
-        (JobState.canceled, None, 5): (5, None),
-        (JobState.scheduled, 10, 20): (100, None),  # waiting for its retry
+        (JobState.queued, None, None, 0): (100, None),
+        (JobState.running, 10, None, 0): (10, 90),
+        (JobState.succeeded, 10, 40, 0): (10, 30),
+        (JobState.canceled, None, 5, 0): (5, None),
+        (JobState.scheduled, 10, 20, 50): (100, None),  # waiting for its retry
+        (JobState.canceled, 10, 30, 50): (30, None),  # canceled while waiting for its retry
+        (JobState.canceled, 60, 70, 50): (60, 10),  # canceled in its retry's run
     }
-    for (state, started, finished), expected in cases.items():
-        assert views.timings(Row(state, started, finished), now) == expected  # type: ignore[arg-type]
+    for (state, started, finished, run_after), expected in cases.items():
+        assert views.timings(job(state, started, finished, run_after), now) == expected

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from app.queue import leftovers
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
+from app.web import views
 from tests.conftest import api_client, free_port, worker_env, worker_name
 from tests.integration.test_worker import enqueue, trace
 
@@ -585,3 +587,20 @@ async def test_an_outcome_postgresql_refuses_fails_the_attempt_plainly(manager, 
     assert job.state is JobState.scheduled, (job.state, job.error)
     assert job.error is not None and "outcome could not be written" in job.error
     assert job.abnormal_runs == 0
+
+
+async def test_a_job_canceled_while_waiting_for_its_retry_has_no_run_time(manager, make_worker, api, engine):
+    """Canceled during a retry's backoff, a job's run time (in /admin/stats and on its page) ran from
+    its failed attempt's start to the cancel: the wait counted as running (an hour seen here)."""
+    job_id = await enqueue(manager, exit_code=3)  # fails, retryable: scheduled after a backoff
+    await make_worker().run()
+    assert (await manager.get(job_id)).state is JobState.scheduled
+    async with engine.begin() as conn:  # the failed run began an hour ago
+        hour_ago = "started_at = started_at - interval '1 hour', created_at = created_at - interval '1 hour'"
+        await conn.execute(text(f"UPDATE jobs SET {hour_ago} WHERE id = :id"), {"id": job_id})
+    assert (await api.post(f"/jobs/{job_id}/cancel")).json()["state"] == "canceled"
+    stats = (await api.get("/admin/stats")).json()
+    assert stats["finished"] == 1 and stats["run_s"] is None, stats
+    job = await manager.get(job_id)
+    wait_s, run_s = views.timings(job, datetime.now(UTC))
+    assert run_s is None and wait_s is not None and wait_s >= 3600
