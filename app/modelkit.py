@@ -44,7 +44,7 @@ MAX_LINE_BYTES: Final = 1024 * 1024  # both directions; a longer line is a proto
 EXIT_LOAD_FAILED: Final = 3  # load() raised
 EXIT_ORPHANED: Final = 4  # stdin closed while a job ran: the worker is gone, nobody wants the result
 MAX_ERROR_CHARS: Final = 8192
-MAX_MESSAGE_CHARS: Final = 1024
+MAX_MESSAGE_CHARS: Final = 200  # what the service keeps of a progress message (PROGRESS_MESSAGE_CHARS)
 OOM_MARKERS: Final = (
     "OutOfMemoryError", "CUDA out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED", "out of memory on device",

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
 from app.queue import manager as manager_
-from app.queue.jobs import Job, JobState
+from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job, JobState
 
 log = logging.getLogger("gpujobs.worker")
 T = TypeVar("T")
@@ -585,7 +585,7 @@ class Attempt:
         quarter = int(fraction * 4)
         if fraction < 1 and now - self._last_progress < 0.25 and quarter <= self._milestone:
             return
-        self._last_progress, message = now, storable(message)
+        self._last_progress, message = now, storable(message[:PROGRESS_MESSAGE_CHARS])
         try:
             if await self._manager.progress(self.job, fraction, message):
                 self.stop(CANCELED)

@@ -8,7 +8,10 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
+
+# What is kept of a model's progress message, in the job row and in its milestone events.
+PROGRESS_MESSAGE_CHARS: Final = 200
 
 
 class JobState(enum.StrEnum):
