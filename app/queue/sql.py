@@ -249,13 +249,18 @@ PROGRESS = text(
     """
 )
 
-# An event for this attempt, written only while the attempt still owns the job.
+# An event for this attempt, written only while the attempt still owns the job. The job's row is
+# locked first (FOR SHARE waits for any update of it, and holds off the next one), so the event's
+# id is taken in the order the job's changes commit, as every other event's is (each is written by
+# the statement that updates the row): a cancel that took the next id and committed first had a
+# stream skip this event as one already seen.
 RUN_EVENT = text(
     f"""
     WITH event AS (
         INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
         SELECT id, CAST(:kind AS text), attempt, worker_id, CAST(:detail AS jsonb)
         FROM jobs WHERE id = :id AND attempt = :attempt AND state = 'running'
+        FOR SHARE
         RETURNING id, job_id, kind
     ), told AS ({_tell("jobs")}
     )

@@ -1,13 +1,22 @@
-"""GET /jobs/{id}/stream: what a reconnecting client is told once its job has ended."""
+"""GET /jobs/{id}/stream: what a reconnecting client is told once its job has ended, and the order
+of what it is told."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+from typing import Any
 
+import asyncpg
 import pytest
+from sqlalchemy import text
 
+from app import db
+from app.queue import sql
+from app.queue.jobs import JobState
 from tests.conftest import api_client, script_model, toy_model
+from tests.integration.test_batching import CLAIM
 from tests.integration.test_stream import events, submit_toy
 from tests.integration.test_worker import enqueue
 
@@ -66,3 +75,44 @@ async def test_progress_that_starts_again_for_a_new_stage_reaches_the_stream(set
     live = [p for p in shown if p[1] is not None]
     assert live == [(0.9, "meshing"), (0.2, "texturing"), (0.6, "texturing")], shown
     assert seen[-1]["data"]["state"] == "succeeded"
+
+
+async def test_a_progress_milestone_and_a_cancel_at_once_are_told_in_the_order_of_their_ids(
+    manager, engine, settings
+):
+    """A milestone's event was written without the job row's lock, so a cancel could take the next
+    id and commit first: a stream that had seen the cancel then skipped the milestone as old, and a
+    reconnect with Last-Event-ID never replayed it. Here the milestone is slowed between taking its
+    id and writing its row (a trigger); the cancel must wait for it, so notes come in id order."""
+    job_id = await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "CREATE FUNCTION slow_milestone() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                "BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER slow_milestone BEFORE INSERT ON job_events FOR EACH ROW "
+                "WHEN (NEW.kind = 'progress') EXECUTE FUNCTION slow_milestone()"
+            )
+        )
+    heard: list[dict[str, Any]] = []
+    listener = await asyncpg.connect(db.asyncpg_dsn(settings.database_url))
+    try:
+        await listener.add_listener(sql.JOB_CHANNEL, lambda *args: heard.append(json.loads(args[3])))
+        milestone = asyncio.create_task(manager.add_event(claimed.job, "progress", {"progress": 0.25}))
+        await asyncio.sleep(0.3)  # the milestone has its id and sleeps in its trigger
+        assert await manager.cancel(job_id, owner=None, by="tester") is JobState.running
+        await milestone
+        for _ in range(50):  # notes come after their commits
+            if len(heard) >= 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await listener.close()
+    told = [(note["kind"], note["event"]) for note in heard]
+    assert [kind for kind, _ in told] == ["progress", "cancel_requested"], told
+    assert told[0][1] < told[1][1], told
