@@ -128,13 +128,18 @@ class WarmPool:
         `launch` says how to start a runner, or is a function that says it: called only when one
         must start (a job that finds an idle runner builds no environment or argv)."""
         self._prune()
-        idle = self.idle(key)
-        if idle:
-            return self._hand_out(idle[0])
-        if self._paced and not self._should_start(key, waiting=len(self._queue(key)) + 1):
+        while True:
+            idle = self.idle(key)
+            if idle:
+                return self._hand_out(idle[0])
+            if not self._paced or self._should_start(key, waiting=len(self._queue(key)) + 1):
+                break
             runner = await self._wait_turn(key, give_up)
-            if runner is not None:
-                return runner  # else this job was told to start one
+            if runner is None:
+                break  # this job was told to start one
+            if runner.state is warm.RunnerState.IDLE:
+                return runner
+            self.release(runner)  # it ended between its hand-over and now: look again
         how = launch if isinstance(launch, warm.Launch) else launch()
         runner = warm.WarmRunner(how, kill_grace_s=self._grace, max_log_bytes=self._max_log_bytes)
         self._held[runner] = _Held(key, hold_mb)

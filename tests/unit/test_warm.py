@@ -558,6 +558,30 @@ async def test_a_waiting_job_gets_the_runner_that_frees_first_or_gives_up_when_s
 
 
 @pytest.mark.asyncio
+async def test_a_runner_that_ends_as_it_is_handed_over_is_not_given_to_the_waiting_job(
+    tmp_path: Path, paced: warmpool.WarmPool
+) -> None:
+    """A runner handed to the job waiting in line could end before that job woke up (it exited,
+    it was killed): the job got a dead runner and failed as an internal error. Here it is closed
+    in the same turn as its hand-over; the job must get a live runner instead, a new one here."""
+    jobs, launch = Jobs(tmp_path), _toy(tmp_path, "toy", "--load-sleep", "0.5")
+    async with paced.use(KEY, launch, hold_mb=0) as warm_runner:  # the pace: a slow start, quick jobs
+        await jobs.run(warm_runner)
+    busy = await paced.acquire(KEY, launch, hold_mb=0)
+    waiting = asyncio.create_task(paced.acquire(KEY, launch, hold_mb=0))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # in line for the busy one
+    paced.release(busy)  # handed over to the waiting job...
+    ended = busy.close("ended on its way")  # ...and gone before that job runs again
+    got = await asyncio.wait_for(waiting, 10)
+    await ended
+    assert got is not busy and got.state is warm.RunnerState.IDLE
+    assert (await jobs.run(got)).outcome is warm.Outcome.DONE
+    paced.release(got)
+    assert _loads(tmp_path) == 2
+
+
+@pytest.mark.asyncio
 async def test_the_pool_reports_its_runners_for_the_heartbeat(
     tmp_path: Path, pool: warmpool.WarmPool
 ) -> None:
