@@ -15,9 +15,11 @@ from app import db
 FINISHED_BESIDE = text(
     """
     INSERT INTO jobs (owner, model, input_id, megapixels, priority, vram_mb, declared_vram_mb,
-                      max_attempts, attempt, state, vram_peak_mb, started_at, finished_at)
+                      max_attempts, attempt, state, vram_peak_mb, created_at, run_after, started_at,
+                      finished_at)
     SELECT owner, model, input_id, megapixels, 0, vram_mb, vram_mb, 1, 1, 'succeeded', vram_mb,
-           now() - interval '1 hour', now() - g * interval '1 second'
+           now() - (g + 2) * interval '1 second', now() - (g + 2) * interval '1 second',
+           now() - (g + 1) * interval '1 second', now() - g * interval '1 second'
     FROM jobs, generate_series(1, :count) AS g
     """
 )
