@@ -24,45 +24,32 @@ Two kinds of series, so that numbers add up with any number of API and worker pr
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import logging
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, multiprocess, values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.utils import floatToGoString
 
-from app import db
+from app import db, tally
 from app.queue import manager as manager_
 from app.queue import records
-from app.queue.jobs import FINAL_STATES
 
 log = logging.getLogger("gpujobs.metrics")
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 MB: Final = 1 << 20
-JOB_BUCKETS_S: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
 HTTP_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
-FINAL: Final = frozenset(s.value for s in FINAL_STATES)
 UNFINISHED: Final = ("queued", "scheduled", "running")  # the states of the gpujobs_jobs gauge
-# Events after which a job waits in the queue, and events that end a running attempt.
-QUEUE_ENTRY: Final = frozenset(
-    {"submitted", "retry_scheduled", "recovered", "released", "retried", "out_of_memory"}
-)
-ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out_of_memory"}) | FINAL
-# How long a hole in the event ids may stay open (a transaction not yet committed) before it is
-# taken for a rolled-back insert and given up: counted ids past it wait no longer.
-GAP_WAIT_S: Final = 10.0
 # The most a scrape waits on the database: well inside Prometheus's scrape timeout (10 s by
 # default), so a database that takes connections and never answers reads as down, not as a
 # failed scrape that loses every series (asyncpg alone waits 60 s for a connection).
@@ -70,170 +57,9 @@ READ_TIMEOUT_S: Final = 5.0
 # How long a worker that died (not one that stopped) keeps its heartbeat age and job count in
 # the series: as long as GET /admin/workers lists it.
 DEAD_WORKERS_SHOWN_S: Final = 86_400.0
-
-
-@dataclass(slots=True)
-class Buckets:
-    """One histogram's cumulative state."""
-
-    bounds: Sequence[float]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        """Count one observation."""
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """(le, count of observations <= le) pairs, ending with +Inf."""
-        counts = self.counts or [0] * (len(self.bounds) + 1)
-        running, pairs = 0, []
-        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], counts, strict=True):
-            running += count
-            pairs.append((bound, float(running)))
-        return pairs
-
-
-class Ledger:
-    """Which event ids are counted: all up to `floor`, then ranges above it with holes between.
-
-    A hole is an id not (yet) read: an insert whose transaction has not committed, or one that
-    rolled back (or a sequence's jump after a crash) and never will. Rows past a hole are counted
-    at once; a hole is given up once a row past it was read GAP_WAIT_S ago, and all the holes seen
-    by then are given up together, so a new process catches up over a long history in one wait.
-    """
-
-    def __init__(self) -> None:
-        self.floor = 0  # every id up to here is counted or given up
-        self._ranges: list[list[int]] = []  # counted [first, last] above the floor, in order
-        self._reads: deque[tuple[float, int]] = deque()  # (when, highest id read then)
-        self._read_long_ago = 0  # the highest id read at least GAP_WAIT_S ago
-
-    def counted(self, event_id: int) -> bool:
-        """Whether the id is counted (or given up)."""
-        if event_id <= self.floor:
-            return True
-        i = bisect.bisect_right(self._ranges, event_id, key=lambda r: r[0])
-        return i > 0 and self._ranges[i - 1][1] >= event_id
-
-    def mark(self, event_id: int) -> None:
-        """Record the id as counted (one not counted yet)."""
-        ranges = self._ranges
-        i = bisect.bisect_right(ranges, event_id, key=lambda r: r[0])
-        if i > 0 and ranges[i - 1][1] + 1 == event_id:
-            ranges[i - 1][1] = event_id
-            if i < len(ranges) and ranges[i][0] == event_id + 1:  # the hole between them is filled
-                ranges[i - 1][1] = ranges.pop(i)[1]
-        elif i < len(ranges) and ranges[i][0] == event_id + 1:
-            ranges[i][0] = event_id
-        else:
-            ranges.insert(i, [event_id, event_id])
-
-    def advance(self, highest_read: int | None, now: float) -> None:
-        """Move the floor past counted ids and past holes read around at least GAP_WAIT_S ago."""
-        if highest_read is not None and (not self._reads or highest_read > self._reads[-1][1]):
-            self._reads.append((now, highest_read))
-        while self._reads and now - self._reads[0][0] >= GAP_WAIT_S:
-            self._read_long_ago = max(self._read_long_ago, self._reads.popleft()[1])
-        while self._ranges and (
-            self._ranges[0][0] == self.floor + 1 or self._ranges[0][0] <= self._read_long_ago
-        ):
-            self.floor = self._ranges.pop(0)[1]
-
-    def next_read(self, after: int) -> int:
-        """Where to read on from `after`: at the next hole that may still fill, else past every id read."""
-        holes = [self.floor + 1] if self._ranges else []
-        holes += [r[1] + 1 for r in self._ranges[:-1]]
-        later = [h for h in holes if h > after]
-        return later[0] - 1 if later else max(after, self._ranges[-1][1] if self._ranges else self.floor)
-
-
-class JobTally:
-    """Counters and histograms of job life, built by reading job_events (each event once)."""
-
-    def __init__(self) -> None:
-        self.ids = Ledger()
-        self.submitted: Counter[str] = Counter()
-        self.finished: Counter[tuple[str, str]] = Counter()
-        self.attempts: Counter[str] = Counter()
-        self.recoveries: Counter[str] = Counter()
-        self.wait: dict[str, Buckets] = {}
-        self.run: dict[str, Buckets] = {}
-        self.end_to_end: dict[str, Buckets] = {}
-
-    @property
-    def floor(self) -> int:
-        """Every event id up to here is counted (or was a hole given up)."""
-        return self.ids.floor
-
-    def add(self, rows: Sequence[Any], now: float) -> int:
-        """Count the rows (ordered by id) not counted yet; returns how many."""
-        counted = 0
-        for row in rows:
-            if not self.ids.counted(row.id):
-                self._count(row)
-                self.ids.mark(row.id)
-                counted += 1
-        self.ids.advance(rows[-1].id if rows else None, now)
-        return counted
-
-    def _count(self, row: Any) -> None:
-        model, kind = row.model, row.kind
-        if kind == "submitted":
-            self.submitted[model] += 1
-        elif kind == "claimed":
-            self.attempts[model] += 1
-            if row.prev_kind in QUEUE_ENTRY and row.since_prev_s is not None:
-                self._observe(self.wait, model, row.since_prev_s)
-        if kind in ATTEMPT_END and row.prev_kind == "claimed" and row.since_prev_s is not None:
-            self._observe(self.run, model, row.since_prev_s)
-        if kind in FINAL:
-            self.finished[(model, kind)] += 1
-            self._observe(self.end_to_end, model, row.since_created_s)
-        if kind == "recovered" or (kind in FINAL and row.taken_back):
-            self.recoveries[model] += 1
-
-    @staticmethod
-    def _observe(histograms: dict[str, Buckets], model: str, seconds: Any) -> None:
-        histograms.setdefault(model, Buckets(JOB_BUCKETS_S)).observe(max(0.0, float(seconds)))
-
-    def families(self) -> Iterable[Metric]:
-        """The tally as Prometheus metric families."""
-        yield _counter("gpujobs_jobs_submitted", "Jobs submitted", ["model"], self.submitted)
-        finished = CounterMetricFamily(
-            "gpujobs_jobs_finished", "Jobs that reached a final state", labels=["model", "state"]
-        )
-        for (model, state), count in sorted(self.finished.items()):
-            finished.add_metric([model, state], count)
-        yield finished
-        yield _counter("gpujobs_job_attempts", "Attempts started (claims)", ["model"], self.attempts)
-        yield _counter(
-            "gpujobs_job_recoveries", "Jobs taken back from a lost worker", ["model"], self.recoveries
-        )
-        yield _histogram(
-            "gpujobs_job_queue_wait_seconds", "Time queued before a claim (per attempt)", self.wait
-        )
-        yield _histogram("gpujobs_job_run_seconds", "Time from claim to the end of an attempt", self.run)
-        yield _histogram(
-            "gpujobs_job_end_to_end_seconds", "Time from submission to a final state", self.end_to_end
-        )
-
-
-def _counter(name: str, doc: str, labels: list[str], values: Counter[str]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=labels)
-    for key, count in sorted(values.items()):
-        family.add_metric([key], count)
-    return family
-
-
-def _histogram(name: str, doc: str, by_model: dict[str, Buckets]) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, doc, labels=["model"])
-    for model, buckets in sorted(by_model.items()):
-        family.add_metric([model], buckets.cumulative(), sum_value=buckets.total)
-    return family
+# The tally's names as they were here before it moved to app/tally.py (tests/unit/test_metrics.py).
+JobTally = tally.JobTally
+GAP_WAIT_S: Final = tally.GAP_WAIT_S
 
 
 class DatabaseMetrics:
@@ -256,7 +82,7 @@ class DatabaseMetrics:
         self._lock = asyncio.Lock()
         self._refreshed_at: float | None = None
         self._up = 0
-        self.tally = JobTally()
+        self.tally = tally.JobTally()
         self.caught_up = False  # the whole history read once: until then the tally is left out
         self._depth: list[tuple[str, str, int, int]] = []
         self._workers: list[records.WorkerInfo] = []
