@@ -1,13 +1,16 @@
 """The tally of job life: counters and histograms built from job_events, each event counted once.
 
-`JobTally` counts the rows of `sql.EVENTS_FOR_METRICS` in id order; its `Ledger` keeps which ids are
-counted across the holes that uncommitted or rolled-back inserts leave in the ids. app/metrics.py
-reads the rows and serves the tally's families.
+A new process's `JobTally` starts from the history up to a cut-off id, counted in groups by
+PostgreSQL (`sql.EVENT_GROUPS_FOR_METRICS`), then counts the rows of `sql.EVENTS_FOR_METRICS` past it
+in id order; its `Ledger` keeps which ids are counted across the holes that uncommitted or
+rolled-back inserts leave in the ids. Both ways go through one `_count`, so they give the same
+series. app/metrics.py reads the rows and serves the tally's families.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +22,8 @@ from prometheus_client.utils import floatToGoString
 from app.queue.jobs import FINAL_STATES
 
 JOB_BUCKETS_S: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+# Each bound plus one ulp: the least value of the bucket after it (sql.EVENT_GROUPS_FOR_METRICS).
+BUCKET_STARTS: Final = tuple(math.nextafter(b, math.inf) for b in JOB_BUCKETS_S)
 
 FINAL: Final = frozenset(s.value for s in FINAL_STATES)
 # Events after which a job waits in the queue, and events that end a running attempt.
@@ -29,6 +34,20 @@ ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out
 # How long a hole in the event ids may stay open (a transaction not yet committed) before it is
 # taken for a rolled-back insert and given up: counted ids past it wait no longer.
 GAP_WAIT_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Observations in one bucket of a histogram: how many, and the sum of their values."""
+
+    bucket: int
+    count: int
+    total: float
+
+    @classmethod
+    def grouped(cls, bucket: int | None, count: int, total: Any) -> Observed | None:
+        """`count` values of one bucket summing to `total` (None: nothing observed)."""
+        return None if bucket is None else cls(bucket, count, float(total))
 
 
 @dataclass(slots=True)
@@ -45,6 +64,13 @@ class Buckets:
             self.counts = [0] * (len(self.bounds) + 1)
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    def add(self, observed: Observed) -> None:
+        """Count observations of one bucket (of these bounds)."""
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[observed.bucket] += observed.count
+        self.total += observed.total
 
     def cumulative(self) -> list[tuple[str, float]]:
         """(le, count of observations <= le) pairs, ending with +Inf."""
@@ -65,8 +91,8 @@ class Ledger:
     by then are given up together, so a new process catches up over a long history in one wait.
     """
 
-    def __init__(self) -> None:
-        self.floor = 0  # every id up to here is counted or given up
+    def __init__(self, floor: int = 0) -> None:
+        self.floor = floor  # every id up to here is counted or given up
         self._ranges: list[list[int]] = []  # counted [first, last] above the floor, in order
         self._reads: deque[tuple[float, int]] = deque()  # (when, highest id read then)
         self._read_long_ago = 0  # the highest id read at least GAP_WAIT_S ago
@@ -113,8 +139,8 @@ class Ledger:
 class JobTally:
     """Counters and histograms of job life, built by reading job_events (each event once)."""
 
-    def __init__(self) -> None:
-        self.ids = Ledger()
+    def __init__(self, floor: int = 0) -> None:
+        self.ids = Ledger(floor)
         self.submitted: Counter[str] = Counter()
         self.finished: Counter[tuple[str, str]] = Counter()
         self.attempts: Counter[str] = Counter()
@@ -133,31 +159,48 @@ class JobTally:
         counted = 0
         for row in rows:
             if not self.ids.counted(row.id):
-                self._count(row)
+                self._count(row, 1, row.since_prev_s, row.since_created_s)
                 self.ids.mark(row.id)
                 counted += 1
         self.ids.advance(rows[-1].id if rows else None, now)
         return counted
 
-    def _count(self, row: Any) -> None:
-        model, kind = row.model, row.kind
+    @classmethod
+    def from_groups(cls, groups: Iterable[Any], *, floor: int) -> JobTally:
+        """A tally of every event up to id `floor`, from their groups (sql.EVENT_GROUPS_FOR_METRICS)."""
+        tally = cls(floor)
+        for g in groups:
+            since_prev = Observed.grouped(g.prev_bucket, g.events, g.since_prev_s)
+            since_created = Observed.grouped(g.created_bucket, g.events, g.since_created_s)
+            tally._count(g, g.events, since_prev, since_created)
+        return tally
+
+    def _count(self, e: Any, times: int, since_prev: Any, since_created: Any) -> None:
+        """Count `times` events alike: `e` has their model, kind, prev_kind and taken_back; the
+        seconds since the previous event and since the job's creation are Observed (a group's)
+        or one event's value (None: no previous event)."""
+        model, kind = e.model, e.kind
         if kind == "submitted":
-            self.submitted[model] += 1
+            self.submitted[model] += times
         elif kind == "claimed":
-            self.attempts[model] += 1
-            if row.prev_kind in QUEUE_ENTRY and row.since_prev_s is not None:
-                self._observe(self.wait, model, row.since_prev_s)
-        if kind in ATTEMPT_END and row.prev_kind == "claimed" and row.since_prev_s is not None:
-            self._observe(self.run, model, row.since_prev_s)
+            self.attempts[model] += times
+            if e.prev_kind in QUEUE_ENTRY and since_prev is not None:
+                self._observe(self.wait, model, since_prev)
+        if kind in ATTEMPT_END and e.prev_kind == "claimed" and since_prev is not None:
+            self._observe(self.run, model, since_prev)
         if kind in FINAL:
-            self.finished[(model, kind)] += 1
-            self._observe(self.end_to_end, model, row.since_created_s)
-        if kind == "recovered" or (kind in FINAL and row.taken_back):
-            self.recoveries[model] += 1
+            self.finished[(model, kind)] += times
+            self._observe(self.end_to_end, model, since_created)
+        if kind == "recovered" or (kind in FINAL and e.taken_back):
+            self.recoveries[model] += times
 
     @staticmethod
     def _observe(histograms: dict[str, Buckets], model: str, seconds: Any) -> None:
-        histograms.setdefault(model, Buckets(JOB_BUCKETS_S)).observe(max(0.0, float(seconds)))
+        buckets = histograms.setdefault(model, Buckets(JOB_BUCKETS_S))
+        if isinstance(seconds, Observed):
+            buckets.add(seconds)
+        else:
+            buckets.observe(max(0.0, float(seconds)))
 
     def families(self) -> Iterable[Metric]:
         """The tally as Prometheus metric families."""

@@ -720,6 +720,24 @@ class JobManager:
         async with self._auto.connect() as conn:
             return list((await conn.execute(sql.EVENTS_FOR_METRICS, values)).all())
 
+    async def event_groups_for_metrics(
+        self, *, older_than_s: float, final: Iterable[str], bucket_starts: Sequence[float]
+    ) -> tuple[int, list[Any]]:
+        """The cut-off id (sql.EVENTS_CUTOFF_FOR_METRICS; 0: no event that old) and the lifecycle
+        events up to it counted in groups (sql.EVENT_GROUPS_FOR_METRICS)."""
+        async with self._engine.begin() as conn:
+            cutoff = await conn.scalar(sql.EVENTS_CUTOFF_FOR_METRICS, {"older_than_s": older_than_s})
+            if cutoff is None:
+                return 0, []
+            await conn.execute(sql.SCAN_WHOLE_TABLES)
+            values = {
+                "upto": cutoff,
+                "kinds": list(sql.LIFECYCLE_KINDS),
+                "final": sorted(final),
+                "bucket_starts": list(bucket_starts),
+            }
+            return cutoff, list((await conn.execute(sql.EVENT_GROUPS_FOR_METRICS, values)).all())
+
     async def queue_depth(self) -> list[tuple[str, str, int, int]]:
         """Unfinished jobs counted by (state, model, priority)."""
         async with self._auto.connect() as conn:
