@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from sqlalchemy import text
 
 from tests.conftest import api_client
 from tests.integration.test_observability import scrape, value
 from tests.integration.test_stream import submit_toy
+from tests.integration.test_worker import enqueue
 
 ROLLED_BACK_EVENT = text(
     "INSERT INTO job_events (job_id, kind, attempt, detail)"
@@ -28,3 +32,51 @@ async def test_a_new_api_process_counts_a_history_with_holes_at_once(settings, e
     async with api_client(settings, metrics_cache_s=0) as fresh:
         samples = await scrape(fresh)
     assert value(samples, "gpujobs_jobs_submitted_total", model="toy") == 4
+
+
+# The whole history an hour earlier (every moment of it: the differences between them are kept).
+AN_HOUR_EARLIER = text(
+    """
+    UPDATE jobs SET created_at = created_at - interval '1 hour';
+    UPDATE job_events SET at = at - interval '1 hour',
+        detail = CASE WHEN detail ? 'run_after' THEN detail || jsonb_build_object(
+            'run_after', CAST(detail ->> 'run_after' AS timestamptz) - interval '1 hour') ELSE detail END
+    """
+)
+
+
+async def test_a_new_api_process_counts_an_old_history_as_the_running_one_did(
+    settings, engine, manager, make_worker
+):
+    """A process that started after the history (a restart) has PostgreSQL count it at its first
+    scrape, and reports every job series as the process that read each event as it came."""
+    async with api_client(settings, metrics_cache_s=0) as running:
+        lost = await enqueue(manager)
+        await enqueue(manager, fail_attempts=1)  # fails once, waits for its retry, then succeeds
+        await enqueue(manager, exit_code=65)  # bad input: fails for good
+        canceled = await submit_toy(running)
+        assert (await running.post(f"/jobs/{canceled}/cancel")).status_code == 200
+        [job] = await manager.claim(
+            worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
+        )
+        assert job.job.id == lost
+        await asyncio.sleep(0.1)
+        assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
+        for _ in range(50):  # burst runs until the retry's backoff has passed and it ran again
+            await make_worker().run()
+            if all(j.state.final for j in (await manager.list_jobs()).jobs):
+                break
+            await asyncio.sleep(0.05)
+        seen = await scrape(running)
+    async with engine.begin() as conn:
+        for statement in AN_HOUR_EARLIER.text.split(";\n"):
+            await conn.execute(text(statement))
+        last = await conn.scalar(text("SELECT max(id) FROM job_events"))
+    async with api_client(settings, metrics_cache_s=0) as fresh:
+        found = await scrape(fresh)
+        assert fresh.app.state.metrics.database.tally.floor == last  # all of it counted in SQL
+    jobs = {k: v for k, v in seen.items() if k[0].startswith(("gpujobs_job_", "gpujobs_jobs_"))}
+    assert value(jobs, "gpujobs_job_recoveries_total", model="toy") == 1
+    assert value(jobs, "gpujobs_jobs_finished_total", model="toy", state="canceled") == 1
+    assert value(jobs, "gpujobs_job_queue_wait_seconds_count", model="toy") == 5
+    assert {k: found[k] for k in jobs} == pytest.approx(jobs, rel=1e-9)
