@@ -63,9 +63,6 @@ DEAD_WORKERS_SHOWN_S: Final = 86_400.0
 # task of its own): 13 s beside 1,000,000 jobs on a 2-core VM. Past it, or on any failure, the
 # next refresh starts it again.
 HISTORY_TIMEOUT_S: Final = 600.0
-# The tally's names as they were here before it moved to app/tally.py (tests/unit/test_metrics.py).
-JobTally = tally.JobTally
-GAP_WAIT_S: Final = tally.GAP_WAIT_S
 
 
 class DatabaseMetrics:

@@ -135,6 +135,7 @@ class Observability:
         app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)
         app.state.disk_usage = retention.DiskUsage(settings.storage_dir)
         self._task: asyncio.Task[None] | None = None
+        self._metrics: metrics.Metrics = app.state.metrics
 
     def start(self) -> Observability:
         """Start listening for job changes (reconnects by itself)."""
@@ -142,8 +143,9 @@ class Observability:
         return self
 
     async def stop(self) -> None:
-        """Stop listening."""
+        """Stop listening, and stop counting the job history if that is still under way."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._metrics.aclose()

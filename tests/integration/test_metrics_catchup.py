@@ -19,6 +19,7 @@ from sqlalchemy import text
 
 from app import metrics, tally
 from app.queue.manager import JobManager
+from tests.conftest import api_client
 
 JOBS = text(
     """
@@ -289,5 +290,16 @@ async def test_a_process_that_ends_stops_its_count(engine, manager):
         await fresh.refresh(budget_s=0.2)
         assert await locker.scalar(WAITING_BACKENDS) == 1
         await fresh.aclose()
+        assert await locker.scalar(WAITING_BACKENDS) == 0
+        await locker.rollback()
+
+
+async def test_an_api_process_that_stops_stops_its_count(engine, settings):
+    """The same through the API's lifespan: the count a scrape started ends with the process."""
+    async with engine.connect() as locker:
+        await locker.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+        async with api_client(settings) as http:
+            assert (await http.get("/metrics")).status_code == 200
+            assert await locker.scalar(WAITING_BACKENDS) == 1
         assert await locker.scalar(WAITING_BACKENDS) == 0
         await locker.rollback()

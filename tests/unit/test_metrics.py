@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import metrics
+from app.tally import GAP_WAIT_S, JobTally
 
 
 def event(
@@ -32,7 +32,7 @@ def life() -> list[SimpleNamespace]:
     ]
 
 
-def samples(tally: metrics.JobTally) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def samples(tally: JobTally) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """The tally rendered and parsed back, as Prometheus would read it."""
 
     class Source:
@@ -50,7 +50,7 @@ def samples(tally: metrics.JobTally) -> dict[tuple[str, frozenset[tuple[str, str
 
 
 def test_one_job_with_a_retry():
-    tally = metrics.JobTally()
+    tally = JobTally()
     assert tally.add(life(), now=0.0) == 7
     found = samples(tally)
     m = frozenset({("model", "m")})
@@ -68,7 +68,7 @@ def test_one_job_with_a_retry():
 
 def test_a_hole_in_the_ids_waits_for_the_late_commit():
     rows = life()
-    tally = metrics.JobTally()
+    tally = JobTally()
     assert tally.add([rows[0], rows[2]], now=100.0) == 2  # 2 is not committed yet: 3 counts anyway
     assert tally.floor == 1 and tally.ids.next_read(0) == 1  # the next read starts at the hole
     assert tally.add(rows[1:], now=101.0) == 5  # it came: everything is counted once
@@ -78,11 +78,11 @@ def test_a_hole_in_the_ids_waits_for_the_late_commit():
 
 def test_a_hole_that_never_fills_is_given_up_after_a_while():
     rows = life()
-    tally = metrics.JobTally()
+    tally = JobTally()
     assert tally.add(rows[2:], now=100.0) == 5
-    assert tally.add(rows[2:], now=100.0 + metrics.GAP_WAIT_S / 2) == 0
+    assert tally.add(rows[2:], now=100.0 + GAP_WAIT_S / 2) == 0
     assert tally.floor == 0
-    assert tally.add([], now=100.0 + metrics.GAP_WAIT_S) == 0  # rolled back: move on
+    assert tally.add([], now=100.0 + GAP_WAIT_S) == 0  # rolled back: move on
     assert tally.floor == 7
     assert tally.add(rows[:2], now=200.0) == 0  # too late: the floor has passed them
     assert tally.submitted["m"] == 0 and tally.attempts["m"] == 1
@@ -91,21 +91,21 @@ def test_a_hole_that_never_fills_is_given_up_after_a_while():
 def test_every_hole_of_a_long_history_is_given_up_in_one_wait():
     """A new process read its history up to the first hole, waited 10 s, then up to the next hole:
     a history with a hole every few hundred events took hours to count."""
-    tally = metrics.JobTally()
+    tally = JobTally()
     rows = [event(i, "submitted") for i in range(1, 10_001) if i % 100 != 50]  # 100 holes
     assert tally.add(rows, now=0.0) == len(rows) == tally.submitted["m"]
     assert tally.floor == 49 and tally.ids.next_read(5000) == 5049
     tally.add([event(150, "claimed", prev="submitted", since_prev=1.0)], now=1.0)  # a late commit
     assert tally.attempts["m"] == 1 and tally.ids.next_read(140) == 249
     late = event(10_001, "submitted")
-    assert tally.add([late], now=metrics.GAP_WAIT_S) == 1
+    assert tally.add([late], now=GAP_WAIT_S) == 1
     assert tally.floor == 10_001  # the holes seen 10 s ago: gone, all at once
     assert tally.ids.next_read(0) == 10_001
     assert tally.add([late, event(10_002, "submitted")], now=11.0) == 1 and tally.floor == 10_002
 
 
 def test_recoveries_and_cancels_of_queued_jobs():
-    tally = metrics.JobTally()
+    tally = JobTally()
     rows = [
         event(1, "submitted"),
         event(2, "claimed", prev="submitted", since_prev=1.0),
@@ -122,7 +122,7 @@ def test_recoveries_and_cancels_of_queued_jobs():
 
 
 def test_an_out_of_memory_requeue_ends_the_attempt_and_starts_a_new_wait():
-    tally = metrics.JobTally()
+    tally = JobTally()
     rows = [
         event(1, "submitted"),
         event(2, "claimed", prev="submitted", since_prev=1.0),
