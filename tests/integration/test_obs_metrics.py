@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from sqlalchemy import text
 
 from tests.conftest import api_client
-from tests.integration.test_observability import scrape, value
+from tests.integration.test_observability import lose_then_finish, scrape, value
 from tests.integration.test_stream import submit_toy
 from tests.integration.test_worker import enqueue
 
@@ -56,17 +54,7 @@ async def test_a_new_api_process_counts_an_old_history_as_the_running_one_did(
         await enqueue(manager, exit_code=65)  # bad input: fails for good
         canceled = await submit_toy(running)
         assert (await running.post(f"/jobs/{canceled}/cancel")).status_code == 200
-        [job] = await manager.claim(
-            worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
-        )
-        assert job.job.id == lost
-        await asyncio.sleep(0.1)
-        assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
-        for _ in range(50):  # burst runs until the retry's backoff has passed and it ran again
-            await make_worker().run()
-            if all(j.state.final for j in (await manager.list_jobs()).jobs):
-                break
-            await asyncio.sleep(0.05)
+        await lose_then_finish(manager, make_worker, lost)
         seen = await scrape(running)
     async with engine.begin() as conn:
         for statement in AN_HOUR_EARLIER.text.split(";\n"):

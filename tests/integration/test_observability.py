@@ -70,22 +70,28 @@ async def test_metrics_follow_a_job_through_its_life(settings, make_worker):
         assert 0 < run_s <= total_s
 
 
+async def lose_then_finish(manager, make_worker, lost) -> None:  # type: ignore[no-untyped-def]
+    """Claim `lost` (the first job queued) by a worker that vanishes, recover it, then run every
+    job to its end with burst workers (until a retry's backoff has passed and it ran again)."""
+    [job] = await manager.claim(
+        worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
+    )
+    assert job.job.id == lost
+    await asyncio.sleep(0.1)
+    assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
+    for _ in range(50):
+        await make_worker().run()
+        if all(j.state.final for j in (await manager.list_jobs()).jobs):
+            break
+        await asyncio.sleep(0.05)
+
+
 async def test_metrics_count_failures_retries_and_recoveries(settings, manager, make_worker):
     async with api_client(settings, metrics_cache_s=0) as http:
         lost = await enqueue(manager)
         await enqueue(manager, fail_attempts=1)  # fails once, then succeeds
         await enqueue(manager, exit_code=65)  # bad input: fails for good
-        [job] = await manager.claim(
-            worker_id="test:gone", host="nowhere", models=["toy"], budgets={0: 24_000}, lease_s=0.05
-        )
-        assert job.job.id == lost
-        await asyncio.sleep(0.1)
-        assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
-        for _ in range(50):  # burst runs until the retry's backoff has passed and it ran again
-            await make_worker().run()
-            if all(j.state.final for j in (await manager.list_jobs()).jobs):
-                break
-            await asyncio.sleep(0.05)
+        await lose_then_finish(manager, make_worker, lost)
         samples = await scrape(http)
     assert value(samples, "gpujobs_jobs_submitted_total", model="toy") == 3
     assert value(samples, "gpujobs_jobs_finished_total", model="toy", state="succeeded") == 2
