@@ -20,15 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import db, errors
 from app.queue import batcher, records, sql
-from app.queue.jobs import (
-    PROGRESS_MESSAGE_CHARS,
-    Claimed,
-    Job,
-    JobState,
-    ResultFile,
-    classes_up_to,
-    vram_class,
-)
+from app.queue.jobs import Claimed, Job, JobState, ResultFile, classes_up_to, vram_class
 
 log = logging.getLogger("gpujobs.queue")
 
@@ -494,10 +486,9 @@ class JobManager:
         return bool((await self._fenced(sql.SET_PID, job, {"pid": pid})).cancel_requested)
 
     async def progress(self, job: Job, fraction: float, message: str) -> bool:
-        """Record progress; returns whether a cancel is pending."""
-        row = await self._fenced(
-            sql.PROGRESS, job, {"progress": fraction, "message": message[:PROGRESS_MESSAGE_CHARS]}
-        )
+        """Record progress (`message` kept to PROGRESS_MESSAGE_CHARS by the attempt, which writes
+        it to the milestone events too); returns whether a cancel is pending."""
+        row = await self._fenced(sql.PROGRESS, job, {"progress": fraction, "message": message})
         return bool(row.cancel_requested)
 
     async def add_event(self, job: Job, kind: str, detail: Mapping[str, Any]) -> None:
