@@ -104,7 +104,10 @@ async def test_a_progress_milestone_and_a_cancel_at_once_are_told_in_the_order_o
     try:
         await listener.add_listener(sql.JOB_CHANNEL, lambda *args: heard.append(json.loads(args[3])))
         milestone = asyncio.create_task(manager.add_event(claimed.job, "progress", {"progress": 0.25}))
-        await asyncio.sleep(0.3)  # the milestone has its id and sleeps in its trigger
+        for _ in range(200):  # until the milestone has its id and sleeps in its trigger
+            if await listener.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"):
+                break
+            await asyncio.sleep(0.01)
         assert await manager.cancel(job_id, owner=None, by="tester") is JobState.running
         await milestone
         for _ in range(50):  # notes come after their commits
