@@ -806,13 +806,31 @@ def tree_kb(pid: int, key: str) -> int:
     return sum(status_kb(p, key) for p in bq.process_tree(pid))
 
 
-async def start_api(run: Run) -> tuple[bq.Child, str]:
-    """`gpujobs serve --no-worker` on a free loopback port; (process, base URL) once /healthz answers."""
-    port = free_port()
+def api_argv(run: Run, port: int) -> tuple[list[str], dict[str, str]]:
+    """`gpujobs serve --no-worker` on `port`, with no queue limit: (argv, environment)."""
     env = worker_env(run, "tp-api")
     env.update(GPUJOBS_QUEUE_LIMIT=str(10**8), GPUJOBS_QUEUE_LIMIT_PER_KEY="0")
     argv = [sys.executable, "-m", "app", "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)]
-    api = bq.start_child(run.bench, argv, run.bench.tmp / "tp-api.log", env)
+    return argv, env
+
+
+def floor_argv(run: Run, port: int) -> tuple[list[str], dict[str, str]]:
+    """The bare ASGI upload app (tests/bench/upload_floor.py) under uvicorn, configured as `serve`
+    configures it (the default asyncio loop, httptools, no access log): (argv, environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUJOBS_")}
+    env.update(UPLOAD_FLOOR_DSN=db.asyncpg_dsn(run.bench.url))
+    argv = [sys.executable, "-m", "uvicorn", "tests.bench.upload_floor:app", "--loop", "asyncio",
+            "--http", "httptools", "--no-access-log", "--log-level", "warning",
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    return argv, env
+
+
+async def start_server(run: Run, command: Callable[[Run, int], tuple[list[str], dict[str, str]]], name: str
+                       ) -> tuple[bq.Child, str]:  # fmt: skip
+    """`command` on a free loopback port; (process, base URL) once its /healthz answers."""
+    port = free_port()
+    argv, env = command(run, port)
+    api = bq.start_child(run.bench, argv, run.bench.tmp / f"{name}.log", env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     async with httpx.AsyncClient(base_url=base, timeout=2) as client:
@@ -869,10 +887,13 @@ async def post_uploads(run: Run, api: bq.Child, base: str, picture: Picture, siz
         await connections.close()
 
 
-async def api_uploads(run: Run, picture: Picture, sizes: Sizes) -> tuple[Measured, int, int]:
+async def api_uploads(
+    run: Run, picture: Picture, sizes: Sizes, *, floor: bool = False
+) -> tuple[Measured, int, int]:
     """The uploads through the API (`gpujobs serve --no-worker`, one process or a parent and its
-    children); (measures, its RSS before, its peak RSS) in kB, summed over its processes."""
-    api, base = await start_api(run)
+    children), or with `floor` through the bare ASGI app; (measures, its RSS before, its peak RSS)
+    in kB, summed over its processes."""
+    api, base = await start_server(run, *((floor_argv, "tp-floor") if floor else (api_argv, "tp-api")))
     try:
         idle_kb = tree_kb(api.proc.pid, "VmRSS")
         measured = await post_uploads(run, api, base, picture, sizes)
@@ -901,6 +922,7 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     await insert_uploads(run, picture, sizes)
     pg_rounds: list[Measured] = []
     api_rounds: list[Measured] = []
+    floor_rounds: list[Measured] = []
     idle_kb = peak_kb = 0
     for _ in range(UPLOAD_ROUNDS):
         await clear_inputs(run)
@@ -909,8 +931,10 @@ async def uploads(run: Run, sizes: Sizes) -> None:
         measured, idle_kb, peak = await api_uploads(run, picture, sizes)
         api_rounds.append(measured)
         peak_kb = max(peak_kb, peak)
+        await clear_inputs(run)
+        floor_rounds.append((await api_uploads(run, picture, sizes, floor=True))[0])
     await clear_inputs(run)
-    pg, api = Measured.pooled(pg_rounds), Measured.pooled(api_rounds)
+    pg, api, floor = (Measured.pooled(r) for r in (pg_rounds, api_rounds, floor_rounds))
     rounds = f"{UPLOAD_ROUNDS} rounds of {sizes.uploads}"
     run.add(section, f"PostgreSQL alone: INSERT into inputs ({rounds} rows)", timed_line(pg.timed, "rows"))
     run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} rows/s" for r in pg_rounds))
@@ -920,6 +944,10 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} req/s" for r in api_rounds))
     run.add(section, "  CPU ms per request", api.cpu_line())
     run.add(section, "  first round, all clients at once (not counted): slowest", f"{api.burst_ms:.0f} ms")
+    bare = "bare ASGI app, one process: uvicorn + asyncpg, no framework, form parser, check or job"
+    run.add(section, f"{bare} ({rounds} requests)", timed_line(floor.timed, "req"))
+    run.add(section, "  each round", " | ".join(f"{r.timed.rate:.0f} req/s" for r in floor_rounds))
+    run.add(section, "  CPU ms per request", floor.cpu_line())
     processes = dict(run.settings).get("GPUJOBS_API_PROCESSES", "1")
     run.add(section, "API processes (GPUJOBS_API_PROCESSES; --set to change)", processes)
     memory = f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
@@ -927,6 +955,7 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     run.figure("upload ratio", api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0)
     run.figure("upload p99/p50", api.timed.ms(99) / api.timed.ms(50))
     run.figure("pg p99/p50", pg.timed.ms(99) / pg.timed.ms(50))
+    run.figure("floor ratio", floor.timed.rate / pg.timed.rate if pg.timed.rate else 0.0)
 
 
 # -- 4. against the targets -------------------------------------------------------------------
@@ -965,8 +994,13 @@ def targets(run: Run) -> None:
             run.add(section, f"oneshot /bin/true, best jobs/s{words}", best)
     if "upload ratio" in f:
         # Uploads run once per bench run: one value each.
-        percent, tail, pg_tail = (f[k][1] for k in ("upload ratio", "upload p99/p50", "pg p99/p50"))
+        percent, tail, pg_tail, floor = (
+            f[k][1] for k in ("upload ratio", "upload p99/p50", "pg p99/p50", "floor ratio")
+        )
         run.add(section, "POST /jobs rate / PostgreSQL's", f"{100 * percent:.0f} % (target >= 90 %)")
+        run.add(
+            section, "  the bare ASGI app's rate / PostgreSQL's (the stack's floor)", f"{100 * floor:.0f} %"
+        )
         run.add(section, "POST /jobs p99 / p50",
                 f"{tail:.2f}x (target <= 1.5x; PostgreSQL alone {pg_tail:.2f}x)")  # fmt: skip
 
