@@ -911,6 +911,17 @@ def timed_line(timed: Timed, unit: str) -> str:
     return f"{rate}   p50 {timed.ms(50):.0f} ms, p99 {timed.ms(99):.0f} ms{bad}"
 
 
+def check_ms(picture: Picture, count: int = 200) -> str:
+    """What the API's check of one upload costs, in this process: the median of `count` runs of
+    `images.inspect_quickly` (the header, every chunk's CRC, the inflate, SHA-256)."""
+    data, took = picture.variant(0), []
+    for _ in range(count):
+        started = time.process_time()
+        images.inspect_quickly(data, max_pixels=picture.width * picture.height)
+        took.append(time.process_time() - started)
+    return f"{1000 * statistics.median(took):.2f}"
+
+
 async def uploads(run: Run, sizes: Sizes) -> None:
     """The same 1 MB PNGs into PostgreSQL alone, then through POST /jobs, UPLOAD_ROUNDS times in
     turn; each line pools the rounds. An uncounted round primes the server first: PostgreSQL makes
@@ -950,6 +961,7 @@ async def uploads(run: Run, sizes: Sizes) -> None:
     run.add(section, "  CPU ms per request", floor.cpu_line())
     processes = dict(run.settings).get("GPUJOBS_API_PROCESSES", "1")
     run.add(section, "API processes (GPUJOBS_API_PROCESSES; --set to change)", processes)
+    run.add(section, "the image check alone (images.inspect_quickly), CPU ms per image", check_ms(picture))
     memory = f"{idle_kb / 1024:.0f} MB / {peak_kb / 1024:.0f} MB"
     run.add(section, "API RSS, its processes summed: idle / peak (VmHWM)", memory)
     run.figure("upload ratio", api.timed.rate / pg.timed.rate if pg.timed.rate else 0.0)
