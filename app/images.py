@@ -202,7 +202,7 @@ def _inflate_rows(image_data: list[memoryview], *, row: int, size: int) -> None:
                     done = _check_rows(inflater.decompress(pending, INFLATE_OUT), done, row, size)
                     pending = inflater.unconsumed_tail
         done = _check_rows(inflater.flush(), done, row, size)
-    except zlib_ng.error as exc:
+    except zlib_ng.error as exc:  # type: ignore[misc]  # its stub types `error` as an instance
         raise _corrupt(f"its image data is damaged: {exc}") from exc
     if not inflater.eof or done < size:
         raise _corrupt(f"its image data ends early, {done} of {size} bytes")
