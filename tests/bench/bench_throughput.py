@@ -47,7 +47,7 @@ from app.queue import manager as manager_
 from app.queue.sql import QUEUED_CHANNEL
 from tests import dbadmin
 from tests.bench import bench_queue as bq
-from tests.bench import rawhttp
+from tests.bench import rawhttp, upload_floor
 
 WORKER_SLOTS = 8  # jobs at a time per worker (ours: GPUJOBS_MAX_JOBS_PER_GPU; procrastinate: concurrency)
 UPLOAD_CLIENTS = 32
@@ -138,11 +138,6 @@ def steady_sql(finishes: str) -> str:
         SELECT count(*) FILTER (WHERE f.at > q.lo AND f.at <= q.hi)
                / nullif(extract(epoch FROM q.hi - q.lo), 0)
         FROM f, q GROUP BY q.lo, q.hi"""
-
-
-UPLOAD_INSERT = (
-    "INSERT INTO inputs (sha256, media_type, width, height, bytes, data) VALUES ($1, $2, $3, $4, $5, $6)"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,7 +771,7 @@ async def insert_uploads(run: Run, picture: Picture, sizes: Sizes) -> Measured:
             data = picture.variant(i)
             digest = hashlib.sha256(data).hexdigest()
             await pool.execute(
-                UPLOAD_INSERT, digest, "image/png", picture.width, picture.height, len(data), data
+                upload_floor.INSERT, digest, "image/png", picture.width, picture.height, len(data), data
             )
             return None
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import asyncpg
 
+# One image into `inputs`, as this app and the bench's PostgreSQL-alone line both insert it.
 INSERT = "INSERT INTO inputs (sha256, media_type, width, height, bytes, data) VALUES ($1, $2, $3, $4, $5, $6)"
 POOL_SIZE = 8
 
