@@ -87,7 +87,7 @@ class Planner:
         self._warm_streak = 0
         self.estimates: dict[str, scheduler.RunTime] = {}
         self._estimates_at = -math.inf
-        self.unreadable = False  # the last claim could not read the GPUs
+        self.unreadable = False  # the last reading of the GPUs failed (a claim's or a heartbeat's)
 
     # -- budgets --------------------------------------------------------------------------
 
@@ -215,21 +215,10 @@ class Planner:
         """Claim the jobs this worker should start next (at most `claim_batch`), best first;
         `ahead`: jobs per GPU it may claim beyond the cap (see `free_slots`). Nothing while the
         GPUs cannot be read (an NVML error): what they have free is unknown."""
-        try:
-            rooms = self.rooms(running)
-            slots = self.free_slots(running, ahead)
-        except errors.AppError as exc:  # the inventory's NVML errors; the next claim reads again
-            if not self.unreadable:
-                log.warning(
-                    "GPUs could not be read; claiming paused: %s",
-                    exc.message,
-                    extra={"action": "gpu_read_failed"},
-                )
-            self.unreadable = True
+        gpus = self._read_gpus(running, ahead)
+        if gpus is None:
             return []
-        if self.unreadable:
-            log.info("GPUs read again; claiming resumed", extra={"action": "gpu_read_again"})
-            self.unreadable = False
+        rooms, slots = gpus
         budgets = {
             r.index: r.available_mb
             for r in rooms
@@ -277,6 +266,36 @@ class Planner:
             self.estimates, models, window, min_samples=self._config.backfill_min_samples
         )
         return await take(held, limits) if limits else []
+
+    def _read_gpus(
+        self, running: Sequence[InHand], ahead: Mapping[int, int] | None
+    ) -> tuple[list[scheduler.GpuRoom], dict[int, int] | None] | None:
+        """(`rooms`, `free_slots`) now; None while NVML raises (the next claim reads again)."""
+        try:
+            rooms = self.rooms(running)
+            slots = self.free_slots(running, ahead)
+        except errors.AppError as exc:  # the inventory's NVML errors
+            self.gpus_unreadable(exc)
+            return None
+        self.gpus_readable()
+        return rooms, slots
+
+    def gpus_unreadable(self, exc: errors.AppError) -> None:
+        """A reading of the GPUs failed, here or in the worker's heartbeat: claims pause. Said
+        once per outage, however many claims and heartbeats meet it."""
+        if not self.unreadable:
+            log.warning(
+                "GPUs could not be read; claiming paused: %s",
+                exc.message,
+                extra={"action": "gpu_read_failed"},
+            )
+        self.unreadable = True
+
+    def gpus_readable(self) -> None:
+        """A reading of the GPUs succeeded: claims resume (said once, after an outage)."""
+        if self.unreadable:
+            log.info("GPUs read again; claiming resumed", extra={"action": "gpu_read_again"})
+            self.unreadable = False
 
     def _release_if_taken(self, jobs: Sequence[Claimed]) -> None:
         """The reserved job is claimed: the GPU is held no longer, and the next claim looks again

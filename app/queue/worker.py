@@ -163,7 +163,9 @@ class Worker:
         try:
             self._gpus = self._inventory.snapshot()
         except errors.AppError as exc:
-            log.warning("GPUs could not be read: %s", exc.message, extra={"action": "gpu_read_failed"})
+            self.planner.gpus_unreadable(exc)  # logged once per outage, for the claims too
+        else:
+            self.planner.gpus_readable()
         return self._gpus
 
     # -- lifecycle ------------------------------------------------------------------------

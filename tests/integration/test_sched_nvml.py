@@ -4,6 +4,7 @@ and goes on claiming once the readings come back."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from app import gpu
 from app.queue.jobs import JobState
@@ -12,11 +13,15 @@ from tests.integration.test_worker import enqueue
 from tests.unit.test_gpu import GIB, fake_pynvml
 
 
-async def test_nvml_failing_for_a_while_stops_neither_the_worker_nor_its_jobs(manager, make_worker, settings):
+async def test_nvml_failing_for_a_while_stops_neither_the_worker_nor_its_jobs(
+    manager, make_worker, settings, caplog
+):
     """NVML raised while a job ran: the heartbeat's GPU reading raised with it, the heartbeat task
     died and the worker stopped (its running jobs' leases no longer renewed, nothing claimed
     again). Now the heartbeat renews the leases with the last reading it had, claims pause while
-    the GPUs cannot be read, and both resume when NVML answers again."""
+    the GPUs cannot be read, and both resume when NVML answers again. The log says so once each
+    way, not at every claim."""
+    caplog.set_level(logging.INFO, logger="gpujobs")
     nvml = fake_pynvml([("NVIDIA test", 24 * GIB, 24 * GIB)])
     worker = make_worker(burst=False, inventory=gpu.NvmlInventory(nvml))
     first = await enqueue(manager, sleep=settings.lease_s * 1.5, steps=6)
@@ -33,6 +38,8 @@ async def test_nvml_failing_for_a_while_stops_neither_the_worker_nor_its_jobs(ma
         assert serving.claimed == 2
     job = await manager.get(first)
     assert (job.state, job.attempt, job.abnormal_runs) == (JobState.succeeded, 1, 0)
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert (actions.count("gpu_read_failed"), actions.count("gpu_read_again")) == (1, 1)
 
 
 async def test_a_runs_peak_memory_is_still_read_after_nvml_failed_for_a_while(manager, make_worker, settings):
