@@ -291,7 +291,9 @@ class Attempt:
             )
         finally:
             self._runner = None
-            self._pool.release(runner)
+            # Idle, it holds what NVML last showed it using, if more than it was given: a model's
+            # cache allocator keeps what the job used (seen_mb starts at hold_mb).
+            self._pool.release(runner, hold_mb=self.seen_mb)
         if runner.state is not warm.RunnerState.DEAD:
             self.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
         return self._warm_outcome(result, out_dir, about)

@@ -210,6 +210,19 @@ async def test_a_loaded_runners_memory_is_not_counted_twice_when_it_takes_a_job(
         assert (await manager.get(warm_job)).state is JobState.running  # side by side
 
 
+async def test_an_idle_runner_holds_what_nvml_showed_it_using_if_more(manager, make_worker, tmp_path):
+    """docs/persistent.md: idle, a runner keeps `idle_vram_mb` reserved, or what NVML last showed it
+    holding during its job, if more (a model's cache allocator keeps what the job used). The pool
+    went on holding `idle_vram_mb` (6000 for warm_a), whatever NVML read."""
+    inventory = FakeInventory([20_000])
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=1.5, steps=2)
+    async with running(make_worker(inventory=inventory, burst=False)) as worker:
+        inventory.set_process(await first_load(tmp_path, "warm_a"), 8000)
+        await until(manager, job_id, lambda j: j.state is JobState.succeeded)
+        [runner] = worker.pool.report(0)
+        assert (runner["state"], runner["vram_mb"], worker.pool.reserved_mb(0)) == ("idle", 8000, 8000)
+
+
 async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_path):
     first = await enqueue(manager, model="warm_a", vram_mb=2000)
     # No claim ahead: after a first run shorter than claim_ahead_s the worker took `cold` ahead the
