@@ -303,9 +303,21 @@ class _Channel:
             yield line
 
     def begin(self, job: str) -> bool:
-        """Mark `job` as running; False if the worker is gone (a line it sent before it went)."""
+        """Mark `job` as running; False if the worker is gone (a line it sent before it went).
+
+        A hang-up that came before is looked for here first, before the job is marked: the watch
+        thread, started with the first read, may not have looked yet, and the job would have run
+        until it did, then died for nobody (exit 4)."""
+        if self._hung_up():
+            return False
         self._job = job
         return not self._gone
+
+    def _hung_up(self) -> bool:
+        """Whether the worker's end of stdin is closed now (a poll that does not wait)."""
+        poller = select.poll()
+        poller.register(self._reader.fileno(), 0)
+        return bool(poller.poll(0))
 
     def end(self) -> None:
         """Mark the job as over (under the lock: no progress of it is written after this)."""

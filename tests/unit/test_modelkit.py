@@ -302,6 +302,27 @@ async def test_stdin_closing_mid_job_ends_the_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_job_line_still_unread_when_stdin_closes_is_not_started(tmp_path: Path) -> None:
+    """docs/persistent.md: a job line still unread when stdin closes is not started; the kit exits
+    0. Here the line and the hang-up both wait while the kit loads. The job began before the watch
+    thread (started with the read loop) had looked, ran, and was then killed as orphaned (exit 4).
+    Twenty runners at once, since the thread is usually quick enough."""
+
+    async def one(n: int) -> tuple[int, str, list[modelkit.Reply]]:
+        kit = await Kit.start(tmp_path / str(n), "--load-sleep", "0.5")
+        assert kit.proc.stdin is not None and kit.proc.stdout is not None
+        kit.proc.stdin.write(_line(_job("j:1", tmp_path, hang=True)))
+        code, err = await kit.finish()
+        return code, err, [modelkit.parse_reply(line) for line in (await kit.proc.stdout.read()).splitlines()]
+
+    for n in range(20):
+        (tmp_path / str(n)).mkdir()
+    for code, err, replies in await asyncio.gather(*(one(n) for n in range(20))):
+        assert code == 0, err
+        assert [type(r) for r in replies] == [modelkit.Ready], replies
+
+
+@pytest.mark.asyncio
 async def test_a_job_sent_as_stdin_closes_is_never_left_running(tmp_path: Path) -> None:
     """The worker wrote a job and went: the kit either skips the job or exits during it.
 
