@@ -244,10 +244,7 @@ class Attempt:
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
         result = await self._watched(pid, process.wait())
-        if self.peak_mb:
-            with contextlib.suppress(errors.LeaseLost):
-                await self._manager.record_peak(job, self.peak_mb)
-        return self._outcome(result, scratch / "out")
+        return self._after_peak(self._outcome(result, scratch / "out"))
 
     async def _run_warm(
         self, input_path: Path, out_dir: Path, log_path: Path, params: Mapping[str, registry.Value]
@@ -409,6 +406,22 @@ class Attempt:
             timed_out=result.timed_out,
             abnormal=result.signal is not None and not result.timed_out,  # a signal we did not send
         )
+
+    def _after_peak(self, write: Callable[[], Awaitable[Any]] | None) -> Callable[[], Awaitable[Any]] | None:
+        """`write` (the final write), preceded by the run's peak GPU memory, if NVML showed one: one
+        write, which `_persist` retries whole through a database outage. The peak goes first, while
+        the job is still running (the statement is fenced on that). Written apart, before, an outage
+        took it for one before the model ran, and the outcome was never written."""
+        peak = self.peak_mb
+        if not peak or write is None:
+            return write
+
+        async def peak_then_write() -> Any:
+            with contextlib.suppress(errors.LeaseLost):  # the outcome's own write meets it too
+                await self._manager.record_peak(self.job, peak)
+            return await write()
+
+        return peak_then_write
 
     def _stopped_by(self, run_stopped: str | None) -> str | None:
         """Why the run counts as stopped: the stop that ended it, or one that came after it ended

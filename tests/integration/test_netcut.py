@@ -1,0 +1,46 @@
+"""A worker whose link to PostgreSQL is cut while its models run (tests/netcut.py): what it
+writes once the link is back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app import db
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.fakes import FakeInventory
+from tests.integration.test_durability import alive, running, until
+from tests.integration.test_worker import enqueue
+from tests.netcut import CuttableLink
+
+
+async def test_a_run_that_ends_while_the_database_is_away_keeps_its_result_and_its_peak(
+    manager, make_worker, settings, tmp_path
+):
+    """README: while PostgreSQL is away, workers keep their models running and retry their final
+    writes. A one-shot run whose memory NVML showed wrote its peak first, outside the retried final
+    write: the outage failed that write, the attempt took it for an outage before the model ran,
+    and the success was never written (the job came back after its lease, as a lost worker's)."""
+    assert settings.database_url
+    link = CuttableLink(settings.database_url, tmp_path / "link")
+    engine = db.create_engine(await link.start(), pool_size=2)
+    inventory = FakeInventory([24_576])
+    job_id = await enqueue(manager, sleep=2.0, steps=2)
+    try:
+        async with running(make_worker(burst=False, inventory=inventory, manager_=JobManager(engine))):
+            pid = (await until(manager, job_id, lambda j: j.pid is not None)).pid
+            inventory.set_process(pid, 1500)
+            await asyncio.sleep(0.6)  # read by the attempt's sampler (every 0.5 s)
+            link.cut()
+            for _ in range(100):  # the model ends about 2 s after its start
+                if not alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the run's writes after the model meet the cut
+            link.mend()
+            done = await until(manager, job_id, lambda j: j.state.final)
+    finally:
+        await engine.dispose()
+        await link.close()
+    assert (done.state, done.attempt, done.abnormal_runs) == (JobState.succeeded, 1, 0)
+    assert done.vram_peak_mb == 1500
