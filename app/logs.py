@@ -162,6 +162,8 @@ def setup(level: str = "INFO", fmt: str = "text", *, stream: TextIO | None = Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    # Alembic names each plugin it sets up, at INFO, seven lines at every `gpujobs migrate`.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     # uvicorn's loggers write through the root handler (the CLI passes log_config=None).
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
