@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 from app.relief import errors, params
 
 # Decoded pixels are held as several float planes; 64 megapixels keeps a job within a few GB of RAM.
-MAX_PIXELS = 64 * 1024 * 1024
+MAX_PIXELS = 64_000_000
 # The resampling filters see at least this many pixels per grid cell after the cheap pre-reduction.
 OVERSAMPLE = 2
 

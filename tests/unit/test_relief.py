@@ -13,6 +13,7 @@ import trimesh
 from PIL import Image
 
 from app import relief
+from app.relief import errors as relief_errors
 from app.relief import heightmap, mesh, picture, torch_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,6 +185,17 @@ def test_cuda_without_cuda_exits_64(gradient: Path, tmp_path: Path) -> None:
     done = run_relief(gradient, tmp_path / "out", device="cuda")
     assert done.returncode == 64
     assert "cuda" in done.stderr
+
+
+def test_the_pixel_limit_is_64_megapixels(tmp_path: Path) -> None:
+    """docs/models.md: relief takes images up to 64 megapixels. The limit was 64 Mi pixels
+    (67,108,864): an 8100x8100 image (65.6 MP) went through."""
+    over, at = tmp_path / "over.png", tmp_path / "at.png"
+    Image.new("1", (8100, 8100)).save(over)  # one bit a pixel: small to make and to store
+    Image.new("1", (8000, 8000)).save(at)
+    with pytest.raises(relief_errors.BadInput, match="over the 64 megapixel limit"):
+        picture.open_image(over)
+    assert picture.open_image(at).size == (8000, 8000)
 
 
 def test_build_mesh_in_process_keeps_holes() -> None:
