@@ -52,10 +52,11 @@ class VramLearner:
         """(MB to admit the job on, the declared estimate)."""
         declared = spec.estimate_vram_mb(megapixels)
         ratios, _ = (await self._observed()).get(spec.name, ([], 0))
-        cap: int | None = spec.max_vram_mb or declared
-        if self._config.above_declared:
-            largest = self._largest.get(spec.name)
-            cap = None if largest is None else max(declared, largest - self._config.buffer_mb)
+        cap = spec.max_vram_mb or declared
+        # Above the declared estimate only up to the largest GPU the model's workers have reported
+        # lately; with none known (its workers away for a day), not above it at all.
+        if self._config.above_declared and (largest := self._largest.get(spec.name)) is not None:
+            cap = max(declared, largest - self._config.buffer_mb)
         learned = scheduler.learned_vram_mb(
             declared,
             ratios,
