@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated
+from urllib.parse import unquote
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
@@ -27,6 +28,7 @@ SESSION_MAX_AGE_S = 12 * 3600
 HOME = "/ui/"
 # Only pages of this site may be returned to after signing in: no scheme, no host, no `//`.
 _NEXT = re.compile(r"/ui(/[A-Za-z0-9._~%/-]*)?(\?[A-Za-z0-9._~%&=+-]*)?")
+_DOTS = re.compile(r"(^|/)\.\.?(/|$)")  # a `.` or `..` path segment
 
 
 class SignIn(BaseModel):
@@ -49,8 +51,10 @@ def same_origin(request: Request) -> None:
 
 
 def safe_next(target: str | None) -> str:
-    """Where to go after signing in: `target` if it is a page of this site, else the jobs page."""
-    if target and _NEXT.fullmatch(target) and "//" not in target:
+    """Where to go after signing in: `target` if it is a page of this site, else the jobs page.
+    No dot segments, plain or %-encoded: a browser resolves `/ui/../docs` to `/docs`."""
+    path = (target or "").partition("?")[0]
+    if target and _NEXT.fullmatch(target) and "//" not in target and not _DOTS.search(unquote(path)):
         return target
     return HOME
 

@@ -222,6 +222,11 @@ def test_the_page_routes_are_not_in_the_api_document(settings):
         ("/ui//evil.example", "/ui/"),
         ("/docs", "/ui/"),
         ("/ui/\\evil", "/ui/"),
+        ("/ui/../docs", "/ui/"),  # a browser resolves the dot segments: /docs
+        ("/ui/./../admin/stats", "/ui/"),
+        ("/ui/%2e%2e/metrics", "/ui/"),
+        ("/ui/jobs/..", "/ui/"),
+        ("/ui/jobs/mesh.v2..glb?x=..", "/ui/jobs/mesh.v2..glb?x=.."),  # dots inside a name are fine
         (None, "/ui/"),
     ],
 )
