@@ -57,8 +57,9 @@ class Settings(BaseSettings):
         description="Uploads written to the database at once; the rest wait their turn in the API, "
         "first come first served (0 = no limit)",
     )
-    priority_min: int = Field(-100, description="Lowest priority a job may ask for")
-    priority_max: int = Field(100, description="Highest priority a job may ask for")
+    # Within PostgreSQL's integer, with room for what aging adds: -10^9 to 10^9.
+    priority_min: int = Field(-100, ge=-(10**9), le=10**9, description="Lowest priority a job may ask for")
+    priority_max: int = Field(100, ge=-(10**9), le=10**9, description="Highest priority a job may ask for")
     lease_s: Seconds = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")
     heartbeat_interval_s: Seconds = Field(5, gt=0, description="How often a worker renews its leases")
     poll_interval_s: Seconds = Field(2, gt=0, description="Claim poll when no NOTIFY arrives (fallback)")

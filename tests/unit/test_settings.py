@@ -26,6 +26,10 @@ def test_defaults_and_env(monkeypatch):
         ("GPUJOBS_GPUS", "24 parsecs", "GPUJOBS_GPUS"),
         ("GPUJOBS_LOG_LEVEL", "loud", "GPUJOBS_LOG_LEVEL"),
         ("GPUJOBS_HEARTBEAT_INTERVAL_S", "60", "GPUJOBS_HEARTBEAT_INTERVAL_S (60) must be shorter than"),
+        # A job's priority is a 32-bit integer in PostgreSQL, and aging adds to it: these were taken,
+        # and a job asking for such a priority then failed with a 500.
+        ("GPUJOBS_PRIORITY_MAX", str(2**31), "GPUJOBS_PRIORITY_MAX"),
+        ("GPUJOBS_PRIORITY_MIN", str(-(2**31)), "GPUJOBS_PRIORITY_MIN"),
     ],
 )
 def test_bad_setting_is_named(monkeypatch, env, value, needle):
