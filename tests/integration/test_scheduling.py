@@ -8,8 +8,10 @@ import contextlib
 import math
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from app import db, scheduler
@@ -387,17 +389,26 @@ class ModelMemory(FakeInventory):
         return found
 
 
+@pytest.mark.parametrize(
+    ("seen_ago", "admitted"),
+    [(timedelta(0), 24_576 - 512), (timedelta(days=2), "declared")],
+    ids=["worker seen now", "worker seen 2 days ago"],
+)
 async def test_a_learned_estimate_above_the_declared_one_stays_within_the_largest_gpu(
-    manager, make_worker, settings, tmp_path
+    manager, make_worker, settings, engine, tmp_path, seen_ago, admitted
 ):
     """With GPUJOBS_LEARNED_VRAM_ABOVE_DECLARED, the percentile plus its margin could pass every
     GPU's size (a model seen at 23.8 GB on 24 GB cards, plus 1 GB): no worker could ever take the
     job, which stayed queued for good. Now it is capped at the largest GPU a worker of the model
-    has reported, less the buffer."""
+    has reported in the last day, less the buffer. With no such worker (the model's workers away
+    for longer), there was no cap at all; the declared estimate stands then."""
     marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
     for _ in range(3):
         await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)
     await make_worker(inventory=ModelMemory([24_576], 23_800, marker)).run()
+    async with engine.begin() as conn:
+        last_seen = text("UPDATE workers SET heartbeat_at = now() - CAST(:ago AS interval)")
+        await conn.execute(last_seen, {"ago": seen_ago})
     overrides = {
         "learned_vram_min_samples": 3,
         "learned_vram_margin_mb": 1024,
@@ -409,33 +420,8 @@ async def test_a_learned_estimate_above_the_declared_one_stays_within_the_larges
             "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
         )
     assert response.status_code == 201, response.text
-    assert response.json()["vram_mb"] == 24_576 - 512
-
-
-async def test_a_learned_estimate_above_the_declared_one_waits_for_a_gpu_to_be_known(
-    manager, make_worker, settings, engine, tmp_path
-):
-    """The cap above is the largest GPU of the workers seen in the last day. With none seen (the
-    model's workers away for longer), the learned estimate had no cap at all, and a job could be
-    admitted larger than any GPU its workers bring back. It stays at the declared estimate then."""
-    marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
-    for _ in range(3):
-        await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)
-    await make_worker(inventory=ModelMemory([24_576], 23_800, marker)).run()
-    async with engine.begin() as conn:  # its only worker, last seen two days ago
-        await conn.execute(text("UPDATE workers SET heartbeat_at = now() - interval '2 days'"))
-    overrides = {
-        "learned_vram_min_samples": 3,
-        "learned_vram_margin_mb": 1024,
-        "learned_vram_above_declared": True,
-        "vram_buffer_mb": 512,
-    }
-    async with api_client(settings, **overrides) as http:
-        response = await http.post(
-            "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
-        )
-    assert response.status_code == 201, response.text
-    assert response.json()["vram_mb"] == response.json()["declared_vram_mb"]
+    job = response.json()
+    assert job["vram_mb"] == (job["declared_vram_mb"] if admitted == "declared" else admitted)
 
 
 async def test_learned_vram_replaces_the_declared_estimate(manager, make_worker, settings, tmp_path):
