@@ -63,7 +63,7 @@ def job_params(raw: Mapping[str, Any]) -> tuple[str, params.ReliefParams]:
         raise modelkit.BadInput(f"params.format: must be one of {', '.join(mesh.FORMATS)}")
     if mask not in [m.value for m in params.MaskMode]:
         raise modelkit.BadInput(f"params.mask: must be one of {', '.join(m.value for m in params.MaskMode)}")
-    values: dict[str, Any] = {name: float(_typed(raw, name, (int, float))) for name in _FLOATS if name in raw}
+    values: dict[str, Any] = {name: _number(raw, name) for name in _FLOATS if name in raw}
     if "resolution" in raw:
         values["resolution"] = _typed(raw, "resolution", int)
     if "invert" in raw:
@@ -72,6 +72,14 @@ def job_params(raw: Mapping[str, Any]) -> tuple[str, params.ReliefParams]:
         return str(file_format), params.ReliefParams(**values, mask=params.MaskMode(mask))
     except ValueError as exc:
         raise modelkit.BadInput(f"params: {exc}") from None
+
+
+def _number(raw: Mapping[str, Any], name: str) -> float:
+    """raw[name] as a float; BadInput for a JSON number that is none (an integer past its range)."""
+    try:
+        return float(_typed(raw, name, (int, float)))
+    except OverflowError:
+        raise modelkit.BadInput(f"params.{name}: out of range") from None
 
 
 def _typed(raw: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -12,9 +12,9 @@ import pytest
 import trimesh
 from PIL import Image
 
-from app import relief
+from app import modelkit, relief
 from app.relief import errors as relief_errors
-from app.relief import heightmap, mesh, picture, torch_backend
+from app.relief import heightmap, mesh, picture, serve, torch_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRESS_LINE = re.compile(r"^PROGRESS (?P<fraction>[01](?:\.\d+)?) (?P<message>\S.*)$")
@@ -196,6 +196,13 @@ def test_the_pixel_limit_is_64_megapixels(tmp_path: Path) -> None:
     with pytest.raises(relief_errors.BadInput, match="over the 64 megapixel limit"):
         picture.open_image(over)
     assert picture.open_image(at).size == (8000, 8000)
+
+
+def test_a_warm_jobs_number_too_large_for_a_float_is_bad_input() -> None:
+    """A JSON integer past a float's range (10**400) raised OverflowError in the warm runner: a
+    model error, which ends the runner and retries the job, where a bad parameter is bad input."""
+    with pytest.raises(modelkit.BadInput, match=r"params\.width_mm"):
+        serve.job_params({"width_mm": 10**400})
 
 
 def test_build_mesh_in_process_keeps_holes() -> None:
