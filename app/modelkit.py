@@ -266,6 +266,8 @@ class _Channel:
         self._lock = threading.Lock()
         self._job: str | None = None  # the job running now
         self._gone = False  # the worker's end of stdin is closed
+        self._hang_up = select.poll()  # polled for no event at all: it reports only the hang-up
+        self._hang_up.register(reader.fileno(), 0)
 
     @classmethod
     def take_stdio(cls) -> _Channel:
@@ -315,9 +317,7 @@ class _Channel:
 
     def _hung_up(self) -> bool:
         """Whether the worker's end of stdin is closed now (a poll that does not wait)."""
-        poller = select.poll()
-        poller.register(self._reader.fileno(), 0)
-        return bool(poller.poll(0))
+        return bool(self._hang_up.poll(0))
 
     def end(self) -> None:
         """Mark the job as over (under the lock: no progress of it is written after this)."""
