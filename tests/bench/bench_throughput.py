@@ -888,7 +888,8 @@ async def api_uploads(
     """The uploads through the API (`gpujobs serve --no-worker`, one process or a parent and its
     children), or with `floor` through the bare ASGI app; (measures, its RSS before, its peak RSS)
     in kB, summed over its processes."""
-    api, base = await start_server(run, *((floor_argv, "tp-floor") if floor else (api_argv, "tp-api")))
+    command, name = (floor_argv, "tp-floor") if floor else (api_argv, "tp-api")
+    api, base = await start_server(run, command, name)
     try:
         idle_kb = tree_kb(api.proc.pid, "VmRSS")
         measured = await post_uploads(run, api, base, picture, sizes)
