@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-# A runner imports this module before its model, so it keeps to light imports: asyncio only for the
-# type checker (the worker has it), `traceback` only on an error, and the messages are NamedTuples
+# A runner imports this module before its model, so it keeps to light imports: no asyncio (the
+# worker's side frames replies from bytes), `traceback` only on an error, and the messages are NamedTuples
 # (dataclasses, with the `inspect` it imports, cost a runner's start 15-20 ms of CPU on 2 cores).
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import Callable, Iterable, Iterator, Mapping
     from typing import Any, BinaryIO, Final, TypeAlias, TypeVar
 
@@ -138,12 +137,18 @@ def _object(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"line over {MAX_LINE_BYTES} bytes")
     try:
         hook = _unicode_object if _SURROGATE_ESCAPE.search(line) else None  # rare: parse it slowly
-        message = json.loads(line.decode("utf-8"), object_pairs_hook=hook)
+        message = json.loads(line.decode("utf-8"), object_pairs_hook=hook, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError
         raise ProtocolError(f"not a JSON line: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError(f"not a JSON object but {type(message).__name__}")
     return message
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads takes NaN and Infinity, which JSON has not (json.dumps writes them only when
+    allowed); a line with one is no JSON line."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def _unicode(value: Any) -> Any:
@@ -199,8 +204,6 @@ def parse_reply(line: bytes) -> Reply:
     if "progress" in message:
         # Clamped before float(): an integer too large for a float is still past 1.
         fraction = float(min(max(_get(message, "progress", (int, float)), 0), 1))
-        if math.isnan(fraction):
-            raise ProtocolError("'progress' is not a number")
         return Progress(job, fraction, _get(message, "message", str, ""))
     if "done" in message:
         outputs = _get(message, "outputs", list, [])
@@ -210,16 +213,32 @@ def parse_reply(line: bytes) -> Reply:
     raise ProtocolError("not a ready, progress, done or error message")
 
 
-async def read_reply(reader: asyncio.StreamReader) -> Reply | str | None:
-    """The worker's read of a runner's next line: a reply, a protocol violation as text, None at EOF."""
-    import asyncio  # loaded already in the worker, which calls this
+class ReplyLines:
+    """The worker's framing of a runner's stdout: bytes in as they come, replies out line by line,
+    each a reply or a protocol violation as text. What is left is an unfinished line (`unfinished`),
+    which the worker checks: one begun while no reply is awaited is out of turn."""
 
-    try:
-        line = await reader.readuntil(b"\n")
-    except asyncio.IncompleteReadError as exc:
-        return f"unterminated last line {exc.partial[:200]!r}" if exc.partial else None
-    except asyncio.LimitOverrunError:
-        return f"a line over {MAX_LINE_BYTES} bytes"
+    __slots__ = ("unfinished",)
+
+    def __init__(self) -> None:
+        self.unfinished = b""  # the start of a line whose newline has not come yet
+
+    def feed(self, data: bytes) -> list[Reply | str]:
+        """The replies of the lines `data` completes, and a violation if the unfinished line is
+        already too long."""
+        *lines, self.unfinished = (self.unfinished + data).split(b"\n")
+        replies = [_reply_or_violation(line) for line in lines]
+        if len(self.unfinished) > MAX_LINE_BYTES:
+            replies.append(f"a line over {MAX_LINE_BYTES} bytes")
+        return replies
+
+    def end(self) -> str | None:
+        """At EOF: the unterminated last line as a violation, or None."""
+        return f"unterminated last line {self.unfinished[:200]!r}" if self.unfinished else None
+
+
+def _reply_or_violation(line: bytes) -> Reply | str:
+    """parse_reply, with a protocol error as its text and the line's start."""
     try:
         return parse_reply(line)
     except ProtocolError as exc:

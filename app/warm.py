@@ -31,6 +31,10 @@ from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
 _PIPE_DRAIN_S = 2.0
+# After the runner's exit, how long the lines it wrote may take to be read before its stdout counts
+# as ended (it stays open while a process the runner forked holds it).
+_EXIT_SETTLE_S = 1.0
+_READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
 
 ProgressCallback = runner.ProgressCallback
@@ -164,9 +168,11 @@ class WarmRunner:
             raise
         self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")
         assert proc.stdout is not None and proc.stderr is not None
+        stdout = asyncio.create_task(self._read_stdout(proc.stdout), name=f"warm-stdout-{proc.pid}")
         self._tasks = [
-            asyncio.create_task(self._read_stdout(proc.stdout), name=f"warm-stdout-{proc.pid}"),
+            stdout,
             asyncio.create_task(self._read_stderr(proc.stderr), name=f"warm-stderr-{proc.pid}"),
+            asyncio.create_task(self._watch_exit(proc, stdout), name=f"warm-exit-{proc.pid}"),
         ]
         problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
         if problem is None and self._ending is not None:  # a line out of turn came with its ready line
@@ -302,22 +308,55 @@ class WarmRunner:
             self._wakeup.set_result(None)
 
     async def _read_stdout(self, reader: asyncio.StreamReader) -> None:
-        """Pass progress on, queue other events; after a protocol violation drain the pipe unparsed."""
-        while (event := await modelkit.read_reply(reader)) is not None:
-            job = None if self._answered else self._job  # progress after the job's answer is out of turn
-            if isinstance(event, modelkit.Progress) and job is not None and event.job == job[0]:
-                job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
-                if self._progress is None:  # a slow callback (the database away) must not hold up the answer
-                    self._progress = runner.ProgressFeed(job[2], f"warm-progress-{self.pid}")
-                self._progress.put(event.fraction, event.message)
-                continue
-            self._hand_on(event)
-            if isinstance(event, str):
-                self._log.note(f"protocol error on stdout: {event}")
-                while await reader.read(1 << 16):
-                    pass
+        """Pass progress on, queue other events; after a protocol violation drain the pipe unparsed.
+
+        Read as the bytes come, not by lines: the start of a line written while no reply is awaited
+        is out of turn at once, before a job is sent that would read it as the start of its reply."""
+        lines = modelkit.ReplyLines()
+        while chunk := await reader.read(_READ_BYTES):
+            if all(self._take(event) for event in lines.feed(chunk)) and self._may_wait(lines.unfinished):
+                continue  # (`all` stops at the first violation)
+            while await reader.read(_READ_BYTES):  # after a violation: the rest unparsed, to EOF
+                pass
+            break
+        else:
+            if (last := lines.end()) is not None:
+                self._take(last)
         self._eof = True  # the process is on its way out: let it finish before any signal
         self._hand_on(None)
+
+    def _may_wait(self, begun: bytes) -> bool:
+        """Whether an unfinished line may wait for its end: there is none, or a reply is awaited;
+        else it is out of turn, handed on as a violation (False)."""
+        if not begun or (self.state is not RunnerState.IDLE and not self._answered):
+            return True
+        return self._take(f"an unfinished line {begun[:200]!r}")
+
+    def _take(self, event: modelkit.Reply | str) -> bool:
+        """Pass a job's progress on, hand anything else on; False for a protocol violation."""
+        job = None if self._answered else self._job  # progress after the job's answer is out of turn
+        if isinstance(event, modelkit.Progress) and job is not None and event.job == job[0]:
+            job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
+            if self._progress is None:  # a slow callback (the database away) must not hold up the answer
+                self._progress = runner.ProgressFeed(job[2], f"warm-progress-{self.pid}")
+            self._progress.put(event.fraction, event.message)
+            return True
+        self._hand_on(event)
+        if isinstance(event, str):
+            self._log.note(f"protocol error on stdout: {event}")
+            return False
+        return True
+
+    async def _watch_exit(self, proc: runner.Process, stdout: asyncio.Task[None]) -> None:
+        """See the runner's exit even while its stdout stays open (a process it forked, a data
+        loader's worker say, holds the pipe): once the lines it wrote have had a moment to be read,
+        its stdout counts as ended."""
+        await proc.exited()
+        done, _ = await asyncio.wait((stdout,), timeout=_EXIT_SETTLE_S)
+        if not done and not self._eof:
+            self._log.note(f"runner pid {proc.pid} exited; a process it started holds its stdout open")
+            self._eof = True
+            self._hand_on(None)
 
     def _hand_on(self, event: _Event) -> None:
         """Queue an event for whoever waits; while idle, or once the line awaited came (a second

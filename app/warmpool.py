@@ -140,7 +140,11 @@ class WarmPool:
             if runner.state is warm.RunnerState.IDLE:
                 return runner
             self.release(runner)  # it ended between its hand-over and now: look again
-        how = launch if isinstance(launch, warm.Launch) else launch()
+        try:
+            how = launch if isinstance(launch, warm.Launch) else launch()
+        except BaseException:
+            self._serve(key)  # this job leaves the line's turn to start one: the next may take it
+            raise
         runner = warm.WarmRunner(how, kill_grace_s=self._grace, max_log_bytes=self._max_log_bytes)
         self._held[runner] = _Held(key, hold_mb)
         self.starts[key] += 1
@@ -319,12 +323,14 @@ class WarmPool:
     async def evict_lru(
         self, gpu: int | None, need_mb: int, *, keep: RunnerKey | None = None
     ) -> list[Closed]:
-        """Close idle runners on `gpu` but of `keep`, least recently used first, until need_mb is freed."""
+        """Close idle runners on `gpu`, least recently used first, until need_mb is freed; the one
+        runner acquire(keep) would reuse is spared (other idle runners of `keep` may go)."""
+        spared = self.idle(keep)[:1] if keep is not None else []
         chosen, freed = [], 0
         for runner in reversed(self.idle(gpu=gpu)):
             if freed >= need_mb:
                 break
-            if self._held[runner].key != keep:
+            if runner not in spared:
                 chosen.append(runner)
                 freed += self._held[runner].hold_mb
         return await self._close(chosen, f"evicted: {need_mb} MB needed on GPU {gpu}")

@@ -406,7 +406,8 @@ class Worker:
         return self._slots[gpu_index]
 
     async def _make_room(self, job: Job) -> None:
-        """Evict idle warm runners of other models (least recently used first) if `job` needs their memory."""
+        """Evict idle warm runners (least recently used first; not the one `job` reuses) if `job`
+        needs their memory."""
         need = self.planner.shortfall_mb(job, self.in_hand())
         if need > 0:
             keep = warmpool.RunnerKey(job.model, job.gpu) if self._models.get(job.model).persistent else None

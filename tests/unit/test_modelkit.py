@@ -99,8 +99,13 @@ def test_malformed_replies_are_rejected(message: dict[str, object]) -> None:
 def test_reply_details() -> None:
     assert modelkit.parse_reply(b'{"job": "j", "progress": 7}') == modelkit.Progress("j", 1.0)
     assert modelkit.parse_reply(b'{"ready": true}') == modelkit.Ready("", None)
-    with pytest.raises(modelkit.ProtocolError, match="not a number"):
-        modelkit.parse_reply(b'{"job": "j", "progress": NaN}')
+    for constant in (b"NaN", b"Infinity", b"-Infinity"):  # JavaScript's, not JSON: json.loads takes them
+        with pytest.raises(modelkit.ProtocolError, match="not a JSON line"):
+            modelkit.parse_reply(b'{"job": "j", "progress": ' + constant + b"}")
+        with pytest.raises(modelkit.ProtocolError, match="not a JSON line"):
+            modelkit.parse_request(
+                b'{"job": "j", "input": "/a", "output_dir": "/b", "params": {"x": ' + constant + b"}}"
+            )
     long = modelkit.encode(modelkit.Failed("j", "e" * 100_000))
     assert len(long) < modelkit.MAX_ERROR_CHARS + 100
 
@@ -153,15 +158,17 @@ def test_a_runner_imports_only_what_serving_needs() -> None:
     assert not {"asyncio", "dataclasses", "inspect", "traceback"} & loaded
 
 
-@pytest.mark.asyncio
-async def test_read_reply_frames_lines() -> None:
-    reader = asyncio.StreamReader(limit=modelkit.MAX_LINE_BYTES)
-    reader.feed_data(b'{"job": "j", "done": true}\nhello\n{"job": "j"')
-    reader.feed_eof()
-    assert await modelkit.read_reply(reader) == modelkit.Done("j")
-    assert "not a JSON line" in str(await modelkit.read_reply(reader))
-    assert "unterminated" in str(await modelkit.read_reply(reader))
-    assert await modelkit.read_reply(reader) is None
+def test_reply_lines_frame_the_bytes_as_they_come() -> None:
+    lines = modelkit.ReplyLines()
+    assert lines.feed(b'{"job": "j", "pro') == [] and lines.unfinished == b'{"job": "j", "pro'
+    progress, done, hello = lines.feed(b'gress": 0.5}\n{"job": "j", "done": true}\nhello\n{"job": "j"')
+    assert (progress, done) == (modelkit.Progress("j", 0.5), modelkit.Done("j"))
+    assert isinstance(hello, str) and hello.startswith("not a JSON line") and hello.endswith("b'hello'")
+    assert lines.unfinished == b'{"job": "j"' and "unterminated" in str(lines.end())
+    [cut] = lines.feed(b"\n")
+    assert isinstance(cut, str) and cut.startswith("not a JSON line") and lines.end() is None
+    too_long = f"a line over {modelkit.MAX_LINE_BYTES} bytes"
+    assert modelkit.ReplyLines().feed(b"x" * (modelkit.MAX_LINE_BYTES + 1)) == [too_long]
 
 
 # -- the kit, serving a real process ------------------------------------------------------

@@ -617,3 +617,125 @@ async def test_the_pool_reports_its_runners_for_the_heartbeat(
     assert pool.report(GPU0) == [] and pool.starts_on(GPU0) == {"toy": 1}
     async with pool.use(KEY, _toy(tmp_path), hold_mb=1000):
         assert pool.starts_on(GPU0) == {"toy": 2} and [r["jobs"] for r in pool.report(GPU0)] == [0]
+
+
+# Forks a helper that keeps the runner's stdout open (as a DataLoader worker or a multiprocessing
+# child would) and writes its pid to argv[2], then exits with code 3: while loading, idle or in a job.
+FORKS_AND_EXITS = """
+import json, os, sys, time
+where, helper_pid = sys.argv[1], sys.argv[2]
+def fork_then_exit():
+    if os.fork() == 0:
+        time.sleep(30)
+        os._exit(0)
+    open(helper_pid, "w").write(str(os.getpid() + 1))
+    os._exit(3)
+if where == "loading":
+    fork_then_exit()
+print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+if where == "idle":
+    time.sleep(0.3)
+    fork_then_exit()
+sys.stdin.readline()
+fork_then_exit()
+"""
+
+
+def _forks_and_exits(tmp_path: Path, where: str) -> tuple[warm.Launch, Path]:
+    script, pid_file = tmp_path / "forks_and_exits.py", tmp_path / f"helper-{where}.pid"
+    script.write_text(FORKS_AND_EXITS)
+    return _launch(tmp_path, where, [sys.executable, str(script), where, str(pid_file)]), pid_file
+
+
+def _helper_pid(pid_file: Path) -> int:
+    return int(pid_file.read_text())
+
+
+async def _helper_gone(pid_file: Path) -> bool:
+    """The forked helper, once it wrote its pid, went with its runner (the group is killed)."""
+    return await _eventually(pid_file.exists) and await _gone(_helper_pid(pid_file))
+
+
+@pytest.mark.asyncio
+async def test_a_runner_whose_forked_helper_holds_its_stdout_is_seen_to_exit(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    """A runner's end was seen only as its stdout's end, which a forked helper holding the pipe
+    put off for as long as it lived: the load ran to its timeout, an idle runner stayed idle with
+    its memory held, and a job ran out its timeout instead of ending as a crash."""
+    loading, pid_file = _forks_and_exits(tmp_path, "loading")
+    began = asyncio.get_running_loop().time()
+    with pytest.raises(warm.StartFailed, match=r"exited while loading \(exit code 3\)"):
+        await pool.acquire(KEY, loading, hold_mb=0)  # load_timeout_s is 10 s
+    assert asyncio.get_running_loop().time() - began < 3 and await _helper_gone(pid_file)
+
+    idle, pid_file = _forks_and_exits(tmp_path, "idle")
+    warm_runner = await pool.acquire(KEY, idle, hold_mb=800)
+    pool.release(warm_runner)
+    assert await _eventually(lambda: warm_runner.state is warm.RunnerState.DEAD, within_s=3)
+    assert pool.reserved_mb(GPU0) == 0 and pool.idle(KEY) == [] and await _helper_gone(pid_file)
+
+    in_job, pid_file = _forks_and_exits(tmp_path, "job")
+    async with pool.use(KEY, in_job, hold_mb=0) as warm_runner:
+        result = await Jobs(tmp_path).run(warm_runner, timeout_s=10)
+    assert (result.outcome, result.error, result.exit_code) == (
+        warm.Outcome.CRASHED, "the runner exited during the job", 3,
+    )  # fmt: skip
+    assert result.duration_s < 3 and await _helper_gone(pid_file)
+
+
+@pytest.mark.asyncio
+async def test_half_a_line_out_of_turn_ends_an_idle_runner_before_any_job_meets_it(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    """An unfinished line written while idle waited in the pipe and was read as the start of the
+    next job's reply: that job crashed on a line it never caused."""
+    body = READY + "time.sleep(0.2)\nsys.stdout.write('{\"job\":')\nsys.stdout.flush()\ntime.sleep(30)\n"
+    warm_runner = await pool.acquire(KEY, _script(tmp_path, "half_line", body), hold_mb=0)
+    pool.release(warm_runner)
+    assert await _dead(warm_runner)
+    async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as fresh:
+        assert fresh is not warm_runner and (await Jobs(tmp_path).run(fresh)).ok
+    runner_log = (tmp_path / "runners" / "half_line.log").read_text()
+    assert "spoke out of turn" in runner_log and "unfinished line" in runner_log
+
+
+@pytest.mark.asyncio
+async def test_eviction_spares_only_the_runner_the_kept_model_will_reuse(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    """Two idle runners of one model (two of its jobs ran side by side): a third job of it reuses
+    one, and the claim counted the other's memory as free to take. Eviction spared both."""
+    jobs = Jobs(tmp_path)
+    first = await pool.acquire(KEY, _toy(tmp_path), hold_mb=3000)
+    second = await pool.acquire(KEY, _toy(tmp_path), hold_mb=3000)
+    assert (await jobs.run(first)).ok and (await jobs.run(second)).ok
+    pool.release(first)
+    pool.release(second)  # the most recently used: acquire(KEY) takes this one
+    closed = await pool.evict_lru(GPU0, 3000, keep=KEY)
+    assert [c.pid for c in closed] == [first.pid] and pool.idle(KEY) == [second]
+    assert pool.idle_hold_mb(KEY) == 3000 and pool.reserved_mb(GPU0) == 3000
+
+
+@pytest.mark.asyncio
+async def test_a_start_that_cannot_be_worked_out_leaves_no_job_waiting_for_ever(
+    tmp_path: Path, paced: warmpool.WarmPool
+) -> None:
+    """Paced, the job told to start a runner raised when working out how (its folder could not be
+    made, say) and left the line without handing the turn on: the jobs behind it waited for ever."""
+    launch = _toy(tmp_path, "toy", "--load-sleep", "0.5")
+    first = asyncio.create_task(paced.acquire(KEY, launch, hold_mb=0))  # starts one; the pace is unknown
+    await asyncio.sleep(0.05)
+    calls = []
+
+    def broken() -> warm.Launch:
+        calls.append(1)
+        raise OSError("No space left on device")
+
+    behind = [asyncio.create_task(paced.acquire(KEY, broken, hold_mb=0)) for _ in range(2)]
+    busy = await asyncio.wait_for(first, 10)  # its start measured, the first in line is told to start one
+    for task in behind:
+        with pytest.raises(OSError, match="No space left"):
+            await asyncio.wait_for(task, 5)
+    assert len(calls) == 2
+    paced.release(busy)
