@@ -145,6 +145,8 @@ _CONNECTION_ERRORS = (
     asyncpg.CannotConnectNowError,
     asyncpg.InterfaceError,
     asyncpg.AdminShutdownError,
+    # Every connection taken (53300): so for a while after a restart, when every process reconnects.
+    asyncpg.TooManyConnectionsError,
     asyncpg.InternalClientError,  # a connection asyncpg finds mid-operation (after a restart): unusable
 )
 # Other OSErrors count only with one of these numbers and no file name: a socket that could not

@@ -46,30 +46,70 @@ async def test_a_statement_error_keeps_the_connection_and_a_cancel_discards_it(e
     assert (await db.fetch_row(engine, NEXT, {"n": 1}))["next"] == 2
 
 
-async def answer_starting_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answer a connection as a PostgreSQL still starting up does: no TLS, then FATAL 57P03."""
-    length = int.from_bytes(await reader.readexactly(4), "big")
-    body = await reader.readexactly(length - 4)
-    if body[:4] == (80877103).to_bytes(4, "big"):  # SSLRequest: answer "no TLS", read the startup
-        writer.write(b"N")
+def _message(kind: bytes, body: bytes) -> bytes:
+    """One message of PostgreSQL's wire protocol."""
+    return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+
+def _fatal(code: str, text: str) -> bytes:
+    return _message(b"E", f"SFATAL\0VFATAL\0C{code}\0M{text}\0\0".encode())
+
+
+def fatal_server(code: str, text: str, *, after_startup: bool):
+    """A server that answers a connection as PostgreSQL does in trouble: no TLS, then FATAL `code`
+    at once (refused at the door) or, `after_startup`, at the first query (a session cut off)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         length = int.from_bytes(await reader.readexactly(4), "big")
-        await reader.readexactly(length - 4)  # the startup message
-    fields = b"SFATAL\0VFATAL\0C57P03\0Mthe database system is starting up\0\0"
-    writer.write(b"E" + (len(fields) + 4).to_bytes(4, "big") + fields)
-    await writer.drain()
-    writer.close()
+        body = await reader.readexactly(length - 4)
+        if body[:4] == (80877103).to_bytes(4, "big"):  # SSLRequest: answer "no TLS", read the startup
+            writer.write(b"N")
+            length = int.from_bytes(await reader.readexactly(4), "big")
+            await reader.readexactly(length - 4)  # the startup message
+        if after_startup:
+            settings = [
+                (b"server_version", b"18.0"),
+                (b"client_encoding", b"UTF8"),
+                (b"integer_datetimes", b"on"),
+            ]
+            writer.write(_message(b"R", (0).to_bytes(4, "big")))  # no password asked
+            writer.writelines(_message(b"S", name + b"\0" + value + b"\0") for name, value in settings)
+            writer.write(_message(b"K", (1).to_bytes(4, "big") * 2) + _message(b"Z", b"I"))
+            await reader.read(1)  # the first query
+        writer.write(_fatal(code, text))
+        await writer.drain()
+        writer.close()
+
+    return answer
 
 
-async def test_a_server_still_starting_up_counts_as_unavailable():
-    """A worker retries its final writes while the database is unavailable. A server that answered
-    "starting up" to a new pooled connection raised an error it did not count as such, and the
-    attempt gave up its success (the job ran again after its lease ran out)."""
-    server = await asyncio.start_server(answer_starting_up, "127.0.0.1", 0)
+@pytest.mark.parametrize(
+    ("code", "text", "after_startup"),
+    [
+        ("57P03", "the database system is starting up", False),
+        ("53300", "sorry, too many clients already", False),
+        ("57P02", "terminating connection because of crash of another server process", True),
+    ],
+    ids=["starting up", "too many clients", "another backend crashed"],
+)
+async def test_a_server_in_trouble_for_a_while_counts_as_unavailable(
+    code: str, text: str, after_startup: bool
+):
+    """A worker retries its final writes while the database is unavailable. Errors PostgreSQL
+    gives for a while, then not, were not counted as such (starting up; every connection taken, as
+    when every process reconnects after a restart), and the attempt gave up its success: its
+    results deleted and an attempt spent, or the job run again after its lease ran out. (A
+    backend's crash, which ends every session, was counted: asyncpg reports the closed connection.)"""
+    server = await asyncio.start_server(fatal_server(code, text, after_startup=after_startup), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     engine = db.create_engine(f"postgresql+asyncpg://nobody@127.0.0.1:{port}/nothing", pool_size=1)
     try:
-        with pytest.raises(Exception, match="starting up") as refused:
+        with pytest.raises(Exception, match=text.split(",")[0]) as refused:
             await db.fetch_rows(engine, NEXT, {"n": 1})
+        assert db.is_unavailable(refused.value)
+        with pytest.raises(Exception, match=text.split(",")[0]) as refused:  # and through SQLAlchemy
+            async with engine.connect() as conn:
+                await conn.execute(NEXT, {"n": 1})
         assert db.is_unavailable(refused.value)
     finally:
         await engine.dispose()
