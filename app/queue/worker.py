@@ -125,6 +125,9 @@ class Worker:
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
         self._gpus: list[gpu.Gpu] = []  # the last reading of the GPUs that NVML answered
         self._claim_unsure = False  # a claim failed with the database: it may have taken jobs
+        # Held while claiming and starting what was claimed, and while handing back what a lost
+        # claim took: that compares the jobs running under this worker's name with `_running`.
+        self._claiming = asyncio.Lock()
 
     @property
     def id(self) -> str:
@@ -200,8 +203,9 @@ class Worker:
 
     async def _serve(self) -> None:
         """Claim and run until stopped, then shut down."""
+        heartbeat = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}")
         side = [
-            asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}"),
+            heartbeat,
             asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
             asyncio.create_task(self._listen_loop(), name=f"listener:{self.id}"),
             asyncio.create_task(self._warm_loop(), name=f"warm:{self.id}"),
@@ -216,7 +220,7 @@ class Worker:
             self.stop()
             await main
         finally:
-            await self._shutdown(side)
+            await self._shutdown(side, renewing=not heartbeat.done())
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
@@ -255,17 +259,23 @@ class Worker:
                 f"no GPU can ever run a job: the smallest model needs {smallest} MB, {offers} ({sizes})"
             )
 
-    async def _shutdown(self, side: list[asyncio.Task[None]]) -> None:
-        """Let running jobs finish for the grace period, hand the rest back, say goodbye."""
+    async def _shutdown(self, side: list[asyncio.Task[None]], *, renewing: bool) -> None:
+        """Let running jobs finish for the grace period, hand the rest back, say goodbye.
+
+        No grace when the heartbeat died (not `renewing`): the leases would run out meanwhile, and
+        another worker take the jobs back (an attempt spent) while their models still ran here."""
         with contextlib.suppress(Exception):
             await self._manager.set_worker_state(self.id, "stopping")
         if self._running:
             tasks = [t for _, t in self._running.values()]
-            await asyncio.wait(tasks, timeout=self._config.shutdown_grace_s)
+            await asyncio.wait(tasks, timeout=self._config.shutdown_grace_s if renewing else 0)
             for a, _ in self._running.values():
                 a.stop(attempt_.SHUTDOWN)
             await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
         await self.pool.close_all(attempt_.SHUTDOWN)
+        if self._claim_unsure:  # what a lost claim took goes back now, not after its lease
+            with contextlib.suppress(Exception):
+                await self._release_unknown()
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -327,6 +337,10 @@ class Worker:
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
+        async with self._claiming:
+            return await self._claim_and_start()
+
+    async def _claim_and_start(self) -> int:
         if self._claim_unsure:
             await self._release_unknown()
         started = 0
@@ -349,7 +363,8 @@ class Worker:
     async def _try_release_unknown(self) -> bool:
         """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
         try:
-            await self._release_unknown()
+            async with self._claiming:
+                await self._release_unknown()
         except Exception as exc:
             if not db.is_unavailable(exc):
                 raise
@@ -358,7 +373,8 @@ class Worker:
 
     async def _release_unknown(self) -> None:
         """After a claim that failed with the database: it may have committed, its jobs running
-        here under this worker's name unknown to it. They go back to the queue, unspent."""
+        here under this worker's name unknown to it. They go back to the queue, unspent. (Under
+        `_claiming`, or with no claim left to make.)"""
         for job_id in await self._manager.release_unknown(worker_id=self.id, in_hand=list(self._running)):
             log.warning(
                 "handed back a job whose claim's answer was lost",
@@ -505,7 +521,15 @@ class Worker:
             await asyncio.sleep(self._config.reap_interval_s)
 
     async def reap(self) -> int:
-        """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back."""
+        """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back.
+
+        First, what a lost claim took is handed back: the claim loop, which does so before its next
+        claim, may wait longer than a lease (its backoff while the database failed, with nothing
+        to wake it), and those jobs' leases are not renewed meanwhile."""
+        if self._claim_unsure and not self._claiming.locked():
+            async with self._claiming:
+                if self._claim_unsure:
+                    await self._release_unknown()
         if await self._manager.promote_due():
             self._wake.set()
         await self._age_queued()

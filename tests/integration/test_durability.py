@@ -604,3 +604,44 @@ async def test_a_job_canceled_while_waiting_for_its_retry_has_no_run_time(manage
     job = await manager.get(job_id)
     wait_s, run_s = views.timings(job, datetime.now(UTC))
     assert run_s is None and wait_s is not None and wait_s >= 3600
+
+
+async def test_a_worker_whose_heartbeat_died_hands_its_jobs_back_before_their_leases_run_out(
+    manager, make_worker, engine
+):
+    """A heartbeat that died (PostgreSQL refused its statement) stops the worker, which then gave
+    its running jobs the shutdown grace (longer than a lease) with nothing renewing their leases:
+    another host's reaper took a job back (an attempt spent, an abnormal death counted) and ran it
+    again while its model still ran here. With no heartbeat there is no grace: the jobs are
+    stopped and handed back at once."""
+    await asyncio.sleep(1.5)  # leases run out only once the server is up longer than one
+    async with engine.begin() as conn:
+        refuse = "BEGIN RAISE EXCEPTION 'refused by the test'; END"
+        await conn.execute(
+            text(f"CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ {refuse} $$")
+        )
+    job_id = await enqueue(manager, sleep=6.0)
+    fast = {"lease_s": 1.0, "heartbeat_interval_s": 0.2, "reap_interval_s": 0.2}
+    worker = make_worker(burst=False, **fast)  # its shutdown grace is 5 s
+    task = asyncio.create_task(worker.run())
+    await until(manager, job_id, lambda j: j.pid is not None)
+
+    async def reaper_elsewhere() -> None:
+        while True:
+            await manager.recover_expired(
+                by_worker="test:elsewhere", in_hand=[], host="elsewhere", lease_s=1.0
+            )
+            await asyncio.sleep(0.1)
+
+    elsewhere = asyncio.create_task(reaper_elsewhere())
+    async with engine.begin() as conn:  # every heartbeat from now on fails
+        await conn.execute(
+            text("CREATE TRIGGER refuse BEFORE UPDATE ON workers FOR EACH ROW EXECUTE FUNCTION refuse()")
+        )
+    try:
+        await asyncio.wait_for(task, 10)
+    finally:
+        elsewhere.cancel()
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt, job.abnormal_runs) == (JobState.queued, 1, 0), job.error
+    assert [k for k in await kinds(manager, job_id) if k != "progress"][-1] == "released"
