@@ -429,9 +429,9 @@ class JobManager:
         `slots` (GPU index -> jobs it may still start; default no cap) bounds the jobs per GPU.
         `models` may map each model to the largest input (megapixels) to take (backfill), and
         `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
-        jobs of equal effective priority, models with a warm runner (`warm` pairs) come first and
-        go to the GPU their runner is on. Successes waiting to be written (`hold_successes`) go out
-        in the same statement.
+        jobs of equal effective priority, those whose model has a warm runner (`warm` pairs) on a
+        GPU of `budgets` with room for the job come first, and go to that GPU. Successes waiting
+        to be written (`hold_successes`) go out in the same statement.
         """
         gpu_ids = [g for g in budgets if (slots is None or slots.get(g, 0) > 0) and budgets[g] > 0]
         if not gpu_ids or not models or limit < 1:
@@ -442,7 +442,6 @@ class JobManager:
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
-            "warm_models": sorted({model for model, _ in warm}),
             "warm_pairs": sorted(f"{model}:{gpu}" for model, gpu in warm),
             "min_priority": min_priority,
             "max_class": vram_class(budget),

@@ -523,3 +523,25 @@ async def test_an_idle_worker_is_woken_by_the_enqueue_not_by_its_poll(
         job_id = await enqueue(manager)
         job = await until(manager, job_id, lambda j: j.state is JobState.succeeded, timeout_s=10)
     assert job.started_at is not None and (job.started_at - job.created_at).total_seconds() < 2
+
+
+async def test_a_model_warm_only_on_a_gpu_this_claim_cannot_use_is_not_preferred(manager: JobManager):
+    """docs/persistent.md: among equals the claim prefers a job whose model has a live runner on
+    that GPU. It preferred the model wherever its runner was: a newer job of a model warm only on
+    a full GPU went ahead of an older one, and then ran cold on another GPU."""
+    older = await enqueue(manager, model="cold")
+    newer = await enqueue(manager, model="warm")
+    claim = {**CLAIM, "models": ["cold", "warm"], "limit": 1}
+    [taken] = await manager.claim(**claim, budgets={0: 10_000}, warm={("warm", 1)})  # GPU 1 is full
+    assert taken.job.id == older
+    [taken] = await manager.claim(**claim, budgets={0: 10_000, 1: 10_000}, warm={("warm", 1)})
+    assert (taken.job.id, taken.job.gpu) == (newer, 1)  # warm where there is room: first, and there
+
+
+async def test_a_model_warm_on_a_gpu_too_small_for_the_job_is_not_preferred(manager: JobManager):
+    """The same when the runner's GPU has room, but not enough for this job."""
+    older = await enqueue(manager, model="cold", vram_mb=3000)
+    await enqueue(manager, model="warm", vram_mb=3000)
+    claim = {**CLAIM, "models": ["cold", "warm"], "limit": 1, "warm": {("warm", 1)}}
+    [taken] = await manager.claim(**claim, budgets={0: 10_000, 1: 2000})
+    assert (taken.job.id, taken.job.gpu) == (older, 0)
