@@ -55,6 +55,9 @@ class RunResult:
     stopped: str | None  # the reason given to stop(), when the stop ended the run
     duration_s: float
     log_tail: str  # the last TAIL_LINES lines / TAIL_BYTES bytes this run wrote to its log
+    # A process outside the run's group still held its output pipes after it exited: one it
+    # started in a session of its own, which the group's kill misses (the caller finds it by marker).
+    escaped: bool = False
 
     @property
     def ok(self) -> bool:
@@ -321,6 +324,7 @@ class ModelProcess:
         self._on_progress = on_progress
         self._popen: subprocess.Popen[bytes] | None = None
         self._pipes: list[_Pipe] = []
+        self._escaped = False  # see RunResult.escaped
         self._progress: ProgressFeed | None = None  # made with the first update
         self._stop_reason: str | None = None
         self._started_at = 0.0
@@ -481,6 +485,7 @@ class ModelProcess:
             stopped=stopped,
             duration_s=time.monotonic() - self._started_at,
             log_tail=self._log.tail(),
+            escaped=self._escaped,
         )
         return self._result
 
@@ -489,6 +494,7 @@ class ModelProcess:
         if self._pipes:
             await asyncio.wait((self._pipes_closed,), timeout=_PIPE_DRAIN_S)
         if self._pipes:
+            self._escaped = True
             self._log.note("output pipes still open after exit (a process left the group?); closing them")
             for pipe in list(self._pipes):
                 self._close_pipe(pipe, eof=False)

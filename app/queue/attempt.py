@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
+from app.queue import leftovers
 from app.queue import manager as manager_
 from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job, JobState
 
@@ -244,6 +245,8 @@ class Attempt:
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
         result = await self._watched(pid, process.wait())
+        if result.escaped or not result.ok:  # what left the run's group dies before the lane is reused
+            await leftovers.kill_run_strays(job.id, job.attempt)
         return self._after_peak(self._outcome(result, scratch / "out"))
 
     async def _run_warm(

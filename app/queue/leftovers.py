@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 
 from app import errors, runner
@@ -102,6 +102,41 @@ def find_worker_models(worker_id: str) -> set[int]:
         return run in variables or any(v.count(b":", len(warm)) == 1 for v in runners)
 
     return _groups_where(started_by)
+
+
+def find_strays(worker_id: str, live_runs: Set[str], live_runners: Set[str]) -> set[int]:
+    """Process groups of processes this worker's runs and runners started that outlived them: one
+    a model started in a session of its own (setsid) is not in its run's process group, so the
+    group's kill missed it. Marked as `worker_id`'s (GPUJOBS_WORKER, or GPUJOBS_RUNNER
+    `<worker_id>:<model>:<gpu>`), with a run (`<job id>:<attempt>`) not in `live_runs`, or a runner
+    key (`<model>:<gpu>`) not in `live_runners`. (A helper a live run or runner started, as a
+    daemon, say, lives on with it.)"""
+    worker, runner_ = f"GPUJOBS_WORKER={worker_id}".encode(), f"GPUJOBS_RUNNER={worker_id}:".encode()
+    job = b"GPUJOBS_JOB="
+
+    def outlived(environ: bytes) -> bool:
+        variables = environ.split(b"\0")
+        for v in variables:
+            if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:  # see find_worker_models
+                return v[len(runner_) :].decode(errors="replace") not in live_runners
+        if worker not in variables:
+            return False
+        run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
+        return run.decode(errors="replace") not in live_runs
+
+    return _groups_where(outlived)
+
+
+async def kill_strays(worker_id: str, live_runs: Set[str], live_runners: Set[str]) -> int:
+    """Kill (at once: their run is over) what `find_strays` finds; how many groups were alive."""
+    groups = await asyncio.to_thread(find_strays, worker_id, live_runs, live_runners)
+    return await _kill_groups(groups, grace_s=0, why="a process its run left behind")
+
+
+async def kill_run_strays(job_id: object, attempt: int) -> int:
+    """Kill what is left of one run that is over (at once); how many groups were alive."""
+    groups = await asyncio.to_thread(find_models, job_id, attempt)
+    return await _kill_groups(groups, grace_s=0, why="a process its run left behind", job_id=str(job_id))
 
 
 def _groups_where(marked: Callable[[bytes], bool]) -> set[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, logs, registry, runner, scheduler, storage, warmpool
+from app import db, errors, gpu, logs, registry, runner, scheduler, storage, warm, warmpool
 from app.queue import attempt as attempt_
 from app.queue import leftovers, sql
 from app.queue import manager as manager_
@@ -533,6 +533,7 @@ class Worker:
         if await self._manager.promote_due():
             self._wake.set()
         await self._age_queued()
+        await self._kill_strays()
         cleared = await self._kill_leftovers()
         taken = await self._manager.recover_expired(
             by_worker=self.id,
@@ -563,6 +564,18 @@ class Worker:
         config = self._config
         if config.age_max_boost > 0:
             await self._manager.age_queued(step_s=config.age_step_s, max_boost=config.age_max_boost)
+
+    async def _kill_strays(self) -> None:
+        """Kill processes this worker's runs and runners started that outlived them (a run's own
+        end kills those of a run that failed, or that kept its output pipes open: a daemon a
+        run that succeeded left is found here)."""
+        runs = {f"{a.job.id}:{a.job.attempt}" for a, _ in self._running.values()}
+        runners = {
+            f"{key.model}:{key.gpu}"
+            for r, key in self.pool.runners().items()
+            if r.state is not warm.RunnerState.DEAD
+        }
+        await leftovers.kill_strays(self.id, runs, runners)
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;

@@ -1,0 +1,144 @@
+"""What a one-shot run leaves behind: a process it started outside its process group (in a
+session of its own, which the group's kill misses) dies with the run, and writes nothing into
+the next job's scratch lane."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from app.queue.jobs import JobState
+from tests.conftest import script_model, toy_model
+from tests.integration.test_durability import running, until
+from tests.integration.test_worker import enqueue
+
+# Starts a process in a session of its own that writes its pid to argv[2], then (after argv[4]
+# seconds) writes out.txt into the run's output folder, argv[1] (if it can), and lives on. Then, by argv[3]:
+# "hang" sleeps (until its timeout), "exit" ends well, writing its own out.txt. With argv[5]
+# "quiet" the stray closes its stdout and stderr first (as a daemon does).
+STRAY = textwrap.dedent(
+    """
+    import os, sys, time
+    out_dir, pid_file, then, delay_s, quiet = sys.argv[1:6]
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if quiet == "quiet":
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+        time.sleep(float(delay_s))
+        try:
+            with open(os.path.join(out_dir, "out.txt"), "w") as f:
+                f.write("left behind by an earlier job")
+        except OSError:  # the lane is gone: live on all the same
+            pass
+        time.sleep(60)
+        os._exit(0)
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(child))
+    os.rename(pid_file + ".tmp", pid_file)
+    if then == "hang":
+        time.sleep(60)
+    with open(os.path.join(out_dir, "out.txt"), "w") as f:
+        f.write("mine")
+    """
+)
+
+
+@pytest.fixture
+def models_file(tmp_path: Path) -> Path:
+    """`toy`; `stray`, which leaves a process behind (see STRAY; timeout 10 s, its `then`, `delay_s`
+    and `quiet` as params); `silent`, which waits 2 s and writes nothing."""
+    path = tmp_path / "models.toml"
+    stray = [
+        "{python}",
+        "-c",
+        STRAY,
+        "{output_dir}",
+        str(tmp_path / "stray.pid"),
+        "{then}",
+        "{delay_s}",
+        "{quiet}",
+    ]
+    params = "".join(
+        f'[models.stray.params.{name}]\ntype = "str"\ndefault = "{default}"\n'
+        for name, default in (("then", "exit"), ("delay_s", "3"), ("quiet", "loud"))
+    )
+    path.write_text(
+        toy_model("toy")
+        + script_model("stray", stray)
+        + params
+        + script_model("silent", ["{python}", "-c", "import time; time.sleep(2)"])
+        + script_model("stray_timeout", stray).replace("timeout_s = 10", "timeout_s = 1")
+        + params.replace("models.stray.", "models.stray_timeout.")
+    )
+    return path
+
+
+def _stray_pid(tmp_path: Path) -> int:
+    return int((tmp_path / "stray.pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _gone(pid: int, within_s: float) -> bool:
+    for _ in range(int(within_s / 0.05)):
+        if not _alive(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return not _alive(pid)
+
+
+@pytest.fixture
+def strays(tmp_path: Path):
+    """Kills what the test's model left alive, whatever the test found."""
+    yield
+    if (tmp_path / "stray.pid").exists() and _alive(pid := _stray_pid(tmp_path)):
+        os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_process_that_left_a_timed_out_runs_group_dies_with_the_run(
+    manager, make_worker, tmp_path, strays
+):
+    job_id = await enqueue(manager, model="stray_timeout", then="hang", max_attempts=1)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed and "timed out" in (job.error or ""), job.error
+    assert await _gone(_stray_pid(tmp_path), within_s=2)
+
+
+async def test_a_process_a_run_left_behind_writes_nothing_into_the_next_jobs_lane(
+    manager, make_worker, tmp_path, strays
+):
+    """The stray of a run that ended well wrote its file into the lane the next job ran in (one
+    lane: one job at a time), and that job, which wrote nothing, succeeded with it as its output."""
+    first = await enqueue(manager, model="stray", max_attempts=1)  # the stray writes after 3 s
+    second = await enqueue(manager, model="silent", max_attempts=1)
+    await make_worker(max_jobs_per_gpu=1).run()
+    assert (await manager.get(first)).state is JobState.succeeded
+    job = await manager.get(second)
+    assert job.state is JobState.failed and "out.txt" in (job.error or ""), (job.state, job.error)
+    assert await _gone(_stray_pid(tmp_path), within_s=1)
+
+
+async def test_a_quiet_stray_of_a_run_that_ended_well_is_killed_within_a_reap_round(
+    manager, make_worker, tmp_path, strays
+):
+    """A stray that let go of the run's output pipes (a daemon) is not seen as the run ends; the
+    worker's reaper finds it by the run's marker once the run is over."""
+    job_id = await enqueue(manager, model="stray", quiet="quiet", delay_s="60", max_attempts=1)
+    async with running(make_worker(burst=False, reap_interval_s=0.3)):
+        await until(manager, job_id, lambda j: j.state.final)
+        assert await _gone(_stray_pid(tmp_path), within_s=3)
