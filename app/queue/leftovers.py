@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from pathlib import Path
 
 from app import errors, runner
@@ -104,32 +104,37 @@ def find_worker_models(worker_id: str) -> set[int]:
     return _groups_where(started_by)
 
 
-def find_strays(worker_id: str, live_runs: Set[str], live_runners: Set[str]) -> set[int]:
-    """Process groups of processes this worker's runs and runners started that outlived them: one
-    a model started in a session of its own (setsid) is not in its run's process group, so the
-    group's kill missed it. Marked as `worker_id`'s (GPUJOBS_WORKER, or GPUJOBS_RUNNER
-    `<worker_id>:<model>:<gpu>`), with a run (`<job id>:<attempt>`) not in `live_runs`, or a runner
-    key (`<model>:<gpu>`) not in `live_runners`. (A helper a live run or runner started, as a
-    daemon, say, lives on with it.)"""
+def find_marked(worker_id: str) -> dict[int, str]:
+    """The process groups of every process this worker's runs and runners started, each with
+    what started it: `run <job id>:<attempt>` (GPUJOBS_JOB) or `runner <model>:<gpu>` (from
+    GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>`)."""
     worker, runner_ = f"GPUJOBS_WORKER={worker_id}".encode(), f"GPUJOBS_RUNNER={worker_id}:".encode()
     job = b"GPUJOBS_JOB="
+    found: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                variables = Path(entry.path, "environ").read_bytes().split(b"\0")
+                origin = None
+                for v in variables:
+                    if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:  # see find_worker_models
+                        origin = "runner " + v[len(runner_) :].decode(errors="replace")
+                if origin is None and worker in variables:
+                    run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
+                    origin = "run " + run.decode(errors="replace")
+                if origin is not None:
+                    found[os.getpgid(int(entry.name))] = origin
+    return found
 
-    def outlived(environ: bytes) -> bool:
-        variables = environ.split(b"\0")
-        for v in variables:
-            if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:  # see find_worker_models
-                return v[len(runner_) :].decode(errors="replace") not in live_runners
-        if worker not in variables:
-            return False
-        run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
-        return run.decode(errors="replace") not in live_runs
 
-    return _groups_where(outlived)
-
-
-async def kill_strays(worker_id: str, live_runs: Set[str], live_runners: Set[str]) -> int:
-    """Kill (at once: their run is over) what `find_strays` finds; how many groups were alive."""
-    groups = await asyncio.to_thread(find_strays, worker_id, live_runs, live_runners)
+async def kill_strays(worker_id: str, live: Callable[[str], bool]) -> int:
+    """Kill, at once, the processes this worker's runs and runners started that outlived them: a
+    process a model started in a session of its own (setsid) is not in its run's process group,
+    so the group's kill missed it. `live(origin)` says whether what started a group (as
+    `find_marked` names it) is still running: a helper of a live run or runner (a daemon, say)
+    lives on with it. Asked after the scan, so a run that started meanwhile is live."""
+    marked = await asyncio.to_thread(find_marked, worker_id)
+    groups = {pgid for pgid, origin in marked.items() if not live(origin)}
     return await _kill_groups(groups, grace_s=0, why="a process its run left behind")
 
 

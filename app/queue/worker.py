@@ -569,13 +569,13 @@ class Worker:
         """Kill processes this worker's runs and runners started that outlived them (a run's own
         end kills those of a run that failed, or that kept its output pipes open: a daemon a
         run that succeeded left is found here)."""
-        runs = {f"{a.job.id}:{a.job.attempt}" for a, _ in self._running.values()}
-        runners = {
-            f"{key.model}:{key.gpu}"
-            for r, key in self.pool.runners().items()
-            if r.state is not warm.RunnerState.DEAD
-        }
-        await leftovers.kill_strays(self.id, runs, runners)
+
+        def live(origin: str) -> bool:  # asked after the scan: a run that started meanwhile is live
+            runs = (f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values())
+            keys = (k for r, k in self.pool.runners().items() if r.state is not warm.RunnerState.DEAD)
+            return origin in runs or origin in (f"runner {k.model}:{k.gpu}" for k in keys)
+
+        await leftovers.kill_strays(self.id, live)
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;
