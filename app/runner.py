@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from app.runlog import RunLog
 
@@ -90,6 +91,20 @@ def minimal_env(gpu_index: int | None, extra: Mapping[str, str] | None = None) -
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+# Why a program cannot start that no retry mends: it is missing, not executable, or not a program.
+# Anything else (no file descriptors, memory or processes left) is this host's passing trouble.
+_NEVER_STARTS: Final = frozenset(
+    {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR, errno.EISDIR, errno.ELOOP,
+     errno.ENAMETOOLONG}
+)  # fmt: skip
+
+
+def cannot_start(exc: OSError) -> bool:
+    """Whether a start's OSError says the program can never start here (a missing working folder
+    says so too: the caller tells that apart)."""
+    return exc.errno in _NEVER_STARTS
 
 
 async def kill_process_group(pgid: int, *, grace_s: float) -> bool:

@@ -18,6 +18,7 @@ removes its lanes too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -152,6 +153,15 @@ class ResultStore:
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes (nothing is made: see `prepare`)."""
         return log_file(self.root, job_id, attempt)
+
+    @staticmethod
+    def outputs_bytes(out_dir: Path, expected: Sequence[ExpectedOutput]) -> int:
+        """The size of the declared outputs found (links not followed), for how to check them."""
+        total = 0
+        for spec in expected:
+            with contextlib.suppress(OSError):
+                total += os.lstat(out_dir / spec.name).st_size
+        return total
 
     def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
         """Describe the declared outputs; OutputInvalid if one is missing, empty or too large, or if

@@ -163,7 +163,7 @@ class WarmRunner:
             self.state = RunnerState.DEAD
             self._log.close()
             if isinstance(exc, OSError):
-                permanent = isinstance(exc, FileNotFoundError | PermissionError) and launch.cwd.is_dir()
+                permanent = runner.cannot_start(exc) and launch.cwd.is_dir()
                 raise StartFailed(f"the runner could not be started: {exc}", permanent=permanent) from exc
             raise
         self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
 from app.queue import leftovers
 from app.queue import manager as manager_
-from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job, JobState
+from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job, JobState, ResultFile
 
 log = logging.getLogger("gpujobs.worker")
 T = TypeVar("T")
@@ -31,6 +31,8 @@ EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
 PID_AFTER_S = 0.5
 RECORD_PID_WAIT_S = 5.0  # the most a run's end waits for its pid's statement to finish
+# Outputs up to this size are hashed on the event loop (about a millisecond); larger ones in a thread.
+_HASH_ON_LOOP_BYTES = 1 << 20
 
 # Reasons a run is stopped from outside, and what the attempt then writes.
 CANCELED = "canceled"
@@ -239,8 +241,8 @@ class Attempt:
         try:
             pid = await process.start()
         except OSError as exc:
-            # A missing scratch folder is this host's trouble (retry); a missing program is not.
-            return self._failure(f"the model could not be started: {exc}", retryable=not scratch.is_dir())
+            never = runner.cannot_start(exc) and scratch.is_dir()  # else this host's passing trouble
+            return self._failure(f"the model could not be started: {exc}", retryable=not never)
         self._process = process
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
@@ -399,7 +401,8 @@ class Attempt:
             return self._success(out_dir, result.duration_s)
         if not result.timed_out and self.spec.out_of_memory(result.exit_code, result.log_tail):
             return self._out_of_memory(describe(result, self.spec.timeout_s))
-        bad_input = result.exit_code in self.spec.bad_input_exit_codes
+        # A model stopped at its timeout may answer SIGTERM with any code: it stays a timeout.
+        bad_input = not result.timed_out and result.exit_code in self.spec.bad_input_exit_codes
         error = describe(result, self.spec.timeout_s)
         return self._failure(
             ("bad input: " if bad_input else "") + error,
@@ -523,18 +526,22 @@ class Attempt:
             storage.ExpectedOutput(name, media_type, spec.required, spec.max_mb * 1024 * 1024)
             for name, media_type, spec in self.spec.expected_outputs(self.job.params)
         ]
-        try:
-            files = self._store.check_outputs(out_dir, expected)
-        except storage.OutputInvalid as exc:
-            return self._failure(f"bad output: {exc.message}", retryable=False)
-        except OSError as exc:  # as in _run_model: not to be taken for a database outage
-            return self._failure(f"could not read the outputs: {exc}", retryable=True)
         job = self.job
         published = unsure = False
+        files: list[ResultFile] | None = None
 
         async def write() -> None:
-            # Publish once; a retry after a database outage repeats only the database write.
-            nonlocal published, unsure
+            # Check and publish once; a retry after a database outage repeats only the database write.
+            nonlocal published, unsure, files
+            if files is None:
+                try:
+                    files = await self._checked_outputs(out_dir, expected)
+                except storage.OutputInvalid as exc:
+                    await self._failure(f"bad output: {exc.message}", retryable=False)()
+                    return
+                except OSError as exc:  # as in _run_model: not to be taken for a database outage
+                    await self._failure(f"could not read the outputs: {exc}", retryable=True)()
+                    return
             if not published and files:
                 try:  # in a thread: its fsyncs may take a while on a busy disk
                     await asyncio.to_thread(self._store.publish, job.id, job.attempt, out_dir, files)
@@ -557,6 +564,15 @@ class Attempt:
             log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
 
         return write
+
+    async def _checked_outputs(
+        self, out_dir: Path, expected: list[storage.ExpectedOutput]
+    ) -> list[ResultFile]:
+        """store.check_outputs, which hashes every output: in a thread once they are large, so the
+        worker's loop (its heartbeats, the other jobs' pipes, the API under `serve`) goes on."""
+        if self._store.outputs_bytes(out_dir, expected) <= _HASH_ON_LOOP_BYTES:
+            return self._store.check_outputs(out_dir, expected)
+        return await asyncio.to_thread(self._store.check_outputs, out_dir, expected)
 
     async def _succeeded_already(self) -> bool:
         """Whether this attempt's success is in the database (written by a try whose answer was lost)."""
