@@ -6,7 +6,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app import links as links_
 from app.queue.jobs import Job, JobState
@@ -156,8 +156,13 @@ class ErrorPublic(BaseModel):
 
 
 def _utc(moment: datetime) -> datetime:
-    """A time without a zone is read as UTC, as asyncpg sends it for a timestamptz."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    """The time in UTC, a time without a zone read as UTC (the database driver would read it in
+    the host's zone); ValueError for one that is a date where it was written but past the
+    calendar in UTC (after 9999-12-31, before 0001-01-01)."""
+    try:
+        return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range: in UTC it falls outside the years 1 to 9999") from None
 
 
 class RetryFilter(BaseModel):
@@ -170,9 +175,14 @@ class RetryFilter(BaseModel):
     since: datetime | None = Field(None, description="Finished at or after")
     until: datetime | None = Field(None, description="Finished before")
 
+    @field_validator("since", "until")
+    @classmethod
+    def _in_utc(cls, moment: datetime | None) -> datetime | None:
+        return None if moment is None else _utc(moment)
+
     @model_validator(mode="after")
     def _a_range_that_holds_something(self) -> RetryFilter:
-        if self.since is not None and self.until is not None and _utc(self.since) >= _utc(self.until):
+        if self.since is not None and self.until is not None and self.since >= self.until:
             raise ValueError("since must be before until (swapped dates match no job)")
         return self
 

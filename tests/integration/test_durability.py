@@ -374,6 +374,41 @@ async def test_a_bulk_retry_whose_time_range_is_empty_is_refused(manager, make_w
     assert (await manager.get(bad)).state is JobState.failed
 
 
+@pytest.mark.parametrize(
+    "body",
+    [{"since": "9999-12-31T23:00:00-14:00"}, {"until": "0001-01-01T00:00:00+14:00"}],
+    ids=["past year 9999 in UTC", "before year 1 in UTC"],
+)
+async def test_a_bulk_retry_at_a_time_past_the_calendar_is_refused_by_name(manager, api, body):
+    """A time that is a valid date where it was written but not in UTC (past 9999-12-31, before
+    0001-01-01) failed in the database driver: 500, where the filter is at fault."""
+    response = await api.post("/admin/jobs/retry", json=body)
+    assert response.status_code == 422, response.text
+    assert next(iter(body)) in response.text and "out of range" in response.text
+
+
+async def test_a_bulk_retry_reads_a_time_without_a_zone_as_utc(
+    manager, make_worker, api, engine, monkeypatch
+):
+    """The filter said a time without a zone is UTC; the database driver read it in the host's
+    zone. Here the host's zone is put ten hours ahead of UTC to show the difference."""
+    bad = await enqueue(manager, exit_code=65)
+    await make_worker().run()
+    async with engine.begin() as conn:  # it failed at 12:00 UTC
+        await conn.execute(
+            text("UPDATE jobs SET finished_at = '2026-11-26 12:00:00+00' WHERE id = :id"), {"id": bad}
+        )
+    monkeypatch.setenv("TZ", "Etc/GMT-10")
+    time.tzset()
+    try:
+        body = {"since": "2026-11-26T11:00:00", "until": "2026-11-26T13:00:00"}
+        response = await api.post("/admin/jobs/retry", json=body)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert response.json() == {"retried": 1}, response.text
+
+
 async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_worker, store):
     worker = make_worker()
     stale = store.lane_dir(worker.id, 3)
