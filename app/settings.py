@@ -45,11 +45,15 @@ class Settings(BaseSettings):
     queue_limit: int = Field(
         10_000,
         ge=1,
-        description="Most queued jobs; POST /jobs answers 429 when full (exact in the last tenth; "
-        "below that, each API process checks against a count at most 1 s old)",
+        description="Most queued jobs; POST /jobs answers 429 when full (in the last tenth each upload "
+        "counts, and uploads written at the same moment may pass it by up to GPUJOBS_UPLOAD_WRITERS per "
+        "API process; below that, each API process checks against a count at most 1 s old)",
     )
     queue_limit_per_key: int = Field(
-        100, ge=0, description="Most queued jobs per principal (its keys share it); 429 beyond; 0 = no limit"
+        100,
+        ge=0,
+        description="Most queued jobs per principal (its keys share it); 429 beyond (uploads written at "
+        "the same moment may pass it by up to GPUJOBS_UPLOAD_WRITERS per API process); 0 = no limit",
     )
     upload_writers: int = Field(
         4,

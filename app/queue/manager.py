@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import logging
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -287,6 +289,9 @@ class JobManager:
             )
         if row["id"] is None:  # a concurrent request with the same idempotency key won
             async with self._auto.connect() as conn:
+                if row["stored_input"] is not None:  # the image it stored is nobody's
+                    with contextlib.suppress(sa_exc.IntegrityError):  # a job took it meanwhile
+                        await conn.execute(sql.DROP_UNUSED_INPUT, {"id": row["stored_input"]})
                 existing = await self._idempotent(conn, job)
             assert existing is not None
             return existing, False

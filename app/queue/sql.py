@@ -50,9 +50,9 @@ FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_
 #   first (LOCK_INPUTS); whichever comes second waits for the other's end. Retention then sees the
 #   new job and keeps the image, or this read skips the deleted row and the image is stored again.
 # Returns one row: `outcome`, `jobs_waiting` (the count, or NULL), `submitted_event` (the event's id,
-# or NULL), then the job's columns (NULL when
-# full, or when a concurrent request took the idempotency key first: the caller then reads that job
-# with FIND_IDEMPOTENT).
+# or NULL), `stored_input` (the image's id when this statement stored it), then the job's columns
+# (NULL when full, or when a concurrent request took the idempotency key first: the caller then
+# reads that job with FIND_IDEMPOTENT, and removes the image it stored for nothing: DROP_UNUSED_INPUT).
 ENQUEUE = text(
     """
     WITH prior AS (
@@ -102,9 +102,18 @@ ENQUEUE = text(
         FROM job
         RETURNING id, job_id, kind
     )
-    SELECT verdict.outcome, verdict.waiting AS jobs_waiting, (SELECT id FROM event) AS submitted_event, j.*
+    SELECT verdict.outcome, verdict.waiting AS jobs_waiting, (SELECT id FROM event) AS submitted_event,
+           (SELECT id FROM stored) AS stored_input, j.*
     FROM verdict LEFT JOIN (SELECT * FROM job UNION ALL SELECT * FROM prior) AS j ON true
     """
+)
+
+# An image stored by an upload whose job was not made after all (it lost its idempotency key to a
+# concurrent upload), unless a job uses it by now: an upload of the same image that found it meanwhile
+# (and locked it FOR KEY SHARE, which this waits for). One whose job committed after this statement's
+# snapshot fails the foreign key check instead, and the caller lets the image be.
+DROP_UNUSED_INPUT = text(
+    "DELETE FROM inputs AS i WHERE id = :id AND NOT EXISTS (SELECT FROM jobs WHERE input_id = i.id)"
 )
 
 # NOTIFYs sent apart from the statements they tell of, after those commit (JobManager.teller):

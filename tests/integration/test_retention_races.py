@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import text
 
 from app import images, retention
+from app.queue import sql
 from app.queue.manager import JobManager, NewJob
 from tests.conftest import api_client
 from tests.integration.test_retention import WEEK_S, age, image
@@ -250,3 +251,23 @@ async def test_a_retry_while_retention_expires_the_job_is_gone(settings, manager
     assert answer.status_code == 410, answer.text
     assert "retention" in answer.json()["detail"]
     assert (await manager.get(job_id)).state.value == "canceled"
+
+
+async def test_an_upload_that_lost_an_idempotency_race_leaves_no_image_behind(manager: JobManager, engine):
+    """Two uploads with one idempotency key and different images at once: the second waits for the
+    first's job on the key, finds it taken and is refused (409), but the image it had stored stayed,
+    used by no job and never pruned (retention deletes only the images of expired jobs): refused
+    uploads that fill the disk, past every queue limit."""
+    first, second = (images.inspect(image(shade), max_pixels=10**8) for shade in (10, 20))
+    job = NewJob("carol", "toy", {}, 0, 1000, 3, idempotency_key="k")
+    async with engine.connect() as holder:  # the first upload's statement, not committed yet
+        values = JobManager._job_values(job, first, queue_limit=10_000, owner_limit=0)
+        await holder.execute(sql.ENQUEUE, {**values, "count_waiting": False})
+        losing = asyncio.create_task(manager.enqueue(job, second, queue_limit=10_000))
+        await until_waiting(engine, 1, losing)
+        await holder.commit()
+    taken, created = await losing
+    assert not created and taken.input_id is not None
+    async with engine.connect() as conn:
+        hashes = (await conn.execute(text("SELECT sha256 FROM inputs ORDER BY id"))).scalars().all()
+    assert hashes == [first.sha256]
