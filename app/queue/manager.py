@@ -153,8 +153,9 @@ class WaitingCount:
     enqueue counts them only when the queue may be near its limit.
 
     Counting reads one index entry per job waiting: 1.6 ms of PostgreSQL per upload beside 9,900
-    queued jobs. The limit stays exact in its last tenth (at least MARGIN jobs): there every enqueue
-    counts. Below that, a count at most REFRESH_S old, plus the jobs this process queued since,
+    queued jobs. In the limit's last tenth (at least MARGIN jobs) every enqueue counts (uploads
+    written at the same moment each see the count before the others, so a burst may still pass it
+    by as many). Below that, a count at most REFRESH_S old, plus the jobs this process queued since,
     decides; jobs other processes queued in that time go unseen, so the limit can be passed only by
     more than a tenth of it (MARGIN at least) queued within REFRESH_S."""
 
