@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import decimal
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,6 +113,20 @@ async def submit(
     return job, created
 
 
+def _same_json(stored: Any, sent: Any) -> bool:
+    """Whether two JSON values are equal, numbers by their decimal value: PostgreSQL keeps a JSON
+    number so, and gives a float too large to write without an exponent back as an integer (1e23
+    as 100000000000000000000000, which the float 1e23, 99999999999999991611392, does not equal)."""
+    if isinstance(stored, dict) and isinstance(sent, dict):
+        return stored.keys() == sent.keys() and all(_same_json(stored[k], sent[k]) for k in stored)
+    if isinstance(stored, list) and isinstance(sent, list):
+        return len(stored) == len(sent) and all(map(_same_json, stored, sent))
+    numbers = (int, float)
+    if isinstance(stored, numbers) and isinstance(sent, numbers) and bool not in (type(stored), type(sent)):
+        return decimal.Decimal(repr(stored)) == decimal.Decimal(repr(sent))
+    return bool(stored == sent)
+
+
 async def check_repeat(
     manager: manager_.JobManager, job: Job, new: manager_.NewJob, image: manager_.NewInput
 ) -> None:
@@ -122,7 +137,7 @@ async def check_repeat(
         name
         for name, same in (
             ("model", job.model == new.model),
-            ("params", job.params == dict(new.params)),
+            ("params", _same_json(job.params, dict(new.params))),
             ("priority", job.priority == new.priority),
         )
         if not same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import zlib
@@ -14,8 +15,8 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from app import errors
-from app.queue.manager import JobManager
+from app import errors, images, intake
+from app.queue.manager import JobManager, NewJob
 from app.settings import Settings
 from tests.conftest import api_client, png_bytes
 from tests.integration.test_worker import enqueue
@@ -495,3 +496,21 @@ async def test_a_list_filter_misspelt_or_sent_twice_is_422(client, png, query, n
     assert answer.status_code == 422, answer.text
     assert needle in answer.json()["detail"]
     assert (await client.get("/jobs?state=queued&model=toy&limit=5")).json()["jobs"]
+
+
+@pytest.mark.parametrize("value", [1e23, 1e300, 123456789012345680.0, -2.5e-7])
+async def test_a_repeat_with_a_large_float_param_is_the_same_request(manager: JobManager, value: float):
+    """PostgreSQL keeps a JSON number by its decimal value, so 1e23 comes back as the integer
+    100000000000000000000000, which Python's float 1e23 (99999999999999991611392) does not equal:
+    the same request sent again got 409 "different params"."""
+    image = images.inspect(png_bytes(), max_pixels=10**8)
+    new = NewJob(
+        "erin", "toy", {"x": value, "nested": [value, {"y": value}]}, 0, 1000, 3, idempotency_key="f"
+    )
+    job, created = await manager.enqueue(new, image, queue_limit=10_000)
+    assert created
+    again, created = await manager.enqueue(new, image, queue_limit=10_000)
+    assert (again.id, created) == (job.id, False)
+    await intake.check_repeat(manager, again, new, image)  # no Conflict
+    with pytest.raises(errors.Conflict, match="different params"):
+        await intake.check_repeat(manager, again, dataclasses.replace(new, params={"x": value * 2}), image)
