@@ -14,7 +14,7 @@ import pytest
 
 from app.queue.jobs import JobState
 from tests.conftest import script_model, toy_model
-from tests.integration.test_durability import running, until
+from tests.integration.test_durability import alive, running, until
 from tests.integration.test_worker import enqueue
 
 # Starts a process in a session of its own that writes its pid to argv[2], then (after argv[4]
@@ -85,27 +85,19 @@ def _stray_pid(tmp_path: Path) -> int:
     return int((tmp_path / "stray.pid").read_text())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 async def _gone(pid: int, within_s: float) -> bool:
     for _ in range(int(within_s / 0.05)):
-        if not _alive(pid):
+        if not alive(pid):
             return True
         await asyncio.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 @pytest.fixture
 def strays(tmp_path: Path):
     """Kills what the test's model left alive, whatever the test found."""
     yield
-    if (tmp_path / "stray.pid").exists() and _alive(pid := _stray_pid(tmp_path)):
+    if (tmp_path / "stray.pid").exists() and alive(pid := _stray_pid(tmp_path)):
         os.kill(pid, signal.SIGKILL)
 
 
