@@ -43,8 +43,7 @@ class VramLearner:
     async def _observed(self) -> dict[str, tuple[list[float], int]]:
         if time.monotonic() - self._read_at > self._config.ttl_s:
             self._ratios = await self._manager.vram_ratios()
-            if self._config.above_declared:
-                self._largest = await self._manager.largest_gpus()
+            self._largest = await self._manager.largest_gpus()
             self._read_at = time.monotonic()
         return self._ratios
 
@@ -52,11 +51,14 @@ class VramLearner:
         """(MB to admit the job on, the declared estimate)."""
         declared = spec.estimate_vram_mb(megapixels)
         ratios, _ = (await self._observed()).get(spec.name, ([], 0))
-        cap = spec.max_vram_mb or declared
-        # Above the declared estimate only up to the largest GPU the model's workers have reported
-        # lately; with none known (its workers away for a day), not above it at all.
-        if self._config.above_declared and (largest := self._largest.get(spec.name)) is not None:
-            cap = max(declared, largest - self._config.buffer_mb)
+        # Above the declared estimate only up to what the largest GPU the model's workers have
+        # reported lately can give (less the buffer), so that some GPU can take the job; with none
+        # known (its workers away for a day), not above it at all. By default, not above the
+        # model's declared maximum either.
+        largest = self._largest.get(spec.name)
+        cap = declared if largest is None else max(declared, largest - self._config.buffer_mb)
+        if not self._config.above_declared:
+            cap = min(cap, spec.max_vram_mb or declared)
         learned = scheduler.learned_vram_mb(
             declared,
             ratios,
