@@ -4,8 +4,8 @@ Budgets: each GPU's free MB (DESIGN.md "Claiming"), less the jobs running on it,
 of jobs that ended but whose processes NVML still shows (a GPU is not offered again until its
 memory is back, or `gpu_settle_timeout_s` passed). NVML's free figure is further lowered by the
 part of the running jobs' needs it does not show yet (a model takes its memory seconds after its
-claim), for `gpu_settle_timeout_s` from the job's start at most. Claims, in order, while a
-reservation holds:
+claim); for `gpu_settle_timeout_s` from its model's start at most when NVML shows nothing of it.
+Claims, in order, while a reservation holds:
 
     1. any job, on the GPUs that are not held
     2. on the held GPU: jobs that outrank the reserved one
@@ -47,13 +47,15 @@ class PlannerConfig:
 
 @dataclass(frozen=True, slots=True)
 class InHand:
-    """A job this worker runs: where, how big, since when (monotonic seconds), and how much GPU
-    memory NVML last showed its model holding."""
+    """A job this worker runs: where, how big, since when (monotonic seconds: its claim, and its
+    model's start, None while a job claimed ahead waits for its slot), and how much GPU memory NVML
+    last showed its model holding."""
 
     job: Job
     gpu: int
     started_s: float
     seen_mb: int = 0
+    model_started_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -126,15 +128,17 @@ class Planner:
         claim (a process start, imports, a CUDA context): until then NVML's free figure still
         counts that memory as free, and must not be handed out again.
 
-        For `gpu_settle_timeout_s` from a job's start at most: where NVML cannot tie memory to our
-        processes (a container without the host's pid namespace), nothing is ever seen, and each
-        running job would count twice for as long as it ran."""
+        Where NVML cannot tie memory to our processes (a container without the host's pid
+        namespace), nothing is ever seen, and each running job would count twice for as long as it
+        ran: a model NVML has shown nothing of counts so for `gpu_settle_timeout_s` from its start
+        at most. One it has shown part of (still loading), or a job whose model has not started
+        (claimed ahead), counts until it is seen whole, or ends."""
         reserved = self._settling_mb()
         unseen: Counter[int] = Counter()
         since = time.monotonic() - self._config.gpu_settle_timeout_s
         for r in running:
             reserved[r.gpu] += r.job.vram_mb
-            if r.started_s > since:
+            if r.seen_mb > 0 or r.model_started_s is None or r.model_started_s > since:
                 unseen[r.gpu] += max(0, r.job.vram_mb - r.seen_mb)
         return reserved, unseen
 

@@ -320,7 +320,9 @@ class Worker:
 
     def in_hand(self) -> list[planner_.InHand]:
         """The jobs running on the GPUs now (or claimed ahead, about to), as the planner needs them."""
-        return [planner_.InHand(a.job, a.gpu, a.started_s, a.seen_mb) for a in self._on_gpus()]
+        return [
+            planner_.InHand(a.job, a.gpu, a.started_s, a.seen_mb, a.model_started_s) for a in self._on_gpus()
+        ]
 
     def ahead(self) -> dict[int, int]:
         """Jobs each GPU may hold beyond its cap: one for each job in hand there (running, or

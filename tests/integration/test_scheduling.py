@@ -242,6 +242,34 @@ async def test_a_held_gpu_stays_held_while_an_ended_jobs_memory_comes_back(manag
     assert planner.reservation is not None and planner.reservation.job_id == big
 
 
+@pytest.mark.parametrize(
+    ("seen_mb", "model_started_ago_s", "b_claimed"),
+    [(1_000, 31.0, False), (0, None, False), (0, 31.0, True)],
+    ids=["loading for 31 s, partly seen", "claimed ahead 31 s ago, not started", "never seen (no pids)"],
+)
+async def test_memory_a_model_has_yet_to_take_counts_past_the_settle_timeout(
+    manager, make_worker, seen_mb, model_started_ago_s, b_claimed
+):
+    """A job's memory that NVML does not show yet counted as taken only for gpu_settle_timeout_s
+    from its claim: meant for a host where NVML never ties memory to our processes, it also let go
+    of a model that loads for longer (NVML showing part of it), and of a job claimed ahead that
+    waited longer for its slot. Both times the GPU was offered as free what the job was still to
+    take, and the next job would run out of memory beside it. Here another program holds 20 GB of
+    a 40 GB GPU, job A (15 GB) runs, and job B (12 GB) must wait."""
+    inventory = FakeInventory([40_000])
+    planner = make_worker(inventory=inventory).planner
+    claim = dict(worker_id="test:w1", host="h", lease_s=10)
+    await enqueue(manager, vram_mb=15_000)
+    [a] = await planner.claim([], **claim)
+    inventory.set_free(0, 40_000 - 20_000 - seen_mb)
+    b = await enqueue(manager, vram_mb=12_000)
+    now = time.monotonic()
+    started = None if model_started_ago_s is None else now - model_started_ago_s
+    in_hand = [planner_.InHand(a.job, 0, now - 31, seen_mb=seen_mb, model_started_s=started)]
+    taken = await planner.claim(in_hand, **claim)
+    assert [c.job.id for c in taken] == ([b] if b_claimed else [])
+
+
 async def test_out_of_memory_requeues_bigger_without_spending_an_attempt(manager, make_worker):
     job_id = await enqueue(manager, vram_mb=4000, oom_attempts=1, max_attempts=1)
     async with running(make_worker(burst=False)):
