@@ -59,24 +59,32 @@ def register(cli: typer.Typer) -> None:
 @functools.cache
 def stderr() -> Console:
     """Where messages for people go: each on one line (soft_wrap), so that stderr read by a script
-    or a log (no terminal: rich assumes 80 columns) never has a URL or a reason broken over lines."""
+    or a log (no terminal: rich assumes 80 columns) never has a URL or a reason broken over lines;
+    and as they are (no markup: `[/x]` in a model name or a job's error is text, not a tag)."""
     from rich.console import Console
 
-    return Console(stderr=True, soft_wrap=True)
+    return Console(stderr=True, soft_wrap=True, markup=False)
 
 
 def connect(url: str, key: str | None) -> httpx.Client:
     """An HTTP client for the API, sending the key."""
     import httpx
 
+    if key is not None and not key.isascii():
+        fail("the API key (--key, GPUJOBS_API_KEY) has characters that are not ASCII; copy it again")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout = httpx.Timeout(30.0, read=60.0)  # streams send a keepalive every 15 s
-    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+    try:
+        return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+    except httpx.InvalidURL as exc:
+        fail(f"the API's URL (--url, GPUJOBS_URL) {url!r} is not a URL: {exc}")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print an error and exit."""
-    stderr().print(f"[red]error:[/red] {message}", highlight=False, markup=True)
+    from rich.text import Text
+
+    stderr().print(Text.assemble(("error:", "red"), " ", message), highlight=False)
     raise typer.Exit(code)
 
 
@@ -88,6 +96,8 @@ def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
         response = http.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
         fail(f"cannot reach {http.base_url}: {exc}")
+    except httpx.InvalidURL as exc:  # a URL that parsed, but has no usable port, say
+        fail(f"the API's URL (--url, GPUJOBS_URL) {str(http.base_url)!r} is not usable: {exc}")
     if response.status_code >= 400:
         fail(f"{response.status_code}: {detail_of(response)}")
     try:
@@ -172,7 +182,10 @@ def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: b
         show(job, as_json)
         fail(f"job {job['id']} {job['state']}: {job.get('error') or 'no error recorded'}", code=1)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"cannot make the folder {out} for the results of job {job['id']}: {exc}")
         for file in job["files"]:
             path = download(http, file["url"], out / Path(file["name"]).name)
             stderr().print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
@@ -194,6 +207,8 @@ def download(http: httpx.Client, link: str, path: Path) -> Path:
         os.replace(partial, path)
     except httpx.HTTPError as exc:
         fail(f"download of {path.name} failed: {exc}")
+    except OSError as exc:  # the folder is not writable, the disk is full
+        fail(f"cannot write {path}: {exc}")
     finally:
         partial.unlink(missing_ok=True)
     return path

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trimesh
 
 from tests.conftest import api_client, modules_loaded_by, png_bytes
@@ -235,3 +236,34 @@ async def test_submit_refuses_an_out_that_is_a_file_before_it_uploads(settings, 
         listed = (await http.get("/jobs")).json()["jobs"]
     assert code == 2 and "Traceback" not in stderr and "results.txt" in stderr, stderr[-2000:]
     assert listed == [] and taken.read_text() == "mine"  # nothing was submitted
+
+
+async def test_what_the_client_prints_is_printed_as_it_is_not_read_as_markup(settings, make_key, tmp_path):
+    """The client printed its errors through rich's markup: a message with `[/x]` in it (a model
+    name, the server's detail, a job's error with a path in brackets) crashed it with a MarkupError
+    traceback, and `[warn]` vanished from the text."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("cli-user")
+    async with api_client(settings) as http:
+        for model in ("[/x]", "[warn] mesh"):
+            code, _, stderr = await gpujobs(http, key, "submit", str(image), "-m", model)
+            assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+            assert model in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("GPUJOBS_URL", "http://127.0.0.1:800o"),
+        ("GPUJOBS_URL", "http://h:8000:8000"),
+        ("GPUJOBS_API_KEY", "gpj_…"),
+    ],
+    ids=["a port that is no number", "two ports", "a key with a character that is not ASCII"],
+)
+async def test_a_bad_url_or_key_is_an_error_not_a_traceback(setting, value):
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), "COLUMNS": "400"}
+    env |= {"GPUJOBS_URL": "http://127.0.0.1:9", setting: value}
+    code, _, stderr = await run_cli(env, "jobs", "list")
+    assert code == 2 and "Traceback" not in stderr and stderr.startswith("error:"), stderr[-2000:]
+    assert ("--url" if setting == "GPUJOBS_URL" else "--key") in stderr, stderr
