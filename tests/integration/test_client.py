@@ -267,3 +267,16 @@ async def test_a_bad_url_or_key_is_an_error_not_a_traceback(setting, value):
     code, _, stderr = await run_cli(env, "jobs", "list")
     assert code == 2 and "Traceback" not in stderr and stderr.startswith("error:"), stderr[-2000:]
     assert ("--url" if setting == "GPUJOBS_URL" else "--key") in stderr, stderr
+
+
+async def test_results_that_cannot_be_written_are_an_error_not_a_traceback(settings, make_key, tmp_path):
+    """`--out` in a place no folder can be made (here /proc) failed after the job had run with an
+    OSError traceback, exit code 1."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("cli-user")
+    async with api_client(settings, run_worker=True) as http:
+        code, _, stderr = await gpujobs(
+            http, key, "submit", str(image), "-m", "toy", "--out", "/proc/gpujobs-out"
+        )
+    assert code == 2 and "Traceback" not in stderr and "/proc/gpujobs-out" in stderr, stderr[-2000:]
