@@ -425,6 +425,7 @@ class JobManager:
         lease_s: float,
         limit: int = 1,
         slots: Mapping[int, int] | None = None,
+        waits: Mapping[int, int] | None = None,
         min_priority: int = -(2**31),
         warm: Set[tuple[str, int | None]] = frozenset(),
     ) -> list[Claimed]:
@@ -432,7 +433,9 @@ class JobManager:
         one statement, best first.
 
         Each job is placed on the GPU that fits it most tightly after those placed before it;
-        `slots` (GPU index -> jobs it may still start; default no cap) bounds the jobs per GPU.
+        `slots` (GPU index -> jobs it may still start; default no cap) bounds the jobs per GPU;
+        `waits` of a GPU's slots are claimed ahead (the job waits for a running one to end): a GPU
+        with a slot free now takes a job first.
         `models` may map each model to the largest input (megapixels) to take (backfill), and
         `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
         jobs of equal effective priority, those whose model has a warm runner (`warm` pairs) on a
@@ -456,6 +459,7 @@ class JobManager:
             "gpu_ids": gpu_ids,
             "gpu_budgets": [budgets[g] for g in gpu_ids],
             "gpu_slots": [limit if slots is None else min(limit, slots[g]) for g in gpu_ids],
+            "gpu_waits": [(waits or {}).get(g, 0) for g in gpu_ids],
             "worker_id": worker_id,
             "host": host,
             "lease_s": lease_s,

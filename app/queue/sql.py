@@ -146,8 +146,10 @@ TELL = text(
 # model on a 1 TiB GPU, 67 on 80 GB, nearly all of them empty, and probing them was about a third
 # of the server's CPU per job (tests/bench/README.md, eleventh round). The
 # candidates are then placed in order (`placed`, a greedy walk): each takes the tightest GPU with
-# enough MB and a free slot left by those placed before it, or is skipped (left queued). `:gpu_ids`
-# / `:gpu_budgets` / `:gpu_slots` are parallel arrays; `:budget` is the largest budget.
+# enough MB and a free slot left by those placed before it (a GPU with a slot free now before one
+# whose slots left are claimed ahead, `:gpu_waits` of them, to wait for a running job's end), or is
+# skipped (left queued). `:gpu_ids` / `:gpu_budgets` / `:gpu_slots` / `:gpu_waits` are parallel
+# arrays; `:budget` is the largest budget.
 # `:max_megapixels` (parallel to `:models`) and `:min_priority` narrow the claim for backfill and
 # reservations. The placed rows are updated through their ids as an array (`id = ANY(ARRAY(...))`,
 # read by primary key): joined to `placed` alone, whose size the planner guesses at hundreds of
@@ -198,6 +200,7 @@ _CLAIM_STEPS = f"""
                     WHERE p.budgets[i] >= c.vram_mb AND p.slots[i] > 0
                     ORDER BY (c.model || ':' || (CAST(:gpu_ids AS int[]))[i])
                                  = ANY(CAST(:warm_pairs AS text[])) DESC,
+                             p.slots[i] > (CAST(:gpu_waits AS int[]))[i] DESC,
                              p.budgets[i], i
                     LIMIT 1) AS slot
             OFFSET 0  -- computed once per row: without it the planner copies the subquery to each use

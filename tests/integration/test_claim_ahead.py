@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
+from app.queue import planner as planner_
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
@@ -88,3 +90,18 @@ async def test_a_job_canceled_while_it_waits_runs_no_model(manager, make_worker,
     assert states == {first: JobState.succeeded, long: JobState.succeeded, waiting: JobState.canceled}
     ran = {r["job"].split(":")[0] for r in trace(log)}
     assert ran == {str(first), str(long)}  # the canceled job's model never ran
+
+
+async def test_a_job_goes_to_an_idle_gpus_free_slot_before_a_busy_gpus_slot_ahead(manager, make_worker):
+    """A slot to claim ahead on a busy GPU and a free slot on an idle one were alike to the claim,
+    which placed the job on the GPU with the least room: the busy one. It then waited there for
+    the running job to end (its whole timeout, if that one hung) while the other GPU stood idle."""
+    worker = make_worker([24_576, 24_576], max_jobs_per_gpu=1, claim_ahead_s=60)
+    planner, claim = worker.planner, {"worker_id": "test:w1", "host": "h", "lease_s": 10}
+    await enqueue(manager, vram_mb=1_000)
+    [running] = await planner.claim([], **claim)
+    assert running.job.gpu == 0
+    await enqueue(manager, vram_mb=1_000)
+    in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
+    [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
+    assert second.job.gpu == 1
