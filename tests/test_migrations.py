@@ -100,3 +100,24 @@ async def test_images_are_stored_without_compression(server_url):
         assert await _storage_of_input_data(url) == "e"  # EXTERNAL: out of line, never compressed
         await asyncio.to_thread(migrate.downgrade, url, "0003")
         assert await _storage_of_input_data(url) == "x"  # EXTENDED, PostgreSQL's default for bytea
+
+
+async def test_a_database_where_retention_ran_downgrades_to_base(server_url):
+    """Retention leaves an expired job without its image (`input_id` NULL), which the initial schema
+    does not allow: the downgrade to it failed on a NOT NULL violation."""
+    async with empty_database(server_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        try:
+            job = await conn.fetchval(
+                "INSERT INTO jobs (owner, model, params, megapixels, priority, vram_mb, declared_vram_mb,"
+                " max_attempts, state, finished_at, expired_at)"
+                " VALUES ('o', 'toy', '{}', 1, 0, 1000, 1000, 1, 'succeeded', now(), now()) RETURNING id"
+            )
+            await conn.execute(
+                "INSERT INTO job_events (job_id, kind, attempt) VALUES ($1, 'submitted', 0)", job
+            )
+        finally:
+            await conn.close()
+        await asyncio.to_thread(migrate.downgrade, url, "base")
+        assert await _table_names(url) == {"alembic_version"}
