@@ -136,8 +136,8 @@ def _object(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"line over {MAX_LINE_BYTES} bytes")
     try:
-        hook = _unicode_object if _SURROGATE_ESCAPE.search(line) else None  # rare: parse it slowly
-        message = json.loads(line.decode("utf-8"), object_pairs_hook=hook, parse_constant=_no_constant)
+        decoder = _UNICODE_DECODER if _SURROGATE_ESCAPE.search(line) else _DECODER  # rare: parse it slowly
+        message = decoder.decode(line.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError
         raise ProtocolError(f"not a JSON line: {exc}") from None
     if not isinstance(message, dict):
@@ -151,6 +151,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Made once: json.loads with any option set makes a decoder at every call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def _unicode(value: Any) -> Any:
     """A JSON value with every string's lone surrogates replaced by U+FFFD."""
     if isinstance(value, str):
@@ -161,6 +165,9 @@ def _unicode(value: Any) -> Any:
 def _unicode_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json.loads' hook: an object with `_unicode` keys and values (nested objects come done)."""
     return {_unicode(key): _unicode(value) for key, value in pairs}
+
+
+_UNICODE_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unicode_object)
 
 
 def _get(message: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

@@ -18,7 +18,6 @@ removes its lanes too.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -60,6 +59,20 @@ class Download:
 
 class OutputInvalid(errors.AppError):
     """The model exited 0 but its outputs are missing, empty or too large."""
+
+
+@dataclass(frozen=True, slots=True)
+class FoundOutput:
+    """A declared output the model wrote, checked but for its hash (ResultStore.find_outputs)."""
+
+    spec: ExpectedOutput
+    path: Path
+    size: int
+
+
+def hash_outputs(found: Sequence[FoundOutput]) -> list[ResultFile]:
+    """The outputs found, described with their SHA-256 (which reads each whole)."""
+    return [ResultFile(f.spec.name, f.size, _sha256(f.path), f.spec.media_type) for f in found]
 
 
 def _sha256(path: Path) -> str:
@@ -154,18 +167,14 @@ class ResultStore:
         """Where an attempt's log goes (nothing is made: see `prepare`)."""
         return log_file(self.root, job_id, attempt)
 
-    @staticmethod
-    def outputs_bytes(out_dir: Path, expected: Sequence[ExpectedOutput]) -> int:
-        """The size of the declared outputs found (links not followed), for how to check them."""
-        total = 0
-        for spec in expected:
-            with contextlib.suppress(OSError):
-                total += os.lstat(out_dir / spec.name).st_size
-        return total
-
     def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
         """Describe the declared outputs; OutputInvalid if one is missing, empty or too large, or if
         the output folder itself was replaced (a link to elsewhere is never followed)."""
+        return hash_outputs(self.find_outputs(out_dir, expected))
+
+    @staticmethod
+    def find_outputs(out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[FoundOutput]:
+        """check_outputs up to the hashing (`hash_outputs`): the outputs found, with their sizes."""
         if out_dir.is_symlink() or not out_dir.is_dir():
             raise OutputInvalid("the output folder was replaced by the model: it is not a folder")
         found = []
@@ -180,7 +189,7 @@ class ResultStore:
                 raise OutputInvalid(f"output {spec.name!r} is empty")
             if size > spec.max_bytes:
                 raise OutputInvalid(f"output {spec.name!r} is {size} bytes, over the {spec.max_bytes} cap")
-            found.append(ResultFile(spec.name, size, _sha256(path), spec.media_type))
+            found.append(FoundOutput(spec, path, size))
         return found
 
     def publish(self, job_id: uuid.UUID, attempt: int, out_dir: Path, files: Iterable[ResultFile]) -> Path:

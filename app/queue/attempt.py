@@ -568,11 +568,13 @@ class Attempt:
     async def _checked_outputs(
         self, out_dir: Path, expected: list[storage.ExpectedOutput]
     ) -> list[ResultFile]:
-        """store.check_outputs, which hashes every output: in a thread once they are large, so the
-        worker's loop (its heartbeats, the other jobs' pipes, the API under `serve`) goes on."""
-        if self._store.outputs_bytes(out_dir, expected) <= _HASH_ON_LOOP_BYTES:
-            return self._store.check_outputs(out_dir, expected)
-        return await asyncio.to_thread(self._store.check_outputs, out_dir, expected)
+        """store.check_outputs; its hashing, which reads every output whole, in a thread once they
+        are large, so the worker's loop (its heartbeats, the other jobs' pipes, the API under
+        `serve`) goes on."""
+        found = self._store.find_outputs(out_dir, expected)
+        if sum(f.size for f in found) <= _HASH_ON_LOOP_BYTES:
+            return storage.hash_outputs(found)
+        return await asyncio.to_thread(storage.hash_outputs, found)
 
     async def _succeeded_already(self) -> bool:
         """Whether this attempt's success is in the database (written by a try whose answer was lost)."""

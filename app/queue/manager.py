@@ -451,6 +451,10 @@ class JobManager:
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
+            "warm_mb": [
+                max((budgets[g] for m, g in warm if m == model and g in gpu_ids), default=0)
+                for model in limits
+            ],
             "warm_pairs": sorted(f"{model}:{gpu}" for model, gpu in warm),
             "min_priority": min_priority,
             "max_class": vram_class(budget),

@@ -137,8 +137,9 @@ TELL = text(
 # Claim up to :limit of the best queued jobs that fit this worker's GPUs, each placed on the GPU
 # that fits it most tightly, in one statement; the input images come back with them (no second
 # round trip). "Best" is the highest effective priority (priority + age_boost), then among equals
-# a job whose model has a warm runner on one of these GPUs with room for it (`:warm_pairs`,
-# "model:gpu"; it is placed there), then the oldest.
+# a job whose model has a warm runner on one of these GPUs with room for it (`:warm_mb`, parallel to
+# `:models`: the largest budget among the GPUs where the model is warm, 0 if none; `:warm_pairs`,
+# "model:gpu", places it on such a GPU), then the oldest.
 # The candidate search probes the claim index once per (model, size class) and takes at most
 # :limit heads from each, so queued jobs that fit nowhere are never walked past one by one. Only
 # the classes from a model's smallest queued one to its largest that fits (`:max_class`, of the
@@ -157,11 +158,10 @@ TELL = text(
 _CLAIM_STEPS = f"""
     candidate AS MATERIALIZED (
         SELECT head.id, head.model, head.vram_mb,
-               row_number() OVER (ORDER BY head.effective DESC, EXISTS (
-                   SELECT FROM unnest(CAST(:gpu_ids AS int[]), CAST(:gpu_budgets AS int[])) AS g(id, mb)
-                   WHERE g.mb >= head.vram_mb AND m.model || ':' || g.id = ANY(CAST(:warm_pairs AS text[]))
-               ) DESC, head.created_at) AS rank
-        FROM unnest(CAST(:models AS text[]), CAST(:max_megapixels AS real[])) AS m(model, max_mp)
+               row_number() OVER (ORDER BY head.effective DESC, head.vram_mb <= m.warm_mb DESC,
+                                           head.created_at) AS rank
+        FROM unnest(CAST(:models AS text[]), CAST(:max_megapixels AS real[]), CAST(:warm_mb AS int[]))
+             AS m(model, max_mp, warm_mb)
         CROSS JOIN LATERAL (
             SELECT (SELECT q.vram_class FROM jobs AS q
                     WHERE q.state = 'queued' AND q.model = m.model
