@@ -191,6 +191,9 @@ class VirtualInventory:
         """Nothing to release."""
 
 
+MAX_GPU_MB = 2**31 - 1  # what a GPU may be said to hold: PostgreSQL's integer, in MB
+
+
 def parse_sizes(text: str, *, setting: str = "GPUJOBS_GPUS") -> list[int]:
     """Parse "24GiB,8000MB,1.5GiB,8000" into MB; GB means GiB and a bare number means MB."""
     sizes: list[int] = []
@@ -205,6 +208,8 @@ def parse_sizes(text: str, *, setting: str = "GPUJOBS_GPUS") -> list[int]:
         size_mb = int(float(match[1]) * unit_mb)
         if size_mb < 1:
             raise errors.ConfigError(f"{setting}: {item!r} is smaller than 1 MB")
+        if size_mb > MAX_GPU_MB:  # the claim counts MB in PostgreSQL's integer
+            raise errors.ConfigError(f"{setting}: {item!r} is larger than {MAX_GPU_MB} MB (2 PiB)")
         sizes.append(size_mb)
     return sizes
 

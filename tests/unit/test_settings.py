@@ -24,6 +24,7 @@ def test_defaults_and_env(monkeypatch):
         ("GPUJOBS_LEASE_S", "-1", "GPUJOBS_LEASE_S"),
         ("GPUJOBS_DATABASE_URL", "mysql://x", "GPUJOBS_DATABASE_URL"),
         ("GPUJOBS_GPUS", "24 parsecs", "GPUJOBS_GPUS"),
+        ("GPUJOBS_GPUS", "3000TiB", "GPUJOBS_GPUS: '3000TiB' is larger than"),  # past the claim's integer
         ("GPUJOBS_LOG_LEVEL", "loud", "GPUJOBS_LOG_LEVEL"),
         ("GPUJOBS_HEARTBEAT_INTERVAL_S", "60", "GPUJOBS_HEARTBEAT_INTERVAL_S (60) must be shorter than"),
         # A job's priority is a 32-bit integer in PostgreSQL, and aging adds to it: these were taken,
