@@ -18,6 +18,7 @@ removes its lanes too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -151,7 +152,8 @@ class ResultStore:
     def reset_lanes(self, owner: str) -> None:
         """Remove every lane of `owner` (at its start, whatever a previous life left; at its stop,
         the last inputs)."""
-        shutil.rmtree(self.root / "scratch" / _safe_name(owner), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _rmtree(self.root / "scratch" / _safe_name(owner))
         self._made = {p for p in self._made if not p.is_relative_to(self.root / "scratch")}
         self._inputs.clear()
 
@@ -283,15 +285,47 @@ def _safe_name(name: str) -> str:
 
 def _empty(folder: Path, keep: Sequence[str | None] = ()) -> None:
     """Remove everything in `folder` but the entries named in `keep`; symlinks are removed, not
-    followed."""
+    followed. Folders the model made read-only are made writable for it (this process owns them)."""
+    try:
+        _empty_once(folder, keep)
+    except PermissionError:
+        _writable(folder)
+        _empty_once(folder, keep)
+
+
+def _empty_once(folder: Path, keep: Sequence[str | None]) -> None:
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.name in keep:
                 continue
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
+                _rmtree(entry.path)
             else:
                 os.unlink(entry.path)
+
+
+def _rmtree(path: str | Path) -> None:
+    """shutil.rmtree, through folders the model made read-only (made writable first)."""
+    try:
+        shutil.rmtree(path)
+    except PermissionError:
+        _writable(Path(path))
+        shutil.rmtree(path)
+
+
+def _writable(top: Path) -> None:
+    """Give the owner rwx on `top` and on every folder below it, each before it is opened; links
+    are never followed (a link to a folder elsewhere is not a folder here)."""
+    _owner_rwx(top)
+    for folder, subfolders, _files in os.walk(top):
+        for name in subfolders:
+            _owner_rwx(Path(folder, name))
+
+
+def _owner_rwx(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.chmod(path, stat.S_IRWXU)
 
 
 def _plain_file(path: Path) -> bool:

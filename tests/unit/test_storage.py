@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -155,3 +158,41 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
     assert (final / "mesh.glb").read_bytes() == b"glTF"
     wanted = {final / "mesh.glb", final, final.parent, final.parent.parent}
     assert {p.stat().st_ino for p in wanted} <= synced
+
+
+# A model's read-only leftovers in its lane: a folder of assets it copied (mode 0555), one it shut
+# (0000), a read-only `out/`. Then the lane is emptied for the next job, and the worker's lanes are
+# removed at its stop. Prints what is left.
+READ_ONLY_LEFTOVERS = """
+import os, sys, uuid
+from pathlib import Path
+from app import storage
+store = storage.ResultStore(Path(sys.argv[1]))
+lane = store.lane_dir("w", 0)
+store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+for folder, mode in ((lane / "out" / "textures", 0o555), (lane / "cache" / "deep", 0o000)):
+    folder.mkdir(parents=True)
+    (folder / "t.png").write_bytes(b"x")
+    folder.chmod(mode)
+(lane / "out" / "mesh.glb").write_bytes(b"x")
+(lane / "out").chmod(0o555)
+print("emptied" if store.clear_lane(lane) else "dropped", sorted(p.name for p in lane.iterdir()))
+store.reset_lanes("w")
+print("removed" if not (store.root / "scratch" / "w").exists() else "left")
+"""
+
+
+def test_read_only_folders_a_model_leaves_in_its_lane_are_removed(tmp_path: Path):
+    """A lane holding a folder its model made read-only could not be emptied: the lane was dropped
+    (a new one made for the next job), and at the worker's stop the folder stayed for good, found
+    again, and dropped again, by every start. (Run without the power to ignore permissions: as
+    root, with CAP_DAC_OVERRIDE and its like taken away.)"""
+    argv = [sys.executable, "-c", READ_ONLY_LEFTOVERS, str(tmp_path / "storage")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions would not apply")
+        argv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *argv]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": os.environ["PATH"]}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["emptied ['input.png', 'out']", "removed"], done.stdout
