@@ -44,13 +44,17 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
     assert not (data / "postmaster.pid").exists()  # the last one out stopped it
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig):
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    [(signal.SIGTERM, 143), (signal.SIGHUP, 143), (signal.SIGINT, 130)],
+    ids=["SIGTERM", "SIGHUP", "SIGINT"],
+)
+def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig, code):
     """`gpujobs serve` with no database URL starts the embedded server and, on SIGTERM (docker stop,
     systemd, kill), shuts down and stops that server. uvicorn re-raises the signal after its
     graceful shutdown; with the default handler the process died there and left the server up.
     SIGHUP (the terminal that ran `make run` closed) killed it outright, the server left up: it
-    is taken as SIGTERM."""
+    is taken as SIGTERM. Ctrl-C (SIGINT) stops it the same way, with exit code 130."""
     storage = tmp_path / "storage"
     port = free_port()
     env = {
@@ -71,7 +75,8 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig):
         pid_file = storage / "pgdata" / "postmaster.pid"
         postmaster = int(pid_file.read_text().split()[0])
         serve.send_signal(sig)
-        assert serve.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
+        assert serve.wait(timeout=30) == code, log.read_text()
+        assert "Aborted" not in log.read_text()
         deadline = time.monotonic() + 10
         while alive(postmaster):
             assert time.monotonic() < deadline, "the embedded PostgreSQL outlived serve"
