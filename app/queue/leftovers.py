@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 
 from app import errors, runner
@@ -91,50 +91,40 @@ def find_worker_models(worker_id: str) -> set[int]:
     """Process groups on this host of model processes and warm runners started by `worker_id` (a
     previous life of this worker), found in /proc by their GPUJOBS_WORKER / GPUJOBS_RUNNER marker,
     whatever became of their jobs since."""
-    run = f"GPUJOBS_WORKER={worker_id}".encode()
-    warm = f"GPUJOBS_RUNNER={worker_id}:".encode()
-
-    def started_by(environ: bytes) -> bool:
-        variables = environ.split(b"\0")
-        # A runner's marker is <worker id>:<model>:<gpu>, and neither model nor gpu has a colon:
-        # the runner of worker "h:w:b" is not one of worker "h:w".
-        runners = (v for v in variables if v.startswith(warm))
-        return run in variables or any(v.count(b":", len(warm)) == 1 for v in runners)
-
-    return _groups_where(started_by)
+    return set(find_marked(worker_id))
 
 
 def find_marked(worker_id: str) -> dict[int, str]:
-    """The process groups of every process this worker's runs and runners started, each with
-    what started it: `run <job id>:<attempt>` (GPUJOBS_JOB) or `runner <model>:<gpu>` (from
-    GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>`)."""
+    """The process groups of every process `worker_id`'s runs and runners started, each with
+    what started it: `run <job id>:<attempt>` (GPUJOBS_WORKER, and GPUJOBS_JOB) or
+    `runner <model>:<gpu>` (GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>`)."""
     worker, runner_ = f"GPUJOBS_WORKER={worker_id}".encode(), f"GPUJOBS_RUNNER={worker_id}:".encode()
     job = b"GPUJOBS_JOB="
-    found: dict[int, str] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                variables = Path(entry.path, "environ").read_bytes().split(b"\0")
-                origin = None
-                for v in variables:
-                    if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:  # see find_worker_models
-                        origin = "runner " + v[len(runner_) :].decode(errors="replace")
-                if origin is None and worker in variables:
-                    run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
-                    origin = "run " + run.decode(errors="replace")
-                if origin is not None:
-                    found[os.getpgid(int(entry.name))] = origin
-    return found
+
+    def origin(environ: bytes) -> str | None:
+        variables = environ.split(b"\0")
+        for v in variables:
+            # A runner's marker is <worker id>:<model>:<gpu>, and neither model nor gpu has a
+            # colon: the runner of worker "h:w:b" is not one of worker "h:w".
+            if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:
+                return "runner " + v[len(runner_) :].decode(errors="replace")
+        if worker not in variables:
+            return None
+        run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
+        return "run " + run.decode(errors="replace")
+
+    return _scan(origin)
 
 
-async def kill_strays(worker_id: str, live: Callable[[str], bool]) -> int:
+async def kill_strays(worker_id: str, live: Callable[[], Set[str]]) -> int:
     """Kill, at once, the processes this worker's runs and runners started that outlived them: a
     process a model started in a session of its own (setsid) is not in its run's process group,
-    so the group's kill missed it. `live(origin)` says whether what started a group (as
-    `find_marked` names it) is still running: a helper of a live run or runner (a daemon, say)
-    lives on with it. Asked after the scan, so a run that started meanwhile is live."""
+    so the group's kill missed it. `live()` names (as `find_marked` does) the runs and runners
+    still going: a helper of one of those (a daemon, say) lives on with it. Asked after the scan,
+    so a run that started meanwhile is live."""
     marked = await asyncio.to_thread(find_marked, worker_id)
-    groups = {pgid for pgid, origin in marked.items() if not live(origin)}
+    going = live()
+    groups = {pgid for pgid, origin in marked.items() if origin not in going}
     return await _kill_groups(groups, grace_s=0, why="a process its run left behind")
 
 
@@ -145,15 +135,20 @@ async def kill_run_strays(job_id: object, attempt: int) -> int:
 
 
 def _groups_where(marked: Callable[[bytes], bool]) -> set[int]:
-    """Process groups of the processes on this host whose environment (`/proc/<pid>/environ`, the
-    ones we may read) passes `marked`."""
-    groups = set()
+    """Process groups of the processes on this host whose environment passes `marked`."""
+    return set(_scan(lambda environ: "" if marked(environ) else None))
+
+
+def _scan(label: Callable[[bytes], str | None]) -> dict[int, str]:
+    """The process groups of the processes on this host whose environment (`/proc/<pid>/environ`,
+    the ones we may read) `label` names (not None), with that name."""
+    found: dict[int, str] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if marked(Path(entry.path, "environ").read_bytes()):
-                    groups.add(os.getpgid(int(entry.name)))
-    return groups
+                if (name := label(Path(entry.path, "environ").read_bytes())) is not None:
+                    found[os.getpgid(int(entry.name))] = name
+    return found
 
 
 async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:

@@ -572,10 +572,10 @@ class Worker:
         end kills those of a run that failed, or that kept its output pipes open: a daemon a
         run that succeeded left is found here)."""
 
-        def live(origin: str) -> bool:  # asked after the scan: a run that started meanwhile is live
-            runs = (f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values())
+        def live() -> set[str]:  # asked after the scan: a run that started meanwhile is live
+            runs = {f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values()}
             keys = (k for r, k in self.pool.runners().items() if r.state is not warm.RunnerState.DEAD)
-            return origin in runs or origin in (f"runner {k.model}:{k.gpu}" for k in keys)
+            return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
 
         await leftovers.kill_strays(self.id, live)
 
