@@ -425,7 +425,7 @@ class JobManager:
         lease_s: float,
         limit: int = 1,
         slots: Mapping[int, int] | None = None,
-        waits: Mapping[int, int] | None = None,
+        ahead: Mapping[int, int] | None = None,
         min_priority: int = -(2**31),
         warm: Set[tuple[str, int | None]] = frozenset(),
     ) -> list[Claimed]:
@@ -434,8 +434,8 @@ class JobManager:
 
         Each job is placed on the GPU that fits it most tightly after those placed before it;
         `slots` (GPU index -> jobs it may still start; default no cap) bounds the jobs per GPU;
-        `waits` of a GPU's slots are claimed ahead (the job waits for a running one to end): a GPU
-        with a slot free now takes a job first.
+        up to `ahead[gpu]` of those are beyond its cap (claimed ahead: the job waits for a running
+        one to end), and a GPU with a slot free now takes a job first.
         `models` may map each model to the largest input (megapixels) to take (backfill), and
         `min_priority` keeps out jobs whose effective priority is lower (reservations). Among
         jobs of equal effective priority, those whose model has a warm runner (`warm` pairs) on a
@@ -448,6 +448,11 @@ class JobManager:
             return []
         limits = dict(models) if isinstance(models, Mapping) else dict.fromkeys(models, math.inf)
         budget = max(budgets[g] for g in gpu_ids)
+        offered = [limit if slots is None else min(limit, slots[g]) for g in gpu_ids]
+        # Of the slots a GPU offers this claim, those past the ones free now (its slots less `ahead`).
+        waits = [0] * len(gpu_ids) if slots is None else [
+            max(0, n - (slots[g] - (ahead or {}).get(g, 0))) for g, n in zip(gpu_ids, offered, strict=True)
+        ]  # fmt: skip
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
@@ -462,8 +467,8 @@ class JobManager:
             "limit": limit,
             "gpu_ids": gpu_ids,
             "gpu_budgets": [budgets[g] for g in gpu_ids],
-            "gpu_slots": [limit if slots is None else min(limit, slots[g]) for g in gpu_ids],
-            "gpu_waits": [(waits or {}).get(g, 0) for g in gpu_ids],
+            "gpu_slots": offered,
+            "gpu_waits": waits,
             "worker_id": worker_id,
             "host": host,
             "lease_s": lease_s,

@@ -207,14 +207,6 @@ class Planner:
             g.index: max(0, cap + more.get(g.index, 0) - count[g.index]) for g in self._inventory.snapshot()
         }
 
-    def _ahead_slots(self, running: Sequence[InHand], slots: Mapping[int, int] | None) -> dict[int, int]:
-        """Of each GPU's free slots, those only claimed ahead (beyond the cap: a job waits there)."""
-        if slots is None:
-            return {}
-        count = Counter(r.gpu for r in running)
-        ready = {g: max(0, self._config.max_jobs_per_gpu - count[g]) for g in slots}
-        return {g: n - ready[g] for g, n in slots.items() if n > ready[g]}
-
     async def claim(
         self,
         running: Sequence[InHand],
@@ -231,7 +223,6 @@ class Planner:
         if gpus is None:
             return []
         rooms, slots = gpus
-        waits = self._ahead_slots(running, slots)
         budgets = {
             r.index: r.available_mb
             for r in rooms
@@ -256,7 +247,7 @@ class Planner:
                 lease_s=lease_s,
                 limit=limit,
                 slots=slots,
-                waits=waits,
+                ahead=ahead,
                 min_priority=min_priority,
                 warm=warm,
             )

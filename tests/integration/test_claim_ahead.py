@@ -105,3 +105,18 @@ async def test_a_job_goes_to_an_idle_gpus_free_slot_before_a_busy_gpus_slot_ahea
     in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
     [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
     assert second.job.gpu == 1
+
+
+async def test_a_busy_gpus_free_slot_still_counts_as_free_in_a_small_claim(manager, make_worker):
+    """A GPU holding one job of two it may run, with one more slot to claim ahead, has a slot free
+    now. A claim of one job (claim_batch) counted its slots as one, all of them ahead, and placed
+    the job on the idle GPU instead of the tighter fit beside the running job."""
+    worker = make_worker([24_576, 24_576], max_jobs_per_gpu=2, claim_ahead_s=60, claim_batch=1)
+    planner, claim = worker.planner, {"worker_id": "test:w1", "host": "h", "lease_s": 10}
+    await enqueue(manager, vram_mb=1_000)
+    [running] = await planner.claim([], **claim)
+    assert running.job.gpu == 0
+    await enqueue(manager, vram_mb=1_000)
+    in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
+    [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
+    assert second.job.gpu == 0
