@@ -169,14 +169,11 @@ class ResultStore:
         """Where an attempt's log goes (nothing is made: see `prepare`)."""
         return log_file(self.root, job_id, attempt)
 
-    def check_outputs(self, out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[ResultFile]:
-        """Describe the declared outputs; OutputInvalid if one is missing, empty or too large, or if
-        the output folder itself was replaced (a link to elsewhere is never followed)."""
-        return hash_outputs(self.find_outputs(out_dir, expected))
-
     @staticmethod
     def find_outputs(out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[FoundOutput]:
-        """check_outputs up to the hashing (`hash_outputs`): the outputs found, with their sizes."""
+        """The declared outputs found, with their sizes (`hash_outputs` describes them whole);
+        OutputInvalid if one is missing, empty or too large, or if the output folder itself was
+        replaced (a link to elsewhere is never followed)."""
         if out_dir.is_symlink() or not out_dir.is_dir():
             raise OutputInvalid("the output folder was replaced by the model: it is not a folder")
         found = []

@@ -568,9 +568,9 @@ class Attempt:
     async def _checked_outputs(
         self, out_dir: Path, expected: list[storage.ExpectedOutput]
     ) -> list[ResultFile]:
-        """store.check_outputs; its hashing, which reads every output whole, in a thread once they
-        are large, so the worker's loop (its heartbeats, the other jobs' pipes, the API under
-        `serve`) goes on."""
+        """The outputs checked (store.find_outputs) and hashed; the hashing, which reads every
+        output whole, in a thread once they are large, so the worker's loop (its heartbeats, the
+        other jobs' pipes, the API under `serve`) goes on."""
         found = self._store.find_outputs(out_dir, expected)
         if sum(f.size for f in found) <= _HASH_ON_LOOP_BYTES:
             return storage.hash_outputs(found)

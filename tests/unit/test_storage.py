@@ -133,7 +133,7 @@ def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in
     os.rmdir(lane / "out")
     os.symlink(victim, lane / "out")
     with pytest.raises(storage.OutputInvalid, match="not a folder"):
-        store.check_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+        store.find_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
     assert (victim / "mesh.glb").read_bytes() == b"not the model's output"
 
 
@@ -153,7 +153,8 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
     lane, job = store.lane_dir("w", 0), uuid.uuid4()
     store.prepare(lane, "input.png", b"x", job, 1)
     (lane / "out" / "mesh.glb").write_bytes(b"glTF")
-    files = store.check_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    found = store.find_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    files = storage.hash_outputs(found)
     final = store.publish(job, 1, lane / "out", files)
     assert (final / "mesh.glb").read_bytes() == b"glTF"
     wanted = {final / "mesh.glb", final, final.parent, final.parent.parent}
