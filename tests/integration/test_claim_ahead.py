@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from app.queue import planner as planner_
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -92,11 +94,22 @@ async def test_a_job_canceled_while_it_waits_runs_no_model(manager, make_worker,
     assert ran == {str(first), str(long)}  # the canceled job's model never ran
 
 
-async def test_a_job_goes_to_an_idle_gpus_free_slot_before_a_busy_gpus_slot_ahead(manager, make_worker):
+@pytest.mark.parametrize(
+    ("cap", "batch", "placed_on"),
+    [(1, 16, 1), (2, 1, 0)],
+    ids=[
+        "an idle GPU's free slot before a busy GPU's slot ahead",
+        "a busy GPU's free slot in a claim of one",
+    ],
+)
+async def test_a_job_goes_to_a_slot_free_now_before_a_slot_ahead(manager, make_worker, cap, batch, placed_on):
     """A slot to claim ahead on a busy GPU and a free slot on an idle one were alike to the claim,
     which placed the job on the GPU with the least room: the busy one. It then waited there for
-    the running job to end (its whole timeout, if that one hung) while the other GPU stood idle."""
-    worker = make_worker([24_576, 24_576], max_jobs_per_gpu=1, claim_ahead_s=60)
+    the running job to end (its whole timeout, if that one hung) while the other GPU stood idle.
+    And a GPU holding one job of two it may run, with one more slot ahead, has a slot free now: a
+    claim of one job (claim_batch) counted its slots as one, all ahead, and placed the job on the
+    idle GPU instead of the tighter fit beside the running job."""
+    worker = make_worker([24_576, 24_576], max_jobs_per_gpu=cap, claim_ahead_s=60, claim_batch=batch)
     planner, claim = worker.planner, {"worker_id": "test:w1", "host": "h", "lease_s": 10}
     await enqueue(manager, vram_mb=1_000)
     [running] = await planner.claim([], **claim)
@@ -104,19 +117,4 @@ async def test_a_job_goes_to_an_idle_gpus_free_slot_before_a_busy_gpus_slot_ahea
     await enqueue(manager, vram_mb=1_000)
     in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
     [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
-    assert second.job.gpu == 1
-
-
-async def test_a_busy_gpus_free_slot_still_counts_as_free_in_a_small_claim(manager, make_worker):
-    """A GPU holding one job of two it may run, with one more slot to claim ahead, has a slot free
-    now. A claim of one job (claim_batch) counted its slots as one, all of them ahead, and placed
-    the job on the idle GPU instead of the tighter fit beside the running job."""
-    worker = make_worker([24_576, 24_576], max_jobs_per_gpu=2, claim_ahead_s=60, claim_batch=1)
-    planner, claim = worker.planner, {"worker_id": "test:w1", "host": "h", "lease_s": 10}
-    await enqueue(manager, vram_mb=1_000)
-    [running] = await planner.claim([], **claim)
-    assert running.job.gpu == 0
-    await enqueue(manager, vram_mb=1_000)
-    in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
-    [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
-    assert second.job.gpu == 0
+    assert second.job.gpu == placed_on
