@@ -107,6 +107,7 @@ class Attempt:
         image: tuple[str, bytes] | None = None,
         pool: warmpool.WarmPool | None = None,
         slot: asyncio.Semaphore | None = None,
+        room: asyncio.Event | None = None,
         on_model_end: Callable[[Attempt], None] | None = None,
     ) -> None:
         self.job = job
@@ -118,6 +119,7 @@ class Attempt:
         self.model_ended = False
         self.model_started_s: float | None = None  # when it took its GPU slot and its model started
         self._slot = slot  # its GPU's slots under max_jobs_per_gpu: a job claimed ahead waits for one
+        self._room = room  # set once the worker has evicted the idle runners whose memory it needs
         self._on_model_end = on_model_end
         self.spec = spec
         self._manager = manager
@@ -186,8 +188,11 @@ class Attempt:
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _run_in_slot(self) -> Callable[[], Awaitable[Any]] | None:
-        """Take a slot on the GPU (a job claimed ahead waits until a running one ends), then run
-        the model. Stopped while it waited (cancel, lease lost, shutdown), it runs no model."""
+        """Wait for its room (idle runners evicted), take a slot on the GPU (a job claimed ahead
+        waits until a running one ends), then run the model. Stopped while it waited (cancel,
+        lease lost, shutdown), it runs no model."""
+        if self._room is not None:
+            await self._room.wait()
         async with self._slot or contextlib.nullcontext():
             if self._stop_reason is not None:
                 return self._stopped_outcome(self._stop_reason)

@@ -356,9 +356,16 @@ class Worker:
             )
             if not batch:
                 return started
+            # In hand first, so the heartbeat renews their leases while idle runners are evicted
+            # for them (a runner slow to close takes two kill graces, which may pass a lease).
+            room = asyncio.Event()
             for claimed in batch:
-                await self._make_room(claimed.job)
-                self._start_attempt(claimed.job, claimed.input)
+                self._start_attempt(claimed.job, claimed.input, room)
+            try:
+                for claimed in batch:
+                    await self._make_room(claimed.job)
+            finally:
+                room.set()
             started += len(batch)
         return started
 
@@ -384,7 +391,9 @@ class Worker:
             )
         self._claim_unsure = False
 
-    def _start_attempt(self, job: Job, image: tuple[str, bytes] | None = None) -> None:
+    def _start_attempt(
+        self, job: Job, image: tuple[str, bytes] | None = None, room: asyncio.Event | None = None
+    ) -> None:
         self.claimed += 1
         if self._free_lanes:  # scratch folders are reused: one per job running at once
             lane = self._free_lanes.pop()
@@ -403,6 +412,7 @@ class Worker:
             pool=self.pool,
             lane=lane,
             slot=self._slot(job.gpu),
+            room=room,
             on_model_end=self._model_ended,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")

@@ -23,15 +23,20 @@ from tests.integration.test_worker import enqueue
 
 @pytest.fixture
 def models_file(models_file: Path, tmp_path: Path) -> Path:
-    """The test models, `warm_slow`, a persistent model whose load takes 30 s, and `warm_missing`,
-    whose runner program is not there."""
+    """The test models, `warm_slow`, a persistent model whose load takes 30 s, `warm_missing`,
+    whose runner program is not there, and `warm_linger`, whose runner outlives its stdin by 30 s,
+    deaf to SIGTERM (closing it takes two kill graces)."""
     loads = tmp_path / "loads-warm_slow.txt"
     serve = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads)])
     slow = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads), "--load-sleep", "30"])
     missing = json.dumps([str(tmp_path / "no-such-runner")])
+    linger = json.dumps(
+        ["{python}", str(WARM_TOY), "--loads", str(tmp_path / "loads-warm_linger.txt"), "--linger", "30"]
+    )
     with models_file.open("a") as f:
         f.write(warm_model("warm_slow", loads).replace(serve, slow))
         f.write(warm_model("warm_missing", loads).replace(serve, missing))
+        f.write(warm_model("warm_linger", loads, idle_vram_mb=6000).replace(serve, linger))
     return models_file
 
 
@@ -190,6 +195,26 @@ async def test_eviction_frees_vram_for_another_model(manager, make_worker, tmp_p
         assert job.state is JobState.succeeded
         assert not alive(pid_a)  # evicted: 6000 + 6000 do not fit in 10 GB
         assert len(loads(tmp_path, "warm_b")) == 1 and worker.pool.reserved_mb(0) == 6000
+
+
+async def test_jobs_claimed_while_runners_are_evicted_for_them_keep_their_leases(
+    manager, make_worker, tmp_path
+):
+    """Evicting a runner slow to close (here 2 x 2.5 s of kill grace) takes longer than a lease
+    (2 s); 6000 + 2 x 3000 MB do not fit in 10 GB. The job claimed for that room was not renewed
+    by the heartbeat meanwhile: the worker's own reaper took it back as a lost worker's, and it ran
+    a second attempt."""
+    old = await enqueue(manager, model="warm_linger", vram_mb=6000)
+    config = {"burst": False, "lease_s": 2, "kill_grace_s": 2.5, "max_jobs_per_gpu": 2}
+    async with running(make_worker([10_240], **config)):
+        await until(manager, old, lambda j: j.state is JobState.succeeded)
+        pid = await first_load(tmp_path, "warm_linger")
+        jobs = [await enqueue(manager, model="warm_b", vram_mb=3000, sleep=1.0) for _ in range(2)]
+        done = [await until(manager, j, lambda j: j.state.final, timeout_s=30) for j in jobs]
+        assert not alive(pid)
+    assert [(j.state, j.attempt) for j in done] == [(JobState.succeeded, 1)] * 2
+    for job_id in jobs:
+        assert "recovered" not in [e.kind for e in await manager.events(job_id)]
 
 
 async def test_a_loaded_runners_memory_is_not_counted_twice_when_it_takes_a_job(manager, make_worker):

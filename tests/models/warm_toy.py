@@ -1,6 +1,7 @@
 """A persistent test model served with app.modelkit: counts loads, sleeps, crashes or hangs on request.
 
-argv: --loads FILE (one line per load), --load-sleep S, --fail-load. Job params (all optional):
+argv: --loads FILE (one line per load), --load-sleep S, --fail-load, --linger S (once stdin
+closes, stay S seconds more, deaf to SIGTERM: a runner slow to close). Job params (all optional):
 sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
 group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
 to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail. Writes out.txt.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -72,8 +74,13 @@ def main() -> int:
     parser.add_argument("--loads", type=Path)
     parser.add_argument("--load-sleep", type=float, default=0.0)
     parser.add_argument("--fail-load", action="store_true")
+    parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
-    return modelkit.serve(lambda: load(args.loads, args.load_sleep, args.fail_load), handle, name="warm_toy")
+    code = modelkit.serve(lambda: load(args.loads, args.load_sleep, args.fail_load), handle, name="warm_toy")
+    if args.linger:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(args.linger)
+    return code
 
 
 if __name__ == "__main__":
