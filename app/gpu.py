@@ -43,6 +43,9 @@ class Gpu:
     total_mb: int
     free_mb: int
     virtual: bool
+    # Why NVML could not read it (fallen off the bus, say); it is then shown full (free_mb 0) with
+    # the last total read, so no job is placed on it while the host's other GPUs go on.
+    error: str | None = None
 
 
 class GpuInventory(Protocol):
@@ -67,7 +70,9 @@ class _NoMismatchError(Exception):
 
 def _nvml_error(doing: str, exc: BaseException) -> errors.AppError:
     # One place to change once errors.py grows a GPU-specific class.
-    return errors.AppError(f"NVML: {doing} failed: {exc}")
+    error = errors.AppError(f"NVML: {doing} failed: {exc}")
+    error.__cause__ = exc  # kept when the error is returned rather than raised
+    return error
 
 
 def _text(value: object) -> str:
@@ -98,6 +103,8 @@ class NvmlInventory:
         except nvml.NVMLError as exc:
             self.close()
             raise _nvml_error("listing devices", exc) from exc
+        self._totals_mb = [0] * count  # each GPU's size as last read
+        self._unreadable: set[int] = set()  # GPUs whose last reading failed (said once per outage)
 
     @property
     def device_count(self) -> int:
@@ -105,41 +112,61 @@ class NvmlInventory:
         return len(self._handles)
 
     def snapshot(self) -> list[Gpu]:
-        """Every GPU with its total and current free memory."""
+        """Every GPU with its total and current free memory. One NVML cannot read is shown full,
+        with the error; only when no GPU can be read does this raise."""
         nvml = self._ready()
-        gpus: list[Gpu] = []
+        gpus, failed = [], {}
         for index, handle in enumerate(self._handles):
             try:
                 memory = nvml.nvmlDeviceGetMemoryInfo(handle)
             except nvml.NVMLError as exc:
-                raise _nvml_error(f"reading memory of GPU {index}", exc) from exc
-            gpus.append(
-                Gpu(
-                    index=index,
-                    name=self._names[index],
-                    uuid=self._uuids[index],
-                    total_mb=int(memory.total) // MB,
-                    free_mb=int(memory.free) // MB,
-                    virtual=False,
-                )
-            )
+                failed[index] = _nvml_error(f"reading memory of GPU {index}", exc)
+                free_mb = 0
+            else:
+                self._totals_mb[index], free_mb = int(memory.total) // MB, int(memory.free) // MB
+            error = failed[index].message if index in failed else None
+            name, uuid = self._names[index], self._uuids[index]
+            gpus.append(Gpu(index, name, uuid, self._totals_mb[index], free_mb, False, error))
+        self._note_unreadable(failed)
         return gpus
 
     def process_memory_mb(self) -> dict[int, int]:
-        """MB used per pid by compute processes (host pids; unknown amounts are left out)."""
+        """MB used per pid by compute processes (host pids; unknown amounts are left out), on the
+        GPUs NVML can read; only when it can read none does this raise."""
         nvml = self._ready()
         usage: dict[int, int] = {}
+        failed = {}
         for index, handle in enumerate(self._handles):
             try:
                 processes = self._compute_processes(handle)
             except nvml.NVMLError as exc:
-                raise _nvml_error(f"listing processes on GPU {index}", exc) from exc
+                failed[index] = _nvml_error(f"listing processes on GPU {index}", exc)
+                continue
             for process in processes:
                 if process.usedGpuMemory is None:
                     continue
                 pid = int(process.pid)
                 usage[pid] = usage.get(pid, 0) + math.ceil(int(process.usedGpuMemory) / MB)
+        if failed and len(failed) == len(self._handles):
+            raise next(iter(failed.values()))
         return usage
+
+    def _note_unreadable(self, failed: Mapping[int, errors.AppError]) -> None:
+        """Raise when no GPU could be read; log a GPU that could not be, or is read again, once."""
+        if failed and len(failed) == len(self._handles):
+            raise next(iter(failed.values()))
+        for index, exc in failed.items():
+            if index not in self._unreadable:
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                logger.warning(
+                    "GPU %d could not be read; no job is placed on it: %s",
+                    index,
+                    cause,
+                    extra={"action": "gpu_unreadable", "gpu": index},
+                )
+        for index in self._unreadable - failed.keys():
+            logger.info("GPU %d read again", index, extra={"action": "gpu_read_again", "gpu": index})
+        self._unreadable = set(failed)
 
     def close(self) -> None:
         """Shut NVML down once; later calls do nothing."""

@@ -219,6 +219,11 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
     gpu_jobs = GaugeMetricFamily(
         "gpujobs_gpu_running_jobs", "Jobs on the GPU", labels=["worker", "gpu", "name"]
     )
+    unreadable = GaugeMetricFamily(
+        "gpujobs_gpu_unreadable",
+        "1 while NVML cannot read the GPU (fallen off the bus, say): it takes no jobs meanwhile",
+        labels=["worker", "gpu", "name"],
+    )
     warm = GaugeMetricFamily(
         "gpujobs_warm_runners",
         "Warm runners on the GPU, by model and state",
@@ -242,12 +247,13 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
             for n in names:
                 memory[n].add_metric(labels, int(g.get(f"{n}_mb") or 0) * MB)
             gpu_jobs.add_metric(labels, int(g.get("running_jobs") or 0))
+            unreadable.add_metric(labels, int(g.get("error") is not None))
             states = Counter((str(r.get("model")), str(r.get("state"))) for r in g.get("warm") or ())
             for (model, state), count in sorted(states.items()):
                 warm.add_metric([w.id, index, model, state], count)
             for model, count in sorted((g.get("warm_starts") or {}).items()):
                 starts.add_metric([w.id, index, model], int(count))
-    yield from (age, running, *memory.values(), gpu_jobs, warm, starts)
+    yield from (age, running, *memory.values(), gpu_jobs, unreadable, warm, starts)
 
 
 MULTIPROC_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"

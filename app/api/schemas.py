@@ -223,6 +223,11 @@ class WorkerGpuPublic(BaseModel):
     virtual: bool
     total_mb: int
     free_mb: int = Field(description="Free memory reported by NVML (virtual GPUs: total)")
+    error: str | None = Field(
+        None,
+        description="Why NVML could not read it at the last heartbeat (fallen off the bus, say): it is "
+        "shown full and takes no jobs meanwhile; null when read",
+    )
     reserved_mb: int = Field(
         description="VRAM promised to the jobs running on it and held by its idle warm runners"
     )
@@ -243,6 +248,7 @@ class WorkerGpuPublic(BaseModel):
             virtual=bool(gpu.get("virtual", False)),
             total_mb=int(gpu.get("total_mb", 0)),
             free_mb=int(gpu.get("free_mb", 0)),
+            error=gpu.get("error"),
             reserved_mb=int(gpu.get("reserved_mb", 0)),
             running_jobs=int(gpu.get("running_jobs", 0)),
             warm=[WarmRunnerPublic.model_validate(runner) for runner in gpu.get("warm") or ()],

@@ -1,5 +1,6 @@
 """A worker on NVML whose readings fail for a while (a driver hiccup): it keeps its jobs' leases
-and goes on claiming once the readings come back."""
+and goes on claiming once the readings come back. One GPU that cannot be read takes no jobs while
+the others go on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import logging
 
 from app import gpu
 from app.queue.jobs import JobState
+from tests.conftest import api_client, worker_id
 from tests.integration.test_durability import running, until
+from tests.integration.test_observability import scrape, value
 from tests.integration.test_worker import enqueue
 from tests.unit.test_gpu import GIB, fake_pynvml
 
@@ -58,3 +61,25 @@ async def test_a_runs_peak_memory_is_still_read_after_nvml_failed_for_a_while(ma
         done = await until(manager, job_id, lambda j: j.state.final)
     assert done.state is JobState.succeeded
     assert done.vram_peak_mb == 2000
+
+
+async def test_a_gpu_fallen_off_the_bus_takes_no_jobs_and_the_others_go_on(settings, manager, make_worker):
+    """One unreadable GPU made every NVML reading raise: a worker with several GPUs stopped claiming
+    for all of them until restarted. Now the lost GPU shows full, with NVML's error, in the workers
+    view and the metrics, and jobs go to the others."""
+    nvml = fake_pynvml([("NVIDIA test", 24 * GIB, 24 * GIB)] * 2)
+    nvml.state["lost"] = {0: "GPU is lost"}
+    labels = {"worker": worker_id("w1"), "name": "NVIDIA test"}
+    worker = make_worker(burst=False, inventory=gpu.NvmlInventory(nvml))
+    async with api_client(settings, metrics_cache_s=0) as http, running(worker):
+        job_id = await enqueue(manager, sleep=0.1, steps=1)
+        done = await until(manager, job_id, lambda j: j.state.final)
+        assert (done.state, done.gpu) == (JobState.succeeded, 1)
+        [w] = (await http.get("/admin/workers")).json()
+        assert [(g["free_mb"], g["error"]) for g in w["gpus"]] == [
+            (0, "NVML: reading memory of GPU 0 failed: GPU is lost"),
+            (24_576, None),
+        ]
+        samples = await scrape(http)
+        assert value(samples, "gpujobs_gpu_unreadable", gpu="0", **labels) == 1
+        assert value(samples, "gpujobs_gpu_unreadable", gpu="1", **labels) == 0

@@ -26,13 +26,16 @@ def fake_pynvml(
     init_error: str | None = None,
 ) -> types.ModuleType:
     """A module with the slice of pynvml's API that NvmlInventory uses: (name, total, free) bytes.
-    While `module.state["failing"]` holds a message, every reading of a device raises it."""
+    While `module.state["failing"]` holds a message, every reading of a device raises it; while
+    `module.state["lost"]` maps a device's index to a message, readings of that device raise it."""
     module = types.ModuleType("fake_pynvml")
-    state: dict[str, Any] = {"initialised": 0, "shutdown": 0, "failing": None}
+    state: dict[str, Any] = {"initialised": 0, "shutdown": 0, "failing": None, "lost": {}}
 
-    def reading() -> None:
+    def reading(index: int) -> None:
         if state["failing"] is not None:
             raise FakeNvmlError(state["failing"])
+        if index in state["lost"]:
+            raise FakeNvmlError(state["lost"][index])
 
     def init() -> None:
         if init_error is not None:
@@ -43,12 +46,12 @@ def fake_pynvml(
         state["shutdown"] += 1
 
     def memory(index: int) -> types.SimpleNamespace:
-        reading()
+        reading(index)
         _, total, free = devices[index]
         return types.SimpleNamespace(total=total, free=free, used=total - free)
 
     def procs(index: int) -> list[types.SimpleNamespace]:
-        reading()
+        reading(index)
         listed = processes[index] if index < len(processes) else ()
         return [types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in listed]
 
@@ -178,6 +181,37 @@ def test_nvml_inventory_reads_devices_and_processes() -> None:
     assert module.state["shutdown"] == 1
     with pytest.raises(errors.AppError, match="closed"):
         inventory.snapshot()
+
+
+def test_a_gpu_nvml_cannot_read_is_listed_full_while_the_others_are_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A GPU fallen off the bus made every reading raise, so a worker with eight GPUs stopped
+    claiming for all of them until it was restarted. Now only that GPU is shown full (0 MB free,
+    with NVML's error), and said so once per outage; the reading raises only when no GPU answers."""
+    caplog.set_level(logging.INFO, logger="gpujobs.gpu")
+    module = fake_pynvml(
+        [("NVIDIA L4", 24 * GIB, 20 * GIB), ("NVIDIA L4", 24 * GIB, 24 * GIB)],
+        processes=[[(11, GIB)], [(12, 2 * GIB)]],
+    )
+    inventory = gpu.NvmlInventory(module)
+    assert [g.free_mb for g in inventory.snapshot()] == [20_480, 24_576]
+    module.state["lost"] = {0: "GPU is lost"}
+    for _ in range(3):
+        lost, other = inventory.snapshot()
+        assert (lost.total_mb, lost.free_mb) == (24_576, 0)
+        assert lost.error == "NVML: reading memory of GPU 0 failed: GPU is lost"
+        assert (other.free_mb, other.error) == (24_576, None)
+        assert inventory.process_memory_mb() == {12: 2048}
+    assert warnings_from(caplog) == ["GPU 0 could not be read; no job is placed on it: GPU is lost"]
+    module.state["lost"] = {0: "GPU is lost", 1: "GPU is lost"}
+    with pytest.raises(errors.AppError, match="GPU 0 failed: GPU is lost"):
+        inventory.snapshot()
+    with pytest.raises(errors.AppError, match="GPU 0 failed: GPU is lost"):
+        inventory.process_memory_mb()
+    module.state["lost"] = {}
+    assert [(g.free_mb, g.error) for g in inventory.snapshot()] == [(20_480, None), (24_576, None)]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO][-1] == "GPU 0 read again"
 
 
 def test_nvml_init_failure_is_translated() -> None:
