@@ -63,10 +63,10 @@ def _usable_storage(settings: Settings) -> None:
 @contextlib.contextmanager
 def database(settings: Settings) -> Iterator[Settings]:
     """Settings with a database URL: the configured one, or the embedded server (migrated), which
-    is stopped on the way out, SIGTERM included. A database that cannot be reached, or refuses the
-    connection, ends the command with a message (exit code 2), not a traceback."""
+    is stopped on the way out, SIGTERM and SIGHUP included. A database that cannot be reached, or
+    refuses the connection, ends the command with a message (exit code 2), not a traceback."""
     if settings.database_url:
-        with _connection_errors(settings.database_url):
+        with _exit_on_sigterm(), _connection_errors(settings.database_url):
             yield settings
         return
     from app import migrate

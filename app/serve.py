@@ -262,7 +262,7 @@ def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
         log.info("%s: stopping the API processes (again: killing them)", signal.Signals(signum).name)
         supervisor.stop()
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         yield
     finally:

@@ -490,13 +490,16 @@ async def test_database_outage_loses_nothing(tmp_path, models_file, png):
         server.stop()
 
 
-async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_worker, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+async def test_sigterm_lets_jobs_finish_then_hands_the_rest_back(manager, spawn_worker, tmp_path, sig):
+    """SIGHUP (the terminal closed) is taken as SIGTERM: it killed the worker at once (exit 129), its
+    jobs left running until their leases ran out."""
     quick = await enqueue(manager, sleep=0.8, steps=1)
     slow = await enqueue(manager, sleep=30, steps=30)
     worker = spawn_worker("graceful", shutdown_grace_s=1.5)
     model_pid = (await until(manager, slow, lambda j: j.pid is not None)).pid
     await until(manager, quick, lambda j: j.state is JobState.running)
-    worker.send_signal(signal.SIGTERM)
+    worker.send_signal(sig)
     assert await asyncio.to_thread(worker.wait, 30) == 0
     assert (await manager.get(quick)).state is JobState.succeeded  # finished within the grace period
     job = await manager.get(slow)

@@ -4,6 +4,7 @@ Real `gpujobs serve` processes on a free port; the children are found in /proc."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -183,12 +184,26 @@ def test_a_process_that_dies_is_started_again(settings, tmp_path):
         assert f"API process 1 (pid {second}) ended (killed by SIGKILL)" in log, log[-3000:]
 
 
-def test_sigterm_stops_every_process_and_exits_0(settings, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_every_process_and_exits_0(settings, tmp_path, sig):
+    """SIGHUP (the terminal closed) stops them as SIGTERM does; it killed the parent outright
+    (exit 129), its children and their metrics folder left behind."""
     with serving(settings, tmp_path, "--processes", "3") as (serve, _base):
         children = api_children(serve.pid)
-        serve.send_signal(signal.SIGTERM)
+        serve.send_signal(sig)
         assert serve.wait(timeout=30) == 0
         assert not [pid for pid in children if alive(pid)]
+        assert not list((tmp_path / "tmp").iterdir())  # the shared metrics folder is gone
+
+
+async def test_one_process_on_sighup_stops_as_on_sigterm(settings, manager, tmp_path):
+    """With a database URL (compose, production) nothing took SIGHUP: `serve` died at once (exit
+    129), its worker left `running` in the workers table until marked dead. Only the embedded
+    database's start installed the handler."""
+    with serving(settings, tmp_path) as (serve, _base):
+        serve.send_signal(signal.SIGHUP)
+        assert await asyncio.to_thread(serve.wait, 30) == 143
+    assert [w.state for w in await manager.workers()] == ["stopped"]
 
 
 def test_a_second_sigterm_kills_the_processes_that_do_not_stop(settings, tmp_path):
