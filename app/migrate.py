@@ -31,8 +31,9 @@ def alembic_config(url: str) -> Config:
     """Alembic configuration for the project's migrations and this database."""
     from alembic.config import Config
 
-    config = Config(str(ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(ROOT / "migrations"))
+    scripts = _versions().parent
+    config = Config(str(scripts.parent / "alembic.ini"))
+    config.set_main_option("script_location", str(scripts))
     config.attributes["url"] = url
     return config
 
@@ -98,12 +99,23 @@ def check_known(found: str | None) -> None:
 def _parents() -> dict[str, str | None] | None:
     """Each script's revision and its parent, read from the scripts' text (None: one is unreadable)."""
     revisions: dict[str, str | None] = {}
-    for script in sorted(VERSIONS.glob("*.py")):
+    for script in sorted(_versions().glob("*.py")):
         found = {m.group(1) or "": m.group(2) or m.group(3) for m in _REVISION.finditer(script.read_text())}
         if set(found) != {"", "down_"} or found[""] is None:
             return None
         revisions[found[""]] = found["down_"]
     return revisions
+
+
+def _versions() -> Path:
+    """The migration scripts' folder; a ConfigError saying how to install when it is missing."""
+    if not VERSIONS.is_dir():
+        raise errors.ConfigError(
+            f"no migration scripts at {VERSIONS}: gpujobs runs from its source tree, which holds "
+            "migrations/ and alembic.ini (a wheel holds neither); install it with `pip install -e .` "
+            "in a checkout, as the Dockerfile does"
+        )
+    return VERSIONS
 
 
 def _alembic_head() -> str | None:

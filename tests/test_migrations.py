@@ -8,12 +8,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app import db, migrate, tables
+from app import db, errors, migrate, tables
 from tests import dbadmin
 from tests.conftest import _with_database
 
@@ -83,6 +84,15 @@ def test_the_head_read_from_the_scripts_is_alembics(tmp_path, monkeypatch):
     assert migrate.head() == "asked alembic"  # a merge: read by Alembic, not by the pattern
     (tmp_path / "d_merge.py").write_text('revision = "d"\ndown_revision = "b"\n')
     assert migrate.head() == "asked alembic"  # two heads (c and d): Alembic says what is wrong
+
+
+def test_an_install_without_the_migration_scripts_says_how_to_install(tmp_path, monkeypatch):
+    """`pip install .` (not -e) leaves migrations/ and alembic.ini out of the wheel: every start
+    died on Alembic's "CommandError: Path doesn't exist", which did not say what to do."""
+    monkeypatch.setattr(migrate, "VERSIONS", tmp_path / "migrations" / "versions")
+    for call in (migrate.head, migrate.known, lambda: migrate.alembic_config("")):
+        with pytest.raises(errors.ConfigError, match=r"pip install -e \.` in a checkout"):
+            call()
 
 
 async def _storage_of_input_data(url: str) -> str:
