@@ -149,6 +149,14 @@ class ResultStore:
             return False
         return True
 
+    def drop_input(self, lane: Path) -> None:
+        """Remove the input a free lane kept for reuse: a user's image is not to stay on disk while
+        the worker idles (nor after retention deleted it from the database)."""
+        name = self._inputs.pop(lane, None)
+        if name is not None:
+            with contextlib.suppress(OSError):
+                (lane / name).unlink()
+
     def reset_lanes(self, owner: str) -> None:
         """Remove every lane of `owner` (at its start, whatever a previous life left; at its stop,
         the last inputs)."""

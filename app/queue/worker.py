@@ -545,6 +545,8 @@ class Worker:
         if await self._manager.promote_due():
             self._wake.set()
         await self._age_queued()
+        for lane in self._free_lanes:  # at most one round on disk after its job, however idle
+            self._store.drop_input(lane)
         await self._kill_strays()
         cleared = await self._kill_leftovers()
         taken = await self._manager.recover_expired(

@@ -323,3 +323,18 @@ async def test_a_quick_run_skips_the_pid_write(manager, make_worker, monkeypatch
     job = await manager.get(job_id)
     assert job.state is JobState.succeeded and job.pid is None
     assert [e.kind for e in await manager.events(job_id)] == ["submitted", "claimed", "succeeded"]
+
+
+async def test_an_idle_workers_lanes_keep_no_users_image(manager, make_worker, store):
+    """A lane kept its last job's input for the next job to overwrite: on an idle worker a user's
+    image stayed on disk for as long as the worker ran, after retention had deleted it too. The
+    reaper now removes the inputs of free lanes each round."""
+    from tests.integration.test_durability import running, until  # it imports this module
+
+    job_id = await enqueue(manager)
+    async with running(make_worker(burst=False)):
+        await until(manager, job_id, lambda j: j.state is JobState.succeeded)
+        deadline = time.monotonic() + 5  # a reap round is 0.5 s here
+        while inputs := list((store.root / "scratch").rglob("input*")):
+            assert time.monotonic() < deadline, inputs
+            await asyncio.sleep(0.1)
