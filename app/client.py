@@ -351,7 +351,7 @@ def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
 
 @jobs.command("retry")
 def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
-    """Queue a failed or canceled job again (admin key)."""
+    """Queue a failed, canceled or quarantined job again (admin key)."""
     with connect(url, key) as http:
         show(call(http, "POST", f"/admin/jobs/{job_id}/retry"), as_json)
 
@@ -388,6 +388,9 @@ def prune(
         typer.echo(json.dumps(report, indent=2))
         return
     verb = "would expire" if dry_run else "expired"
-    inputs = "" if report["inputs_deleted"] is None else f", {report['inputs_deleted']} inputs deleted"
+    if report["inputs_deleted"] is None:  # a dry run: an image may also be used by a job that stays
+        inputs = " of files (inputs not counted)"
+    else:
+        inputs = f", {report['inputs_deleted']} inputs deleted"
     freed = report["files_bytes"] + report["inputs_bytes"]
     typer.echo(f"{verb} {report['jobs']} jobs finished before {report['cutoff']}: {freed} bytes{inputs}")

@@ -44,7 +44,7 @@ router = APIRouter(
     responses={404: {"model": ErrorPublic}, 409: {"model": ErrorPublic}},
 )
 async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> JobPublic:
-    """Queue a failed or canceled job again with a fresh budget of attempts."""
+    """Queue a failed, canceled or quarantined job again with a fresh budget of attempts."""
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
         raise _expired(job_id)

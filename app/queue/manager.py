@@ -689,7 +689,7 @@ class JobManager:
         return JobState(row.state)
 
     async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
-        """Queue a failed or canceled job again with a fresh budget of attempts."""
+        """Queue a failed, canceled or quarantined job again with a fresh budget of attempts."""
         async with self._auto.connect() as conn:
             row = (await conn.execute(sql.RETRY_ONE, {"id": job_id, "by": by, "attempts": attempts})).first()
         if row is None:

@@ -92,6 +92,7 @@ async def test_jobs_list_show_cancel_retry_and_prune(settings, make_key, tmp_pat
         assert code == 0 and f"{job_id}  queued" in stdout
         code, stdout, _ = await gpujobs(http, admin, "prune", "--older-than", "7d", "--dry-run")
         assert code == 0 and stdout.startswith("would expire 0 jobs")
+        assert stdout.rstrip().endswith("0 bytes of files (inputs not counted)")  # as if none were freed
 
         code, _, stderr = await gpujobs(http, None, "jobs", "list")
         assert code == 2 and "401" in stderr  # the key comes from --key or GPUJOBS_API_KEY
