@@ -246,7 +246,9 @@ class ResultStore:
                 return None, media_type, sha
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")
-        if path.is_symlink() or not path.resolve().is_relative_to(self.root) or not path.is_file():
+        # A link anywhere on the way (the file, or a folder: results/<job> linked to another job's)
+        # makes the real path differ; the root is resolved, so a path without links is its own.
+        if os.path.realpath(path) != str(path) or not path.is_file():
             raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
         return path, media_type, sha
 
@@ -263,7 +265,7 @@ class ResultStore:
         except OSError as exc:
             raise missing from exc
         file = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not _opened_at(fd, path):
             file.close()
             raise missing
         return Download(path, file, media_type, sha)
@@ -272,6 +274,17 @@ class ResultStore:
 def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:
     """The log of one attempt: logs/<first two hex digits of the id>/<id>.attempt-<n>.log."""
     return root / "logs" / job_id.hex[:2] / f"{job_id}.attempt-{attempt}.log"
+
+
+def _opened_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the one at `path` reached through no link: a folder on the
+    way replaced by a link after `resolve` looked is followed by the open (O_NOFOLLOW checks the
+    last part only). A file deleted since is not (its name ends in " (deleted)"). Without /proc,
+    what `resolve` saw stands."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    except FileNotFoundError:
+        return True
 
 
 def _fsync(path: Path) -> None:

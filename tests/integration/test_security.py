@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -387,6 +388,41 @@ async def test_links_only_name_files_of_the_job_inside_storage(settings, make_wo
         log.unlink()
         log.symlink_to(tmp_path / "missing.log")  # a link, even one to nothing, is never served
         assert (await http.get(job["links"]["log"])).status_code == 404
+
+
+async def test_a_link_planted_as_a_folder_inside_storage_is_not_followed(settings, make_worker, png, store):
+    """A folder on the way replaced by a link to another folder inside storage/ (one job's results
+    folder to another's, a log bucket to a folder of planted logs) passed: only the last part was
+    checked for a link, and the target stayed inside the root. Job A's link served job B's file
+    under A's ETag. Now 404, also for a link planted after the route found the file."""
+    async with api_client(settings) as http:
+        a, b, c = [(await submit(http, png(color=(n, n, n)))).json()["id"] for n in (1, 2, 3)]
+        await make_worker().run()
+        job_a, job_c = [(await http.get(f"/jobs/{job_id}")).json() for job_id in (a, c)]
+        results = store.root / "results"
+        shutil.rmtree(results / a)
+        (results / a).symlink_to(results / b)
+        assert (await http.get(job_a["files"][0]["url"])).status_code == 404
+
+        log = storage.log_file(store.root, uuid.UUID(a), 1)
+        planted = store.root / "logs" / "planted"
+        planted.mkdir()
+        shutil.copy(storage.log_file(store.root, uuid.UUID(b), 1), planted / log.name)
+        shutil.rmtree(log.parent)
+        log.parent.symlink_to(planted)
+        assert (await http.get(job_a["links"]["log"])).status_code == 404
+
+        services = http.app.state.services
+        resolve = services.store.resolve
+
+        def resolve_then_plant(job: Any, name: str) -> Any:
+            found = resolve(job, name)
+            shutil.rmtree(results / c)
+            (results / c).symlink_to(results / b)
+            return found
+
+        services.store.resolve = resolve_then_plant
+        assert (await http.get(job_c["files"][0]["url"])).status_code == 404
 
 
 async def test_downloads_answer_head_and_conditional_requests(settings, make_worker, png):
