@@ -239,16 +239,17 @@ class ResultStore:
             media_type, sha = result.media_type, result.sha256
         elif (match := LOG_NAME.match(name)) and 1 <= int(match.group(1)) <= job.attempt:
             path = log_file(self.root, job.id, int(match.group(1)))
-            if not os.path.lexists(path):  # written by an earlier version: one folder per job
+            if self._lstat(path) is None:  # written by an earlier version: one folder per job
                 path = self.root / "logs" / str(job.id) / name
             media_type, sha = "text/plain; charset=utf-8", None
-            if not os.path.lexists(path):  # nothing there, not even a link (refused below)
+            if self._lstat(path) is None:  # nothing there, not even a link (refused below)
                 return None, media_type, sha
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")
         # A link anywhere on the way (the file, or a folder: results/<job> linked to another job's)
         # makes the real path differ; the root is resolved, so a path without links is its own.
-        if os.path.realpath(path) != str(path) or not path.is_file():
+        info = self._lstat(path)
+        if info is None or not stat.S_ISREG(info.st_mode) or os.path.realpath(path) != str(path):
             raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
         return path, media_type, sha
 
@@ -262,6 +263,8 @@ class ResultStore:
         try:
             # No link (a link put in its place since is refused), and no wait on a FIFO.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except PermissionError as exc:
+            raise self._unreadable(path, exc) from exc
         except OSError as exc:
             raise missing from exc
         file = os.fdopen(fd, "rb")
@@ -269,6 +272,22 @@ class ResultStore:
             file.close()
             raise missing
         return Download(path, file, media_type, sha)
+
+    def _lstat(self, path: Path) -> os.stat_result | None:
+        """`path`'s own status (a link's, not its target's); None if nothing is there."""
+        try:
+            return os.lstat(path)
+        except PermissionError as exc:  # not "missing": a folder on the way the API may not enter
+            raise self._unreadable(path, exc) from exc
+        except OSError:  # missing, or a part of the way that is not a folder
+            return None
+
+    def _unreadable(self, path: Path, exc: OSError) -> errors.StorageError:
+        """The error for a file below the root that the API's user is not allowed to read."""
+        return errors.StorageError(
+            f"the API's user cannot read storage/{path.relative_to(self.root)} ({exc.strerror}): "
+            "give it read access to the file and the folders above it"
+        )
 
 
 def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:

@@ -197,3 +197,64 @@ def test_read_only_folders_a_model_leaves_in_its_lane_are_removed(tmp_path: Path
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["emptied ['input.png', 'out']", "removed"], done.stdout
+
+
+# Files under storage/ that the API's user cannot read: a result folder, a log bucket folder and a
+# result file, each shut (mode 0000: even their owner, without the power to ignore permissions).
+# Prints how each download is answered.
+UNREADABLE_DOWNLOADS = """
+import dataclasses, os, sys, uuid
+from pathlib import Path
+from app import errors, storage
+from app.queue import jobs
+store = storage.ResultStore(Path(sys.argv[1]))
+blank = {f.name: None for f in dataclasses.fields(jobs.Job)}
+result = {"name": "mesh.glb", "bytes": 4, "sha256": "0" * 64, "media_type": "model/gltf-binary"}
+for shut in ("folder", "log folder", "file"):
+    row = {"id": uuid.uuid4(), "state": "succeeded", "attempt": 1, "results": [result]}
+    job = jobs.Job.from_row(blank | row)
+    folder = store.root / "results" / str(job.id) / "1"
+    folder.mkdir(parents=True)
+    (folder / "mesh.glb").write_bytes(b"glTF")
+    log = store.log_path(job.id, 1)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("printed")
+    target = {"folder": folder.parent, "log folder": log.parent, "file": folder / "mesh.glb"}[shut]
+    target.chmod(0)
+    for name in ("mesh.glb", "attempt-1.log"):
+        try:
+            found = store.open(job, name)
+            print(shut, name, "opened" if found.file else "empty")
+        except errors.AppError as exc:
+            print(shut, name, type(exc).__name__, exc.message.replace(str(job.id), "<id>"))
+    target.chmod(0o700)
+"""
+
+
+def test_files_the_api_cannot_read_are_a_storage_error_not_missing_or_empty(tmp_path: Path):
+    """A result folder the API's user may not enter was a PermissionError (a 500 with a
+    traceback); a log folder likewise, an empty log (200); a result file it may not read, "not on
+    disk" (404). Now a StorageError that names the path under storage/ and says the API's user
+    cannot read it. (Run without the power to ignore permissions: as root, with CAP_DAC_OVERRIDE
+    and its like taken away.)"""
+    argv = [sys.executable, "-c", UNREADABLE_DOWNLOADS, str(tmp_path / "storage")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions would not apply")
+        argv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *argv]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": os.environ["PATH"]}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("folder mesh.glb StorageError "), lines
+    assert lines[1] == "folder attempt-1.log opened", lines
+    assert lines[2] == "log folder mesh.glb opened", lines
+    assert lines[3].startswith("log folder attempt-1.log StorageError "), lines
+    assert lines[4].startswith("file mesh.glb StorageError "), lines
+    assert lines[5] == "file attempt-1.log opened", lines
+    for line, path in zip(
+        (lines[0], lines[3], lines[4]),
+        ("results/<id>/1/mesh.glb", "logs/", "results/<id>/1/mesh.glb"),
+        strict=True,
+    ):
+        assert f"storage/{path}" in line and "the API's user cannot read" in line, line
