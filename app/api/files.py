@@ -46,10 +46,13 @@ async def download(
     headers = {"Cache-Control": "private, max-age=3600"}
     if found.sha256 is not None:
         headers["ETag"] = f'"{found.sha256}"'
-        if matches(request.headers.get("if-none-match", ""), headers["ETag"]):
-            found.file.close()
-            return Response(status_code=304, headers=headers)
-    return OpenFileResponse(found, filename=name, headers=headers)
+    answer = OpenFileResponse(found, filename=name, headers=headers)
+    # The tag the answer carries: a result's digest, or for a log Starlette's (its time and size).
+    etag = answer.headers["etag"]
+    if matches(request.headers.get("if-none-match", ""), etag):
+        found.file.close()
+        return Response(status_code=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
+    return answer
 
 
 # Download tools ask HEAD for the size (and Accept-Ranges) before their ranged GETs. The same route;

@@ -57,3 +57,22 @@ async def test_a_range_in_another_unit_or_malformed_is_ignored(settings, manager
             assert answer.content == whole and "content-range" not in answer.headers
         assert (await http.get(url, headers={"Range": "bytes=1-2"})).content == whole[1:3]
         assert (await http.get(url, headers={"Range": "bytes=999-"})).status_code == 416
+
+
+async def test_a_log_sent_again_unchanged_is_not_modified(settings, manager, make_worker):
+    """A log is sent with an ETag (its size and time), but an If-None-Match naming it was ignored:
+    the whole log again (200). Now 304 while the log is unchanged, and 200 once it grew."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["links"]["log"]
+        first = await http.get(url)
+        etag = first.headers["etag"]
+        assert first.status_code == 200 and first.content and etag
+        same = await http.get(url, headers={"If-None-Match": etag})
+        assert same.status_code == 304 and same.content == b"" and same.headers["etag"] == etag
+        assert (await http.head(url, headers={"If-None-Match": etag})).status_code == 304
+        with storage.log_file(settings.storage_dir.resolve(), job_id, 1).open("ab") as f:
+            f.write(b"printed later\n")
+        grown = await http.get(url, headers={"If-None-Match": etag})
+        assert grown.status_code == 200 and grown.content.endswith(b"printed later\n")
