@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, BinaryIO
@@ -43,8 +44,9 @@ async def download(
     found = await open_download(services, job, name)
     if found.file is None:  # a log that holds nothing: the run printed nothing (yet)
         return Response(b"", media_type=found.media_type, headers={"Cache-Control": "no-cache"})
-    headers = {"Cache-Control": "private, max-age=3600"}
-    if found.sha256 is not None:
+    headers = {"Cache-Control": "no-cache"}  # a log: it may still grow, so asked again each time
+    if found.sha256 is not None:  # a result: never changes, but is kept no longer than its link
+        headers = {"Cache-Control": f"private, max-age={max(exp - int(time.time()), 0)}"}
         headers["ETag"] = f'"{found.sha256}"'
     answer = OpenFileResponse(found, filename=name, headers=headers)
     # The tag the answer carries: a result's digest, or for a log Starlette's (its time and size).

@@ -76,3 +76,19 @@ async def test_a_log_sent_again_unchanged_is_not_modified(settings, manager, mak
             f.write(b"printed later\n")
         grown = await http.get(url, headers={"If-None-Match": etag})
         assert grown.status_code == 200 and grown.content.endswith(b"printed later\n")
+
+
+async def test_a_log_is_revalidated_and_a_result_kept_no_longer_than_its_link(settings, manager, make_worker):
+    """Every download said `Cache-Control: private, max-age=3600`: a browser kept a log that was
+    still growing for an hour, and a result for an hour past the end of a shorter-lived link. Now
+    a log is `no-cache` (asked again each time; a 304 while unchanged), and a result is kept for
+    at most the link's remaining life."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings, link_ttl_s=60) as http:
+        job = (await http.get(f"/jobs/{job_id}")).json()
+        log = await http.get(job["links"]["log"])
+        assert log.status_code == 200 and log.headers["cache-control"] == "no-cache"
+        result = await http.get(job["files"][0]["url"])
+        policy, max_age = result.headers["cache-control"].split(", max-age=")
+        assert result.status_code == 200 and policy == "private" and 0 < int(max_age) <= 60
