@@ -13,6 +13,7 @@
     ├── PayloadTooLarge          413: the upload is over the configured limit
     ├── QueueFull                429: too many queued jobs (carries `retry_after_s`)
     ├── Forbidden                403: a download link that is tampered with or expired
+    │   └── LinkExpired          a well signed link past its expiry
     ├── Unavailable              503: the database cannot be reached right now
     ├── LeaseLost                a worker's write lost to a newer attempt (fencing)
     ├── RegistryError            the model registry file is broken (names file, model, field)
@@ -105,6 +106,10 @@ class Forbidden(AppError):
     """This link is not valid (tampered with or expired)."""
 
     status_code = 403
+
+
+class LinkExpired(Forbidden):
+    """This download link has expired; fetch the job again for a fresh one."""
 
 
 class Unavailable(AppError):

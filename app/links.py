@@ -65,4 +65,4 @@ class LinkSigner:
         if not hmac.compare_digest(self._sign(job_id, name, exp).encode(), sig.encode()):
             raise errors.Forbidden("this download link is not valid")
         if exp < (now if now is not None else time.time()):
-            raise errors.Forbidden("this download link has expired; fetch the job again for a fresh one")
+            raise errors.LinkExpired("this download link has expired; fetch the job again for a fresh one")

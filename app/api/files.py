@@ -37,7 +37,11 @@ async def download(
     sig: Annotated[str, Query(max_length=100)],
 ) -> Response:
     """A result file or log, by signed link (no key needed); supports Range and ETag."""
-    services.signer.verify(job_id, name, exp, sig)
+    try:
+        services.signer.verify(job_id, name, exp, sig)
+    except errors.LinkExpired:
+        await gone_if_expired(services, job_id)  # a fresh link is no help: an expired job has none
+        raise
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
         raise gone(job)
@@ -66,6 +70,13 @@ def gone(job: Job) -> errors.Gone:
     """410 for an expired job's link."""
     assert job.expired_at is not None
     return errors.Gone(f"the files of job {job.id} were deleted by retention on {job.expired_at:%Y-%m-%d}")
+
+
+async def gone_if_expired(services: Services, job_id: uuid.UUID) -> None:
+    """410 if the job exists and retention deleted its files."""
+    with contextlib.suppress(errors.JobNotFound):
+        if (job := await services.manager.get(job_id)).expired_at is not None:
+            raise gone(job)
 
 
 async def open_download(services: Services, job: Job, name: str) -> storage.Download:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from sqlalchemy import text
 
 from app import storage
 from tests.conftest import api_client
@@ -92,3 +95,21 @@ async def test_a_log_is_revalidated_and_a_result_kept_no_longer_than_its_link(se
         result = await http.get(job["files"][0]["url"])
         policy, max_age = result.headers["cache-control"].split(", max-age=")
         assert result.status_code == 200 and policy == "private" and 0 < int(max_age) <= 60
+
+
+async def test_an_expired_link_of_a_job_retention_deleted_is_gone(settings, manager, make_worker, engine):
+    """An expired link said "fetch the job again for a fresh one" (403), also when retention had
+    deleted the job's files: fetched again, the job has no links. Now 410, saying the files were
+    deleted; an expired link of a job that still has its files stays 403."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        signer = http.app.state.services.signer
+        url = signer.url(job_id, "out.txt", now=time.time() - signer.ttl_s - 60)
+        stale = await http.get(url)
+        assert stale.status_code == 403 and "fetch the job again" in stale.json()["detail"]
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE jobs SET expired_at = now() WHERE id = :id"), {"id": job_id})
+        gone = await http.get(url)
+        assert gone.status_code == 410 and "deleted by retention" in gone.json()["detail"], gone.text
+        assert (await http.get(url.replace("sig=", "sig=x"))).status_code == 403  # not signed: no word
