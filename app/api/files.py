@@ -12,6 +12,8 @@ from typing import Annotated, BinaryIO
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
@@ -20,7 +22,19 @@ from app.api.deps import Services, ServicesDep
 from app.api.schemas import ErrorPublic
 from app.queue.jobs import Job
 
-router = APIRouter(tags=["files"])
+
+class LinkRoute(APIRoute):
+    """A route of /files/...: a method links do not answer is a 405 that says `Allow: GET, HEAD`.
+    Starlette's lists the methods of the route matched first, GET's, as HEAD has a route of its
+    own (below)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            raise HTTPException(status_code=405, headers={"Allow": "GET, HEAD"})
+        await super().handle(scope, receive, send)
+
+
+router = APIRouter(tags=["files"], route_class=LinkRoute)
 
 
 @router.get(

@@ -113,3 +113,19 @@ async def test_an_expired_link_of_a_job_retention_deleted_is_gone(settings, mana
         gone = await http.get(url)
         assert gone.status_code == 410 and "deleted by retention" in gone.json()["detail"], gone.text
         assert (await http.get(url.replace("sig=", "sig=x"))).status_code == 403  # not signed: no word
+
+
+async def test_a_method_links_do_not_answer_is_told_they_answer_get_and_head(settings, manager, make_worker):
+    """A POST (or PUT) to a link is 405, whose Allow said only GET, though links answer HEAD too
+    (download tools ask it first). Now `Allow: GET, HEAD`; HEAD stays out of the OpenAPI document."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        for method in ("POST", "PUT", "DELETE"):
+            answer = await http.request(method, url)
+            assert answer.status_code == 405, (method, answer.text)
+            assert answer.headers["allow"] == "GET, HEAD", method
+        assert (await http.head(url)).status_code == 200
+        paths = http.app.openapi()["paths"]
+        assert list(paths["/files/{job_id}/{name}"]) == ["get"]
