@@ -20,6 +20,8 @@ from urllib.parse import quote
 
 from app import errors
 
+MIN_SECRET_CHARS = 16
+
 
 def load_or_create_secret(storage_dir: Path) -> bytes:
     """The link secret kept in `storage_dir/link_secret`, created (0600) on first use.
@@ -37,15 +39,22 @@ def load_or_create_secret(storage_dir: Path) -> bytes:
                 os.link(draft, path)
         finally:
             os.unlink(draft)
-    return path.read_bytes().strip()
+    secret = path.read_bytes().strip()
+    if len(secret) < MIN_SECRET_CHARS:  # cut by hand, or copied wrong: the operator set no secret
+        raise errors.ConfigError(
+            f"the link secret file {path} holds {len(secret)} characters, fewer than "
+            f"{MIN_SECRET_CHARS}: delete it and a new one is made at the next start "
+            "(links signed with the old one stop working)"
+        )
+    return secret
 
 
 class LinkSigner:
     """Signs and checks download links."""
 
     def __init__(self, secret: bytes, *, ttl_s: int) -> None:
-        if len(secret) < 16:
-            raise errors.ConfigError("GPUJOBS_LINK_SECRET must be at least 16 characters")
+        if len(secret) < MIN_SECRET_CHARS:
+            raise errors.ConfigError(f"GPUJOBS_LINK_SECRET must be at least {MIN_SECRET_CHARS} characters")
         self._secret = secret
         self.ttl_s = ttl_s
 

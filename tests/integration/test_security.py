@@ -497,6 +497,20 @@ def test_link_secret_is_random_private_and_outside_the_repository(tmp_path):
     assert "link_secret" not in tracked.stdout.split()
 
 
+def test_a_link_secret_file_too_short_is_named_with_what_to_do(tmp_path):
+    """An empty or short storage/link_secret (cut by hand, a copy gone wrong) stopped the start
+    with "GPUJOBS_LINK_SECRET must be at least 16 characters", a setting the operator never set.
+    Now the error names the file and says to delete it (a new one is made; old links stop working)."""
+    path = tmp_path / "link_secret"
+    for content in (b"", b"short\n"):
+        path.write_bytes(content)
+        with pytest.raises(errors.ConfigError) as refused:
+            links.LinkSigner(links.load_or_create_secret(tmp_path), ttl_s=60)
+        message = refused.value.message
+        assert str(path) in message and "delete it" in message and "stop working" in message, message
+        assert "GPUJOBS_LINK_SECRET" not in message, message
+
+
 # -- 4. Upload hardening -----------------------------------------------------------------------
 
 
