@@ -126,23 +126,33 @@ class OpenFileResponse(FileResponse):
         # Not offered "http.response.pathsend": the server would open the path itself.
         offered = scope.get("extensions") or {}
         extensions = {k: v for k, v in offered.items() if k != "http.response.pathsend"}
-        headers = [(k, v) for k, v in scope["headers"] if k != b"range" or self._usable(v)]
+        headers = [(k, v) for k, v in scope["headers"] if k != b"range"]
+        headers += [(b"range", r) for k, v in scope["headers"] if k == b"range" and (r := self._range(v))]
         try:
             await super().__call__({**scope, "extensions": extensions, "headers": headers}, receive, send)
         finally:
             self._file.close()  # also when no body was sent: HEAD, 416, a client gone
 
-    def _usable(self, value: bytes) -> bool:
-        """Whether a Range header is one to answer. FileResponse answers one in another unit, or
-        malformed, with a 400 in plain text; RFC 9110 (14.2) says to ignore the first and allows
-        ignoring the second: the whole file is sent. One past the end stays a 416."""
+    def _range(self, value: bytes) -> bytes | None:
+        """The Range header to answer, or None to send the whole file. FileResponse answers one in
+        another unit, or malformed, with a 400 in plain text; RFC 9110 (14.2) says to ignore the
+        first and allows ignoring the second. It answers 416 if any range starts past the end,
+        RFC 9110 (14.1.1) only if none can be sent: those are dropped, the others answered."""
+        text = value.decode("latin-1")
         try:
-            self._parse_range_header(value.decode("latin-1"), self._size)
+            self._parse_range_header(text, self._size)
         except MalformedRangeHeader:
-            return False
+            return None
         except RangeNotSatisfiable:
-            pass
-        return True
+            unit, _, ranges = text.partition("=")
+            kept = [part for part in ranges.split(",") if self._satisfiable(part)]
+            if kept:  # else the 416 stands
+                return self._range(f"{unit}={','.join(kept)}".encode("latin-1"))
+        return value
+
+    def _satisfiable(self, part: str) -> bool:
+        """Whether one range of a Range header starts within the file."""
+        return any(start < self._size for start, _ in self._parse_ranges(part, self._size))
 
     @contextlib.asynccontextmanager
     async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:

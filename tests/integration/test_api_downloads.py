@@ -129,3 +129,22 @@ async def test_a_method_links_do_not_answer_is_told_they_answer_get_and_head(set
         assert (await http.head(url)).status_code == 200
         paths = http.app.openapi()["paths"]
         assert list(paths["/files/{job_id}/{name}"]) == ["get"]
+
+
+async def test_ranges_past_the_end_are_dropped_when_others_can_be_sent(settings, manager, make_worker):
+    """`Range: bytes=0-1,99999999999-` was 416, though RFC 9110 (14.1.1) answers 416 only when no
+    range can be satisfied. Now the ranges past the end are dropped and the others sent; when
+    none is left, still 416."""
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        whole = (await http.get(url)).content
+        one = await http.get(url, headers={"Range": "bytes=0-1,99999999999-"})
+        assert one.status_code == 206, one.text
+        assert one.content == whole[:2] and one.headers["content-range"] == f"bytes 0-1/{len(whole)}"
+        two = await http.get(url, headers={"Range": "bytes=0-1, 999-, 3-4"})
+        assert two.status_code == 206 and two.headers["content-type"].startswith("multipart/byteranges")
+        assert whole[:2] in two.content and whole[3:5] in two.content
+        for ranges in ("bytes=999-", "bytes=999-, 99999999999-"):
+            assert (await http.get(url, headers={"Range": ranges})).status_code == 416, ranges
