@@ -200,7 +200,7 @@ def download(http: httpx.Client, link: str, path: Path) -> Path:
     try:
         with http.stream("GET", link) as response:
             if response.status_code != 200:
-                fail(f"download of {path.name} answered {response.status_code}")
+                fail(f"download of {path.name} answered {response.status_code}{refusal(response)}")
             with partial.open("wb") as f:
                 for chunk in response.iter_bytes():
                     f.write(chunk)
@@ -285,6 +285,15 @@ def retry_after_s(response: httpx.Response, default_s: float) -> float:
     except ValueError:
         return default_s
     return min(max(seconds, 0.0), RETRY_AFTER_MAX_S) if seconds == seconds else default_s
+
+
+def refusal(response: httpx.Response) -> str:
+    """The server's detail, after ": ", of a streamed answer in the API's JSON; "" for any other
+    (a proxy's page, a body not worth reading)."""
+    if not response.headers.get("content-type", "").startswith("application/json"):
+        return ""
+    response.read()
+    return f": {detail_of(response)}"
 
 
 def detail_of(response: httpx.Response) -> str:

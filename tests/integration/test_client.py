@@ -9,11 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trimesh
+import typer
+from sqlalchemy import text
 
+from app import client
 from tests.conftest import api_client, modules_loaded_by, png_bytes
 from tests.integration.test_end_to_end import gradient_png
+from tests.integration.test_worker import enqueue
 
 
 async def run_cli(env: dict[str, str], *args: str, timeout_s: float = 180) -> tuple[int, str, str]:
@@ -281,3 +286,27 @@ async def test_results_that_cannot_be_written_are_an_error_not_a_traceback(setti
             http, key, "submit", str(image), "-m", "toy", "--out", "/proc/gpujobs-out"
         )
     assert code == 2 and "Traceback" not in stderr and "/proc/gpujobs-out" in stderr, stderr[-2000:]
+
+
+async def test_a_failed_download_prints_the_servers_reason(
+    settings, manager, make_worker, engine, tmp_path, capsys
+):
+    """A download the server refused printed only its status ("download of out.txt answered
+    410"), not why. Now the server's `detail` too (here: retention deleted the files)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = await enqueue(manager)
+    await make_worker().run()
+    async with api_client(settings) as http:
+        url = (await http.get(f"/jobs/{job_id}")).json()["files"][0]["url"]
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE jobs SET expired_at = now() WHERE id = :id"), {"id": job_id})
+
+        def download() -> None:
+            with httpx.Client(base_url=str(http.base_url)) as sync, pytest.raises(typer.Exit):
+                client.download(sync, url, out / "out.txt")
+
+        await asyncio.to_thread(download)
+    printed = capsys.readouterr().err
+    assert "download of out.txt answered 410" in printed and "deleted by retention" in printed, printed
+    assert not list(out.iterdir())  # nor a partial file left
