@@ -117,8 +117,9 @@ class JobStream:
         events = await self._manager.events(self._job_id, owner=self._owner)
         if after is None:
             events = events[-1:]
-        else:
-            events = [e for e in events if e.id > max(after, self.last_id)]
+        else:  # the client has seen up to `after`: a later RESYNC must not send those again
+            self.last_id = max(after, self.last_id)
+            events = [e for e in events if e.id > self.last_id]
         out = [_of_event(job, e, newest=e is events[-1]) for e in events]
         if events:
             self.last_id = events[-1].id

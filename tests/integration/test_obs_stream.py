@@ -4,6 +4,7 @@ of what it is told."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from app.queue import sql
 from app.queue.jobs import JobState
 from tests.conftest import api_client, script_model, toy_model
 from tests.integration.test_batching import CLAIM
-from tests.integration.test_stream import events, submit_toy
+from tests.integration.test_stream import events, kill_listeners, submit_toy
 from tests.integration.test_worker import enqueue
 
 
@@ -119,3 +120,38 @@ async def test_a_progress_milestone_and_a_cancel_at_once_are_told_in_the_order_o
     told = [(note["kind"], note["event"]) for note in heard]
     assert [kind for kind, _ in told] == ["progress", "cancel_requested"], told
     assert told[0][1] < told[1][1], told
+
+
+async def test_a_resync_after_a_reconnect_sends_nothing_the_client_had_seen(settings):
+    """A client that reconnected with Last-Event-ID n, with nothing newer, left the stream's newest
+    sent id at 0; when the API's LISTEN connection then dropped, the stream re-read the history
+    after 0 and sent the job's every event again, though nothing is to be sent twice."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        newest = (await http.get(f"/jobs/{job_id}/events")).json()[-1]["id"]
+        feed = http.app.state.feed  # type: ignore[attr-defined]
+        seen: list[dict[str, Any]] = []
+
+        async def read() -> None:
+            headers = {"Last-Event-ID": str(newest)}
+            async with http.stream("GET", f"/jobs/{job_id}/stream", headers=headers) as response:
+                async for event in events(response):
+                    seen.append(event)
+
+        reader = asyncio.create_task(read())
+        for _ in range(200):  # until the stream has caught up and listens
+            if feed.subscribers:
+                break
+            await asyncio.sleep(0.05)
+        await kill_listeners(settings.database_url)  # the feed reconnects and resyncs every stream
+        for _ in range(200):
+            if not feed.connected.is_set():
+                break
+            await asyncio.sleep(0.05)
+        async with asyncio.timeout(30):
+            await feed.connected.wait()
+        await asyncio.sleep(0.5)  # time for the stream to re-read the history
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        assert seen == []
