@@ -184,9 +184,11 @@ class JobStream:
 
 
 def _last_event_id(value: str | None) -> int | None:
-    if value is None or not value.strip().isdigit():
+    # Header bytes arrive as latin-1: '²' passes str.isdigit() and int() refuses it, so ASCII only
+    digits = (value or "").strip()
+    if not (digits.isascii() and digits.isdigit()):
         return None
-    return int(value.strip())
+    return int(digits)
 
 
 @router.get(

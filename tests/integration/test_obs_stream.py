@@ -155,3 +155,17 @@ async def test_a_resync_after_a_reconnect_sends_nothing_the_client_had_seen(sett
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         assert seen == []
+
+
+@pytest.mark.parametrize("value", [b"\xb2", b"1\xb3\xb9"])  # '²', '1³¹' in latin-1
+async def test_a_last_event_id_of_other_than_ascii_digits_is_ignored(settings, value):
+    """Header bytes are read as latin-1, so b'\\xb2' became '²', which str.isdigit() accepts and
+    int() refuses: the stream answered 500. A Last-Event-ID that is not a number is ignored, as the
+    docs say: the stream starts as on a first connect."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        newest = (await http.get(f"/jobs/{job_id}/events")).json()[-1]["id"]
+        async with http.stream("GET", f"/jobs/{job_id}/stream", headers={"Last-Event-ID": value}) as response:
+            assert response.status_code == 200
+            first = await anext(events(response))
+        assert first["id"] == newest and first["data"]["state"] == "queued"
