@@ -167,6 +167,18 @@ _NETWORK_ERRNOS = frozenset(
 )
 
 
+# What a statement may fail with, an outage or not (a statement the server cancelled at its
+# statement_timeout or lock_timeout, say): for a reader that answers with what it read before.
+ERRORS = (
+    exc.SQLAlchemyError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+
+
 def is_unavailable(error: BaseException) -> bool:
     """True when `error` means the database cannot be reached right now (not a bad statement).
 

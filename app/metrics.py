@@ -61,7 +61,7 @@ READ_TIMEOUT_S: Final = 5.0
 DEAD_WORKERS_SHOWN_S: Final = 86_400.0
 # The most the count of the history in SQL may take (a new process's start of the job series, in a
 # task of its own): 13 s beside 1,000,000 jobs on a 2-core VM. Past it, or on any failure, the
-# next refresh starts it again.
+# next refresh starts it again. It is the count's statement_timeout too, whatever the server's.
 HISTORY_TIMEOUT_S: Final = 600.0
 
 
@@ -108,14 +108,22 @@ class DatabaseMetrics:
                         await self._tail(now + budget_s)
                     self._depth = await self._manager.queue_depth()
                     self._workers = await self._manager.workers(recent_s=DEAD_WORKERS_SHOWN_S)
-            except Exception as exc:
-                if not db.is_unavailable(exc):
-                    raise
-                log.warning("metrics: database unavailable", extra={"action": "db_down"})
-                self._up = 0
+            except db.ERRORS as exc:  # an outage, or a statement the server cancelled: no 500
+                self._read_failed(exc)
             else:
                 self._up = 1
             self._refreshed_at = time.monotonic()
+
+    def _read_failed(self, error: Exception) -> None:
+        """database_up 0, the values read before kept; logged once while the reads fail."""
+        if self._up or self._refreshed_at is None:  # not again at every scrape of an outage
+            unavailable = db.is_unavailable(error)
+            log.warning(
+                "metrics: database unavailable" if unavailable else "metrics: reading the database failed",
+                exc_info=not unavailable,
+                extra={"action": "db_down"},
+            )
+        self._up = 0
 
     async def _start(self, deadline: float) -> bool:
         """Whether the tally has its start: the history up to a cut-off, counted by the database
@@ -124,7 +132,7 @@ class DatabaseMetrics:
         The count runs in a task of its own: a refresh waits for it until `deadline`, then leaves
         it running for a later refresh to take (the job series left out until then), so a scrape
         waits no longer on a long history. A count that failed fails the refresh that takes it
-        (`gpujobs_metrics_database_up` 0 when the database was away); the next starts another."""
+        (`gpujobs_metrics_database_up` 0); the next starts another."""
         if self._started:
             return True
         if self._counting is None:
@@ -143,7 +151,10 @@ class DatabaseMetrics:
         started = time.monotonic()
         async with asyncio.timeout(HISTORY_TIMEOUT_S):
             floor, groups = await self._manager.event_groups_for_metrics(
-                older_than_s=tally.GAP_WAIT_S, final=tally.FINAL, bucket_starts=tally.BUCKET_STARTS
+                older_than_s=tally.GAP_WAIT_S,
+                final=tally.FINAL,
+                bucket_starts=tally.BUCKET_STARTS,
+                timeout_s=HISTORY_TIMEOUT_S,
             )
         seconds = time.monotonic() - started
         log.info(

@@ -730,11 +730,12 @@ class JobManager:
             return list((await conn.execute(sql.EVENTS_FOR_METRICS, values)).all())
 
     async def event_groups_for_metrics(
-        self, *, older_than_s: float, final: Iterable[str], bucket_starts: Sequence[float]
+        self, *, older_than_s: float, final: Iterable[str], bucket_starts: Sequence[float], timeout_s: float
     ) -> tuple[int, list[Any]]:
         """The cut-off id (sql.EVENTS_CUTOFF_FOR_METRICS; 0: no event that old) and the lifecycle
-        events up to it counted in groups (sql.EVENT_GROUPS_FOR_METRICS)."""
+        events up to it counted in groups (sql.EVENT_GROUPS_FOR_METRICS), each within `timeout_s`."""
         async with self._engine.begin() as conn:
+            await conn.execute(sql.STATEMENT_TIMEOUT_LOCAL, {"ms": str(round(timeout_s * 1000))})
             cutoff = await conn.scalar(sql.EVENTS_CUTOFF_FOR_METRICS, {"older_than_s": older_than_s})
             if cutoff is None:
                 return 0, []

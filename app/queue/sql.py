@@ -736,6 +736,10 @@ EVENTS_CUTOFF_FOR_METRICS = text(
     """
 )
 
+# For the rest of the transaction, statements may run :ms milliseconds, whatever statement_timeout
+# the server sets for the role or database (for short requests): the count of a long history.
+STATEMENT_TIMEOUT_LOCAL = text("SELECT set_config('statement_timeout', :ms, true)")
+
 # For the rest of the transaction, plan without index scans: EVENT_GROUPS_FOR_METRICS reads every
 # event, and PostgreSQL chose to walk ix_job_events_job for the window's order (job, id), one heap
 # page at random per event: 24-27 s beside 1,000,000 jobs (4.77 million events) on the 2-core VM,

@@ -9,6 +9,7 @@ with waits and runs that land on the histogram bounds and beside them, events th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -193,7 +194,10 @@ async def test_the_history_counted_in_sql_gives_the_series_of_reading_it_row_by_
         last = await conn.scalar(text("SELECT max(id) FROM job_events"))
         old = await conn.scalar(text("SELECT max(id) FROM job_events WHERE at < now() - interval '1 day'"))
     start, _ = await manager.event_groups_for_metrics(
-        older_than_s=tally.GAP_WAIT_S, final=tally.FINAL, bucket_starts=tally.BUCKET_STARTS
+        older_than_s=tally.GAP_WAIT_S,
+        final=tally.FINAL,
+        bucket_starts=tally.BUCKET_STARTS,
+        timeout_s=metrics.HISTORY_TIMEOUT_S,
     )
     assert old <= start < last  # the old history counted in SQL, the recent events read row by row
     assert fresh.tally.ids.counted(last)  # (the floor waits at the hole for GAP_WAIT_S)
@@ -271,6 +275,27 @@ async def test_a_count_that_fails_is_started_again(engine, manager):
     failed = series(fresh)
     assert failed[UP] == 0 and not job_series(failed)
     await fresh.refresh()
+    found = series(fresh)
+    assert found[UP] == 1 and submitted(found) == 300
+
+
+async def test_the_count_of_the_history_may_take_longer_than_the_servers_statement_timeout(engine, manager):
+    """A statement_timeout set on the server (for a role or the database: short requests) cancelled
+    the count of a long history at every scrape, which then answered 500; the job series never
+    came. The count is bounded by HISTORY_TIMEOUT_S instead. Here it waits 1 s behind a lock under
+    a statement_timeout of 300 ms."""
+    await build_history(engine, jobs=300)
+    async with engine.begin() as conn:
+        name = await conn.scalar(text("SELECT current_database()"))
+        await conn.execute(text(f'ALTER DATABASE "{name}" SET statement_timeout = 300'))
+    await engine.dispose()  # the pooled connections have the setting of before
+    fresh = metrics.DatabaseMetrics(manager, cache_s=0, dead_after_s=60)
+    async with engine.connect() as locker:
+        await locker.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+        refresh = asyncio.create_task(fresh.refresh(budget_s=3))
+        await asyncio.sleep(1)
+        await locker.rollback()
+    await refresh
     found = series(fresh)
     assert found[UP] == 1 and submitted(found) == 300
 

@@ -68,3 +68,23 @@ async def test_a_new_api_process_counts_an_old_history_as_the_running_one_did(
     assert value(jobs, "gpujobs_jobs_finished_total", model="toy", state="canceled") == 1
     assert value(jobs, "gpujobs_job_queue_wait_seconds_count", model="toy") == 5
     assert {k: found[k] for k in jobs} == pytest.approx(jobs, rel=1e-9)
+
+
+async def test_a_read_the_server_cancels_reads_as_the_database_down(settings, engine):
+    """A statement the server cancelled (its lock_timeout or statement_timeout; here a read of
+    `jobs` behind a lock) is no connection error, so the refresh raised it: GET /metrics answered
+    500 and Prometheus lost every series, though a failed read is to set
+    gpujobs_metrics_database_up 0 and answer with the values read before."""
+    async with engine.begin() as conn:
+        name = await conn.scalar(text("SELECT current_database()"))
+        await conn.execute(text(f'ALTER DATABASE "{name}" SET lock_timeout = 200'))
+    async with api_client(settings, metrics_cache_s=0) as http:
+        await submit_toy(http)
+        assert value(await scrape(http), "gpujobs_jobs", state="queued", model="toy") == 1
+        async with engine.connect() as locker:
+            await locker.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+            during = await scrape(http)
+            await locker.rollback()
+        assert value(during, "gpujobs_metrics_database_up") == 0
+        assert value(during, "gpujobs_jobs", state="queued", model="toy") == 1  # as read before
+        assert value(await scrape(http), "gpujobs_metrics_database_up") == 1
