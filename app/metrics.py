@@ -89,7 +89,7 @@ class DatabaseMetrics:
         self._counting: asyncio.Task[tally.JobTally] | None = None  # the history, counted in SQL
         self._started = False  # the tally has its start from that count
         self.caught_up = False  # the whole history read once: until then the tally is left out
-        self._depth: list[tuple[str, str, int, int]] = []
+        self._depth: list[tuple[str, str, int, int]] | None = None  # None: never read
         self._workers: list[records.WorkerInfo] = []
 
     async def refresh(self, *, budget_s: float = 2.0) -> None:
@@ -197,13 +197,14 @@ class DatabaseMetrics:
         depth = GaugeMetricFamily(
             "gpujobs_jobs", "Unfinished jobs by state and model", labels=["state", "model"]
         )
-        totals: Counter[tuple[str, str]] = Counter(
-            {(state, model): 0 for state in UNFINISHED for model in self._models}
-        )
-        for state, model, _priority, count in self._depth:
-            totals[(state, model)] += count
-        for (state, model), count in sorted(totals.items()):
-            depth.add_metric([state, model], count)
+        if self._depth is not None:  # zeros before the first read would say the queue is empty
+            totals: Counter[tuple[str, str]] = Counter(
+                {(state, model): 0 for state in UNFINISHED for model in self._models}
+            )
+            for state, model, _priority, count in self._depth:
+                totals[(state, model)] += count
+            for (state, model), count in sorted(totals.items()):
+                depth.add_metric([state, model], count)
         yield depth
         yield from worker_families(self._workers, dead_after_s=self._dead_after_s)
 

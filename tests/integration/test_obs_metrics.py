@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from tests.conftest import api_client
+from tests.conftest import api_client, free_port
 from tests.integration.test_observability import lose_then_finish, scrape, value
 from tests.integration.test_stream import submit_toy
 from tests.integration.test_worker import enqueue
@@ -88,3 +88,14 @@ async def test_a_read_the_server_cancels_reads_as_the_database_down(settings, en
         assert value(during, "gpujobs_metrics_database_up") == 0
         assert value(during, "gpujobs_jobs", state="queued", model="toy") == 1  # as read before
         assert value(await scrape(http), "gpujobs_metrics_database_up") == 1
+
+
+async def test_a_process_that_never_read_the_database_reports_no_queue(settings):
+    """A new API process whose database is away reported gpujobs_jobs 0 for every registered model
+    and state, an empty queue it had never read: an alert on the queue's depth cleared itself the
+    moment the database went away with a restart. The series come with the first read."""
+    away = f"postgresql+asyncpg://nobody:secret@127.0.0.1:{free_port()}/nothing"
+    async with api_client(settings, key=None, database_url=away) as http:
+        samples = await scrape(http)
+    assert value(samples, "gpujobs_metrics_database_up") == 0
+    assert not [name for name, _ in samples if name == "gpujobs_jobs"], samples
