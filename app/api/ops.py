@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import db, logs, metrics, notify, retention
@@ -89,6 +90,16 @@ class RequestContext:
         with logs.bound(request_id=rid):
             try:
                 await self.app(scope, receive, sending)
+            except Exception:  # uvicorn logs it too, but outside this context: no request id there
+                log.exception(
+                    "%s %s failed",
+                    scope["method"],
+                    scope["path"],
+                    extra={"action": "http_error", "route": route_of(scope)},
+                )
+                if "status" not in answer:  # Starlette's own 500 would go out without the request id
+                    await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, sending)
+                raise
             finally:
                 self._record(scope, answer, time.perf_counter() - started)
 

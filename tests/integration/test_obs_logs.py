@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
 
+from sqlalchemy import text
+
 from app import logs
 from tests.conftest import api_client, worker_env
 from tests.integration.test_observability import capture
+from tests.integration.test_stream import submit_toy
 
 
 async def test_a_request_is_one_text_line_whatever_its_path_holds(settings):
@@ -69,3 +73,27 @@ def test_mask_covers_passwords_keys_and_link_signatures_in_any_message():
     )
     assert not any(secret in line for secret in ("pw1", "pw2", "pw3", "c2lnbmF0dXJl", "abcdefgh")), line
     assert "password=***" in line and "sig=***" in line and "exp=1700000000" in line
+
+
+async def test_the_traceback_of_a_500_carries_the_request_id(settings, engine):
+    """The traceback of an error no handler answers was written by uvicorn, outside the request's
+    log context: without its request_id, an operator could not find it from the client's
+    X-Request-ID (which that 500 did not even echo). Here a read of `jobs` waits on a lock past
+    the server's lock_timeout."""
+    async with engine.begin() as conn:
+        name = await conn.scalar(text("SELECT current_database()"))
+        await conn.execute(text(f'ALTER DATABASE "{name}" SET lock_timeout = 200'))
+    handler, stop = capture(logs.JsonFormatter())
+    try:
+        async with api_client(settings) as http, engine.connect() as locker:
+            job_id = await submit_toy(http)
+            await locker.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+            answer = await http.get(f"/jobs/{job_id}", headers={"X-Request-ID": "req-500"})
+            await locker.rollback()
+    finally:
+        stop()
+    assert answer.status_code == 500 and answer.headers["x-request-id"] == "req-500", answer.headers
+    lines = [json.loads(line) for line in handler.lines]
+    [error] = [e for e in lines if e.get("action") == "http_error"]
+    assert error["request_id"] == "req-500" and error["route"] == "/jobs/{job_id}", error
+    assert "LockNotAvailableError" in error["exception"], error
