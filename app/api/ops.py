@@ -10,8 +10,9 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response, routing
 from fastapi.responses import PlainTextResponse
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import db, logs, metrics, notify, retention
@@ -45,10 +46,24 @@ def request_id(scope: Scope) -> str:
 
 
 def route_of(scope: Scope) -> str:
-    """The route template that served the request ("unmatched" before or without routing)."""
-    route = scope.get("route")
+    """The route template that served the request, or would have ("unmatched": no route has it)."""
+    route = scope.get("route") or _route_for(scope)
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else "unmatched"
+
+
+def _route_for(scope: Scope) -> BaseRoute | None:
+    """The route the router would pick (full match, else one for another method), for a request
+    answered before routing (401, 403, 413, 429): matched only then, so others pay nothing."""
+    partial = None
+    for context in routing.iter_route_contexts(scope["app"].routes):  # included routers' routes too
+        route = context.route
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return partial
 
 
 def job_of(scope: Scope, location: str) -> str | None:

@@ -70,6 +70,24 @@ async def test_metrics_follow_a_job_through_its_life(settings, make_worker):
         assert 0 < run_s <= total_s
 
 
+async def test_requests_refused_before_routing_are_counted_under_their_route(settings):
+    """The security and upload-limit middleware answer before the router runs, so their 401s and
+    413s were counted as route="unmatched", though the docs give the series by route template: an
+    anonymous flood on one route, or oversized uploads, could not be told from requests to nowhere."""
+    async with api_client(settings, max_upload_mb=0.01) as http:
+        job_id = await submit_toy(http)
+        async with client_for(http, None) as anonymous:
+            assert (await anonymous.get(f"/jobs/{job_id}")).status_code == 401
+        big = {"image": ("in.png", b"x" * 20_000, "image/png")}
+        assert (await http.post("/jobs", files=big, data={"model": "toy"})).status_code == 413
+        assert (await http.get("/nowhere")).status_code == 404
+        samples = await scrape(http)
+    count = "gpujobs_http_request_duration_seconds_count"
+    assert value(samples, count, method="GET", route="/jobs/{job_id}", status="401") == 1
+    assert value(samples, count, method="POST", route="/jobs", status="413") == 1
+    assert value(samples, count, method="GET", route="unmatched", status="404") == 1
+
+
 async def lose_then_finish(manager, make_worker, lost) -> None:  # type: ignore[no-untyped-def]
     """Claim `lost` (the first job queued) by a worker that vanishes, recover it, then run every
     job to its end with burst workers (until a retry's backoff has passed and it ran again)."""
