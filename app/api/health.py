@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,7 @@ from sqlalchemy import text
 from app import errors, migrate
 
 router = APIRouter(tags=["ops"])
+log = logging.getLogger("gpujobs.health")
 
 READY_TIMEOUT_S = 5.0
 GPU_FIELDS = ("index", "name", "total_mb", "free_mb", "reserved_mb", "running_jobs")
@@ -26,7 +28,10 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get(
-    "/readyz", responses={503: {"description": "Not ready: database down, schema behind, or too few workers"}}
+    "/readyz",
+    responses={
+        503: {"description": "Not ready: database down, schema behind, worker stopped, or too few workers"}
+    },
 )
 async def readyz(request: Request) -> Any:
     """Ready to take requests: the database answers at the current schema; live workers and GPUs."""
@@ -34,11 +39,9 @@ async def readyz(request: Request) -> Any:
     try:
         report = await asyncio.wait_for(_readiness(request), timeout=READY_TIMEOUT_S)
     except Exception as exc:
-        why = str(exc)[:200] or type(exc).__name__
-        if isinstance(exc, TimeoutError):  # a database that takes connections and never answers
-            why = f"no answer within {READY_TIMEOUT_S:g} s"
-        body = {"status": "unavailable", "detail": f"database: {why}"}
+        body = {"status": "unavailable", "detail": f"database: {_unready(request, exc)}"}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    request.app.state.readyz_failing = False
     problems = []
     if report["schema"]["current"] != report["schema"]["head"]:
         try:
@@ -55,6 +58,18 @@ async def readyz(request: Request) -> Any:
         body = {"status": "unavailable", "detail": "; ".join(problems), **report}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     return {"status": "ready", **report}
+
+
+def _unready(request: Request, error: Exception) -> str:
+    """Why the database check failed, for anyone to read: its error's class, never its text (which
+    names the database's address). The whole error is logged, once until a check passes again."""
+    if not getattr(request.app.state, "readyz_failing", False):
+        request.app.state.readyz_failing = True
+        log.warning("readyz: the database check failed", exc_info=error, extra={"action": "db_down"})
+    if isinstance(error, TimeoutError):  # a database that takes connections and never answers
+        return f"no answer within {READY_TIMEOUT_S:g} s"
+    orig = getattr(error, "orig", None)  # through SQLAlchemy's wrapper and the dialect's own error
+    return f"unreachable ({type(getattr(orig, '__cause__', None) or orig or error).__name__})"
 
 
 async def _readiness(request: Request) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from sqlalchemy import text
 
 from app import logs, migrate
 from app.queue.jobs import JobState
-from tests.conftest import api_client, client_for, worker_id
+from tests.conftest import api_client, client_for, free_port, worker_id
 from tests.integration.test_durability import running, until
 from tests.integration.test_stream import submit_toy
 from tests.integration.test_worker import enqueue
@@ -276,6 +276,24 @@ async def test_readyz_fails_when_the_database_is_down(settings):
         assert "database" in response.json()["detail"]
         metrics = await http.get("/metrics")  # still answers, and says the database is away
         assert metrics.status_code == 200 and "gpujobs_metrics_database_up 0.0" in metrics.text
+
+
+async def test_readyz_tells_an_anonymous_caller_no_database_address(settings):
+    """/readyz needs no key, and its 503 gave the database error's text: "database: [Errno 111]
+    Connect call failed ('127.0.0.1', 40793)", the database's internal address for anyone to read.
+    It says the database is unreachable and the error's class; the whole error goes to the log."""
+    port = free_port()
+    down = f"postgresql+asyncpg://nobody:secret@127.0.0.1:{port}/nothing"
+    handler, stop = capture(logs.JsonFormatter())
+    try:
+        async with api_client(settings, key=None, database_url=down) as http:
+            response = await http.get("/readyz")
+    finally:
+        stop()
+    assert response.status_code == 503
+    assert response.json()["detail"] == "database: unreachable (ConnectionRefusedError)", response.text
+    [logged] = [e for e in map(json.loads, handler.lines) if e["logger"] == "gpujobs.health"]
+    assert str(port) in logged["exception"] and logged["action"] == "db_down", logged
 
 
 class Lines(logging.Handler):
