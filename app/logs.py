@@ -54,6 +54,14 @@ def bind(**values: Any) -> None:
         _CONTEXT[name].set(value)
 
 
+def outside_job() -> contextvars.Context:
+    """A copy of the current context without its request and job (the worker kept), for a task that
+    outlives the job or request that makes it: a warm runner's, which later jobs use too."""
+    context = contextvars.copy_context()
+    context.run(bind, request_id=None, job_id=None, attempt=None)
+    return context
+
+
 @contextlib.contextmanager
 def bound(**values: Any) -> Iterator[None]:
     """Set context fields for the duration of a block."""

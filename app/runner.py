@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import logging
 import math
@@ -266,6 +267,7 @@ class ProgressFeed:
 
     def __init__(self, callback: ProgressCallback, name: str) -> None:
         self._callback, self._name = callback, name
+        self._context = contextvars.copy_context()  # its maker's (the job's), not the first put()'s
         self._updates: asyncio.Queue[tuple[float, str]] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -273,7 +275,9 @@ class ProgressFeed:
         """Queue an update for the callback."""
         if self._updates is None:
             self._updates = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
-            self._task = asyncio.get_running_loop().create_task(self._deliver(self._updates), name=self._name)
+            self._task = asyncio.get_running_loop().create_task(
+                self._deliver(self._updates), name=self._name, context=self._context
+            )
         if self._updates.full():
             self._updates.get_nowait()
             self._updates.task_done()

@@ -20,13 +20,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
-from app import modelkit, runner
+from app import logs, modelkit, runner
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
@@ -103,6 +103,12 @@ class StartFailed(Exception):
         self.permanent = permanent
 
 
+def _own_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """A task of the runner's. The runner outlives the job that starts it (a job's task may start
+    it, or end it), so its tasks log under no job: only the worker is kept of the context."""
+    return asyncio.create_task(coro, name=name, context=logs.outside_job())
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     """Send `sig` to a process group, if anything of ours is still in it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -123,7 +129,7 @@ class WarmRunner:
         # Its own log rotates at the cap (a runner may live for weeks); each job's keeps its head and end.
         self._max_log_bytes = max_log_bytes
         self._log = RunLog(launch.log_path, "warm", eager=True, max_bytes=max_log_bytes, rotate=True)
-        self._job: tuple[str, RunLog, ProgressCallback] | None = None  # the job in flight
+        self._job: tuple[str, RunLog] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: collections.deque[_Event] = collections.deque()
         self._progress: runner.ProgressFeed | None = None  # the job's, made with its first update
@@ -168,11 +174,11 @@ class WarmRunner:
             raise
         self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")
         assert proc.stdout is not None and proc.stderr is not None
-        stdout = asyncio.create_task(self._read_stdout(proc.stdout), name=f"warm-stdout-{proc.pid}")
+        stdout = _own_task(self._read_stdout(proc.stdout), f"warm-stdout-{proc.pid}")
         self._tasks = [
             stdout,
-            asyncio.create_task(self._read_stderr(proc.stderr), name=f"warm-stderr-{proc.pid}"),
-            asyncio.create_task(self._watch_exit(proc, stdout), name=f"warm-exit-{proc.pid}"),
+            _own_task(self._read_stderr(proc.stderr), f"warm-stderr-{proc.pid}"),
+            _own_task(self._watch_exit(proc, stdout), f"warm-exit-{proc.pid}"),
         ]
         problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
         if problem is None and self._ending is not None:  # a line out of turn came with its ready line
@@ -226,7 +232,10 @@ class WarmRunner:
         line = request.encode()  # a request that cannot be sent fails here, before anything changed
         job, started = request.job, time.monotonic()
         job_log = RunLog(log_path, "warm", max_bytes=self._max_log_bytes)
-        self.state, self._job = RunnerState.RUNNING, (job, job_log, on_progress)
+        self.state, self._job = RunnerState.RUNNING, (job, job_log)
+        # Its task (a slow callback must not hold up the answer) runs in the context of this job's
+        # task, where it is made: not in the reader's, which no job owns.
+        self._progress = runner.ProgressFeed(on_progress, f"warm-progress-{self.pid}")
         self._answered = False
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
@@ -337,9 +346,8 @@ class WarmRunner:
         job = None if self._answered else self._job  # progress after the job's answer is out of turn
         if isinstance(event, modelkit.Progress) and job is not None and event.job == job[0]:
             job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
-            if self._progress is None:  # a slow callback (the database away) must not hold up the answer
-                self._progress = runner.ProgressFeed(job[2], f"warm-progress-{self.pid}")
-            self._progress.put(event.fraction, event.message)
+            if self._progress is not None:
+                self._progress.put(event.fraction, event.message)
             return True
         self._hand_on(event)
         if isinstance(event, str):
@@ -393,7 +401,7 @@ class WarmRunner:
         """Kill and reap the runner, once: later calls get the same task."""
         if self._ending is None:
             self.state = RunnerState.CLOSING if self.state is not RunnerState.DEAD else self.state
-            self._ending = asyncio.create_task(self._kill(why, gentle), name=f"warm-end-{self.pid}")
+            self._ending = _own_task(self._kill(why, gentle), f"warm-end-{self.pid}")
         return self._ending
 
     async def _kill(self, why: str, gentle: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ import pytest
 import trimesh
 from PIL import Image
 
-from app import modelkit, runner, warm, warmpool
+from app import logs, modelkit, runner, warm, warmpool
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_TOY = ROOT / "tests" / "models" / "warm_toy.py"
@@ -739,3 +740,55 @@ async def test_a_start_that_cannot_be_worked_out_leaves_no_job_waiting_for_ever(
             await asyncio.wait_for(task, 5)
     assert len(calls) == 2
     paced.release(busy)
+
+
+class Contexts(logging.Handler):
+    """Records each warm-runner log line's action with the log context it was written in."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[tuple[str | None, str | None, int | None, str | None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        action = getattr(record, "action", None)
+        self.seen.append((action, logs.JOB_ID.get(), logs.ATTEMPT.get(), logs.WORKER.get()))
+
+
+@pytest.mark.asyncio
+async def test_a_runner_logs_its_life_after_its_first_job_under_no_job(
+    tmp_path: Path, pool: warmpool.WarmPool
+) -> None:
+    """A runner's reader and exit-watcher tasks were made in the task of the job that started it,
+    and copied its log context: its death while idle, hours later, was logged under that job and
+    attempt, and the next jobs' progress callbacks ran under it too. Its tasks keep the worker only;
+    each job's progress runs under that job."""
+    handler, logger = Contexts(), logging.getLogger("gpujobs.warm")
+    logger.addHandler(handler)
+    logs.bind(worker="test:w")
+    progress_of: list[str | None] = []
+
+    async def on_progress(_fraction: float, _message: str) -> None:
+        progress_of.append(logs.JOB_ID.get())
+
+    async def job(name: str) -> warm.WarmRunner:
+        logs.bind(job_id=name, attempt=1)  # as an attempt's task does
+        async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as warm_runner:
+            request = modelkit.Request(f"{name}:1", tmp_path / "in.png", tmp_path / name, {"steps": 2})
+            result = await warm_runner.run_job(
+                request, timeout_s=10, log_path=tmp_path / f"{name}.log", on_progress=on_progress
+            )
+            assert result.ok, result
+        return warm_runner
+
+    try:
+        (tmp_path / "in.png").write_bytes(b"not really a png")
+        first = await asyncio.create_task(job("job-a"))
+        assert await asyncio.create_task(job("job-b")) is first
+        assert first.pid is not None
+        os.kill(first.pid, signal.SIGKILL)
+        assert await _dead(first)
+    finally:
+        logger.removeHandler(handler)
+    [ended] = [seen for seen in handler.seen if seen[0] == "runner_ended"]
+    assert ended == ("runner_ended", None, None, "test:w"), handler.seen
+    assert progress_of == ["job-a", "job-a", "job-b", "job-b"]
