@@ -2,7 +2,9 @@
 
 A declared `Content-Length` over the limit is refused before a byte is read. Otherwise the body is
 counted as it arrives; past the limit the request is cut off and answered 413, whatever the form
-parser was doing with it, so a huge upload never fills memory or disk.
+parser was doing with it, so a huge upload never fills memory or disk. Routes that take no upload
+but must take a body from anyone (the web page's sign-in) get their own small limit (`per_path`),
+enforced the same way, so their body is never parsed past a few kB.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
 memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In
@@ -13,8 +15,9 @@ declared size, and read back without a copy (`PartBuffer`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -36,25 +39,43 @@ class BodyTooLarge(Exception):
     """The body passed the limit while streaming."""
 
 
+@dataclass(frozen=True, slots=True)
+class SizeLimit:
+    """A limit on a request body's bytes, and what its 413 says."""
+
+    max_bytes: int
+    detail: str
+
+
 class BodyLimit:
-    """ASGI middleware: 413 for request bodies over `max_bytes` on upload routes."""
+    """ASGI middleware: 413 for request bodies over `max_bytes` on upload routes, and over their own
+    limit on the paths in `per_path`."""
 
     def __init__(
-        self, app: ASGIApp, *, max_bytes: int, methods: frozenset[str] = frozenset({"POST"})
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        per_path: Mapping[str, SizeLimit] | None = None,
+        methods: frozenset[str] = frozenset({"POST"}),
     ) -> None:
         self.app = app
-        self.max_bytes = max_bytes + FORM_OVERHEAD_BYTES
-        self.image_max_bytes = max_bytes
+        limit_mb = max_bytes / 1024 / 1024
+        self.upload = SizeLimit(
+            max_bytes + FORM_OVERHEAD_BYTES, f"the upload is larger than the {limit_mb:g} MB limit"
+        )
+        self.per_path = dict(per_path or {})
         self.methods = methods
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope["path"], self.upload)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit.max_bytes:
             await drain(receive)
-            await self._refuse(send)
+            await _refuse(send, limit.detail)
             return
         state: dict[str, Any] = {"seen": 0, "over": False, "started": False}
 
@@ -62,7 +83,7 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 state["seen"] += len(message.get("body", b""))
-                if state["seen"] > self.max_bytes:
+                if state["seen"] > limit.max_bytes:
                     state["over"] = True
                     raise BodyTooLarge
             return message
@@ -79,18 +100,18 @@ class BodyLimit:
             pass
         if state["over"] and not state["started"]:
             await drain(receive)
-            await self._refuse(send)
+            await _refuse(send, limit.detail)
 
-    async def _refuse(self, send: Send) -> None:
-        limit_mb = self.image_max_bytes / 1024 / 1024
-        body = json.dumps({"detail": f"the upload is larger than the {limit_mb:g} MB limit"}).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+
+async def _refuse(send: Send, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:

@@ -29,6 +29,10 @@ from app.web import pages as web_pages
 
 log = logging.getLogger("gpujobs.api")
 
+# A 422 shows the start of each input it refused (enough to find it), never a key.
+SHOWN_INPUT_CHARS = 100
+SECRET_FIELDS = frozenset({"key", "password"})
+
 
 def _link_secret(settings: Settings) -> bytes:
     if settings.link_secret:
@@ -171,9 +175,38 @@ async def _app_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _invalid(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's 422 with its list of field errors, each with the input it refused."""
+    """FastAPI's 422 with its list of field errors, each with the start of the input it refused."""
     assert isinstance(exc, RequestValidationError)
-    return ErrorResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
+    return ErrorResponse({"detail": jsonable_encoder([_shown(e) for e in exc.errors()])}, status_code=422)
+
+
+def _shown(error: dict[str, Any]) -> dict[str, Any]:
+    """A field error as a 422 shows it: a long input cut short; none shown for a secret (a key), or
+    for a body that is not JSON (a form with a key in it, posted where JSON was wanted)."""
+    if "input" not in error:
+        return error
+    value, loc = error["input"], tuple(error.get("loc", ()))
+    secret = any(str(part).lower() in SECRET_FIELDS for part in loc)
+    if isinstance(value, dict):
+        secret = secret or any(str(k).lower() in SECRET_FIELDS for k in value)
+    if secret or (loc == ("body",) and isinstance(value, str | bytes)):
+        return {k: v for k, v in error.items() if k != "input"}
+    return {**error, "input": _clipped(value)}
+
+
+def _clipped(value: Any) -> Any:
+    """`value` whole if its JSON is short, else the first `SHOWN_INPUT_CHARS` of it (a string);
+    encoded lazily, so a 20 MB list costs no more than its start."""
+    if isinstance(value, str):
+        return value if len(value) <= SHOWN_INPUT_CHARS else value[:SHOWN_INPUT_CHARS] + "…"
+    if not isinstance(value, list | tuple | dict):
+        return value
+    text = ""
+    for chunk in json.JSONEncoder(default=str).iterencode(value):
+        text += chunk
+        if len(text) > SHOWN_INPUT_CHARS:
+            return text[:SHOWN_INPUT_CHARS] + "…"
+    return value
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
@@ -208,7 +241,7 @@ def create_app(settings: Settings) -> FastAPI:
         asyncpg.InterfaceError,
     ):
         app.add_exception_handler(kind, _database_error)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, per_path=web_pages.BODY_LIMITS)
     security.install(app, settings)
     app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line
     return app

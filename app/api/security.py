@@ -4,8 +4,10 @@
 read, so an anonymous client cannot make the service parse an upload. Only these need no key:
 `/healthz`, `/readyz`, signed `/files/...` links, and (settings `public_metrics`, `public_docs`)
 `/metrics` and the API docs; for the web page (`app/web`), `/`, its sign-in page and route and its
-static files. `/admin/...` needs an admin key. New routes are therefore protected by default. The
-routes' `CallerDep` / `AdminDep` check the same thing again and document the bearer scheme in OpenAPI.
+static files (the sign-in route's body is cut off past a few kB before it is parsed: `BodyLimit`
+in app/api/limits.py). `/admin/...` needs an admin key. New routes are therefore protected by
+default. The routes' `CallerDep` / `AdminDep` check the same thing again and document the bearer
+scheme in OpenAPI.
 
 The key comes from `Authorization: Bearer <key>` or, for the web page, from its HttpOnly session
 cookie. A request authenticated by the cookie that may change something (not GET, HEAD, OPTIONS)

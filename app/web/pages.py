@@ -32,6 +32,8 @@ FAILED_SHOWN = 50
 LOG_TAIL_BYTES = 64 * 1024
 RETRYABLE = frozenset({JobState.failed, JobState.canceled, JobState.quarantined})
 MESH_FORMATS = {".glb": "glb", ".gltf": "glb", ".stl": "stl", ".obj": "obj"}
+# The web page's routes that take a body without a key, with their own limit (api.limits.BodyLimit).
+BODY_LIMITS = {session.SESSION_PATH: session.SIGN_IN_LIMIT}
 
 
 def install(app: FastAPI) -> None:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel, Field
 
 from app import auth, errors
-from app.api import security
+from app.api import limits, security
 from app.api.deps import ServicesDep
 from app.web import views
 
@@ -26,6 +26,12 @@ router = APIRouter(include_in_schema=False)
 
 SESSION_MAX_AGE_S = 12 * 3600
 HOME = "/ui/"
+SESSION_PATH = "/ui/session"
+# The sign-in route needs no key, so anyone may post to it: its body (one key of at most 128
+# characters) is refused past a few kB while it arrives, before FastAPI reads and parses it as JSON.
+SIGN_IN_LIMIT = limits.SizeLimit(
+    4096, 'a sign-in sends one API key, as {"key": "gpj_..."}: this body is larger than 4 kB'
+)
 # Only pages of this site may be returned to after signing in: no scheme, no host, no `//`.
 _NEXT = re.compile(r"/ui(/[A-Za-z0-9._~%/-]*)?(\?[A-Za-z0-9._~%&=+-]*)?")
 _DOTS = re.compile(r"(^|/)\.\.?(/|$)")  # a `.` or `..` path segment
@@ -71,7 +77,7 @@ async def sign_in_page(next_: Annotated[str | None, Query(alias="next", max_leng
     return views.render("signin.html", caller=None, nav="", next=safe_next(next_))
 
 
-@router.post("/ui/session", dependencies=[Depends(same_origin)])
+@router.post(SESSION_PATH, dependencies=[Depends(same_origin)])
 async def sign_in(body: SignIn, request: Request, services: ServicesDep) -> Response:
     """Check the key and keep it in the session cookie; 401 if it is not a valid key."""
     try:
@@ -91,7 +97,7 @@ async def sign_in(body: SignIn, request: Request, services: ServicesDep) -> Resp
     return response
 
 
-@router.delete("/ui/session", status_code=204, dependencies=[Depends(same_origin)])
+@router.delete(SESSION_PATH, status_code=204, dependencies=[Depends(same_origin)])
 async def sign_out(request: Request) -> Response:
     """Forget the session cookie."""
     response = Response(status_code=204)

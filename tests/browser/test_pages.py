@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from app.web import session, views
 from tests.conftest import XRW, api_client, client_for, png_bytes, signed_in
 
 WEB = Path(__file__).resolve().parents[2] / "app" / "web"
+JSON = {"content-type": "application/json"}
 
 
 async def submit(http: httpx.AsyncClient, **params: object) -> str:
@@ -99,6 +101,38 @@ async def test_changes_signed_in_by_the_cookie_need_x_requested_with(settings, m
             assert ours.status_code == 200 and ours.json()["state"] == "canceled"
         # A Bearer key is no cookie: API clients need no extra header.
         assert (await api.post(f"/jobs/{await submit(api)}/cancel")).status_code in (200, 409)
+
+
+async def test_a_large_sign_in_body_is_refused_before_it_is_parsed(settings, make_key):
+    """The sign-in route needs no key, yet took bodies up to the 20 MB upload limit and parsed them
+    as JSON first: one anonymous body of `[{},{},...]` held the event loop for 18 s, took 1.5 GB,
+    and its 422 sent the whole body back. Now a body over the route's few kB is 413, unread."""
+    alice = await make_key("alice")
+    flood = b"[" + b"{}," * (1 << 20) + b"{}]"  # 3 MB of objects for the parser to build
+    async with api_client(settings, key=None) as browser:
+        declared = await browser.post("/ui/session", content=flood, headers={**XRW, **JSON})
+        assert declared.status_code == 413, declared.text[:200]
+        assert "sign-in" in declared.json()["detail"] and len(declared.content) < 200
+
+        async def streamed() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
+            for start in range(0, len(flood), 64 << 10):
+                yield flood[start : start + (64 << 10)]
+
+        chunked = await browser.post("/ui/session", content=streamed(), headers={**XRW, **JSON})
+        assert chunked.status_code == 413 and len(chunked.content) < 200
+        assert (await signed_in(browser, alice)).status_code == 200  # a real sign-in still fits
+
+
+async def test_a_refused_sign_in_does_not_echo_the_key(settings):
+    """A 422 copied the refused input back: for the sign-in, the key itself."""
+    secret = "gpj_" + "S" * 43
+    async with api_client(settings, key=None) as browser:
+        for body in ({"key": [secret]}, {"key": secret * 3}, {"Key": secret}):
+            refused = await browser.post("/ui/session", json=body, headers=XRW)
+            assert refused.status_code == 422, refused.text
+            assert "SSSS" not in refused.text and refused.json()["detail"][0]["loc"][-1] == "key"
+        form = await browser.post("/ui/session", data={"key": secret}, headers=XRW)  # not JSON: the body
+        assert form.status_code == 422 and "SSSS" not in form.text, form.text
 
 
 async def test_pages_have_a_strict_csp_and_static_assets_need_no_key(settings):

@@ -638,6 +638,17 @@ async def test_a_422_that_echoes_nan_is_still_json(client):
         assert error["loc"] == ["body", "older_than_s"] and error["input"] in ("nan", "-inf"), error
 
 
+async def test_a_422_shows_only_the_start_of_a_long_input(client):
+    """A 422 copied back every input it refused, whole: a 20 MB body came back as 20 MB."""
+    raw = json.dumps({"older_than_s": "x" * 100_000}).encode()
+    answer = await client.post("/admin/prune", content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code == 422 and len(answer.content) < 1000, answer.text[:300]
+    [error] = answer.json()["detail"]
+    assert error["input"].startswith("xxxx") and len(error["input"]) <= 101, error
+    answer = await client.post("/admin/jobs/retry", json=[{"n": n} for n in range(10_000)])
+    assert answer.status_code == 422 and len(answer.content) < 1000, answer.text[:300]
+
+
 async def test_anonymous_upload_is_refused_before_the_body_is_read(settings):
     async with api_client(settings, key=None) as anonymous:
         sent = 0
