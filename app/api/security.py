@@ -10,10 +10,14 @@ default. The routes' `CallerDep` / `AdminDep` check the same thing again and doc
 scheme in OpenAPI.
 
 The key comes from `Authorization: Bearer <key>` or, for the web page, from its HttpOnly session
-cookie. A request authenticated by the cookie that may change something (not GET, HEAD, OPTIONS)
-must carry `X-Requested-With`: the page's scripts send it, and another site cannot (the header needs
-a CORS preflight, which never allows credentials), so a forged form or link from elsewhere is
-refused (CSRF). A browser opening a page without a valid key is sent to the sign-in page.
+cookie: `__Host-gpujobs_key` over HTTPS (a browser refuses that name with a `Domain`, so a sibling
+subdomain cannot set it), `gpujobs_key` over plain HTTP. A request that carries the session cookie
+twice is signed out: a sibling subdomain may have set one for the parent domain (cookie tossing),
+and taking either could sign the browser in as someone else. A request authenticated by the
+cookie that may change something (not GET, HEAD, OPTIONS) must carry `X-Requested-With`: the page's
+scripts send it, and another site cannot (the header needs a CORS preflight, which never allows
+credentials), so a forged form or link from elsewhere is refused (CSRF). A browser opening a page
+without a valid key is sent to the sign-in page.
 
 `SecurityHeaders` adds the usual headers for a JSON API; `CORSMiddleware` lets the configured
 browser origins (none by default) call the API with a bearer key (no cookies, no credentials).
@@ -32,7 +36,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import auth, db
@@ -49,6 +52,7 @@ PUBLIC_PREFIXES = ("/files/", "/ui/static/")  # signed links carry their own pro
 PAGE_PREFIX = "/ui"
 SIGN_IN_PATH = "/ui/sign-in"
 SESSION_COOKIE = "gpujobs_key"  # HttpOnly, SameSite=Strict: set by app/web/session.py
+HOST_COOKIE_PREFIX = "__Host-"  # over HTTPS: Secure, Path=/, and no Domain, or the browser drops it
 CSRF_HEADER = "x-requested-with"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 METRICS_PATH = "/metrics"
@@ -58,6 +62,10 @@ MISSING_KEY = "missing API key: send `Authorization: Bearer <key>` (make one wit
 BAD_KEY = "invalid or revoked API key"
 ADMIN_ONLY = "this needs an admin key"
 CROSS_SITE = "refused: a request signed in by the web page's cookie must carry X-Requested-With"
+TWO_SESSIONS = (
+    "two session cookies were sent, perhaps one set by another site under the parent domain: "
+    "clear this site's cookies in the browser and sign in again"
+)
 
 HEADERS = {
     "x-content-type-options": "nosniff",
@@ -104,12 +112,27 @@ def bearer_token(scope: Scope) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def session_cookie_name(scope: Scope) -> str:
+    """The session cookie's name for this request: `__Host-` prefixed over HTTPS."""
+    return HOST_COOKIE_PREFIX + SESSION_COOKIE if scope.get("scheme") == "https" else SESSION_COOKIE
+
+
+def session_cookies(scope: Scope) -> list[str]:
+    """Every value of the session cookie in the request (Starlette's parser keeps only the last)."""
+    name = session_cookie_name(scope)
+    found = []
+    for header in Headers(scope=scope).getlist("cookie"):
+        for pair in header.split(";"):
+            key, _, value = pair.partition("=")
+            if key.strip() == name:
+                found.append(value.strip())
+    return found
+
+
 def session_token(scope: Scope) -> str | None:
-    """The API key in the web page's session cookie, if there is one."""
-    value = Headers(scope=scope).get("cookie")
-    if not value:
-        return None
-    return cookie_parser(value).get(SESSION_COOKIE) or None
+    """The API key in the web page's session cookie, if it was sent once (twice: see module doc)."""
+    values = session_cookies(scope)
+    return (values[0] or None) if len(values) == 1 else None
 
 
 def page_navigation(scope: Scope) -> bool:
@@ -168,14 +191,7 @@ class Authenticate:
         try:
             identity = await keys.verify(token)
         except auth.Unauthorized:
-            if page_navigation(scope):
-                await send_sign_in(scope, send)
-                return
-            challenge = CHALLENGE if token is None else f'{CHALLENGE}, error="invalid_token"'
-            await drain(receive)
-            await send_json(
-                send, 401, MISSING_KEY if token is None else BAD_KEY, [("www-authenticate", challenge)]
-            )
+            await self._refuse_key(scope, receive, send, token)
             return
         except Exception as exc:
             if (down := deps.unavailable(exc)) is None:
@@ -190,6 +206,20 @@ class Authenticate:
             return
         scope.setdefault("state", {})["identity"] = identity
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse_key(scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
+        """Send a browser to sign in; answer a script 401, saying what is wrong with its key."""
+        if page_navigation(scope):
+            await send_sign_in(scope, send)
+            return
+        if token is None and len(session_cookies(scope)) > 1:
+            detail = TWO_SESSIONS
+        else:
+            detail = MISSING_KEY if token is None else BAD_KEY
+        challenge = CHALLENGE if detail == MISSING_KEY else f'{CHALLENGE}, error="invalid_token"'
+        await drain(receive)
+        await send_json(send, 401, detail, [("www-authenticate", challenge)])
 
 
 class SecurityHeaders:

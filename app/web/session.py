@@ -1,10 +1,13 @@
 """Signing a browser in and out of the web page.
 
 The page's sign-in form posts the API key to `POST /ui/session`, which checks it and puts it in an
-HttpOnly, SameSite=Strict cookie (Secure on HTTPS): the page's scripts never hold the key, it never
-appears in a URL, and `security.Authenticate` accepts the cookie like a Bearer header (a revoked key
-stops working on the next request). Both routes want `X-Requested-With`, so another site can
-neither sign a browser in with its own key nor sign it out. `DELETE /ui/session` forgets the cookie.
+HttpOnly, SameSite=Strict cookie (Secure and `__Host-` prefixed on HTTPS): the page's scripts never
+hold the key, it never appears in a URL, and `security.Authenticate` accepts the cookie like a
+Bearer header (a revoked key stops working on the next request). Both routes want
+`X-Requested-With`, so another site's page can neither sign a browser in with its own key nor sign
+it out; a cookie set by a sibling subdomain for the parent domain is ignored over HTTPS, and over
+HTTP makes two session cookies, which sign the browser out (`security.session_token`).
+`DELETE /ui/session` forgets the cookie.
 """
 
 from __future__ import annotations
@@ -71,22 +74,33 @@ async def root() -> RedirectResponse:
     return RedirectResponse(HOME, status_code=303)
 
 
+def two_sessions(request: Request) -> bool:
+    """Whether the browser sent the session cookie twice (see `security.session_cookies`)."""
+    return len(security.session_cookies(request.scope)) > 1
+
+
 @router.get("/ui/sign-in")
-async def sign_in_page(next_: Annotated[str | None, Query(alias="next", max_length=500)] = None) -> Response:
-    """The sign-in page."""
-    return views.render("signin.html", caller=None, nav="", next=safe_next(next_))
+async def sign_in_page(
+    request: Request, next_: Annotated[str | None, Query(alias="next", max_length=500)] = None
+) -> Response:
+    """The sign-in page (saying so when the browser sends two session cookies)."""
+    problem = security.TWO_SESSIONS if two_sessions(request) else ""
+    return views.render("signin.html", caller=None, nav="", next=safe_next(next_), problem=problem)
 
 
 @router.post(SESSION_PATH, dependencies=[Depends(same_origin)])
 async def sign_in(body: SignIn, request: Request, services: ServicesDep) -> Response:
-    """Check the key and keep it in the session cookie; 401 if it is not a valid key."""
+    """Check the key and keep it in the session cookie; 401 if it is not a valid key, 409 while the
+    browser sends two session cookies (a new one would not end that)."""
+    if two_sessions(request):
+        return JSONResponse({"detail": security.TWO_SESSIONS}, status_code=409)
     try:
         identity = await services.keys.verify(body.key.strip())
     except auth.Unauthorized:
         return JSONResponse({"detail": "that is not a valid API key (or it was revoked)"}, status_code=401)
     response = JSONResponse(SignedIn(principal=identity.principal, admin=identity.admin).model_dump())
     response.set_cookie(
-        security.SESSION_COOKIE,
+        security.session_cookie_name(request.scope),
         body.key.strip(),
         max_age=SESSION_MAX_AGE_S,
         path="/",
@@ -102,7 +116,7 @@ async def sign_out(request: Request) -> Response:
     """Forget the session cookie."""
     response = Response(status_code=204)
     response.delete_cookie(
-        security.SESSION_COOKIE,
+        security.session_cookie_name(request.scope),
         path="/",
         httponly=True,
         samesite="strict",

@@ -82,6 +82,47 @@ async def test_the_cookie_is_secure_behind_https(settings, make_key):
         assert answer.status_code == 200 and "secure" in answer.headers["set-cookie"].lower()
 
 
+async def test_two_session_cookies_sign_the_browser_out_not_in_as_either(settings, make_key):
+    """A sibling subdomain can set `gpujobs_key` for the parent domain (cookie tossing): the browser
+    then sent both cookies, the last one won, and the victim was signed in as the attacker (and
+    uploaded to the attacker's account). Now two session cookies are no session at all."""
+    victim, attacker = await make_key("victim"), await make_key("attacker")
+    name = security.SESSION_COOKIE
+    both = {"Cookie": f"{name}={victim}; theme=dark; {name}={attacker}"}
+    async with api_client(settings, key=None) as browser:
+        page = await browser.get("/ui/", headers=both)
+        assert page.status_code == 303 and page.headers["location"].startswith("/ui/sign-in")
+        script = await browser.get("/jobs", headers={**both, **XRW})
+        assert script.status_code == 401 and "two session cookies" in script.json()["detail"]
+        sign_in = await browser.get("/ui/sign-in", headers=both)
+        assert sign_in.status_code == 200 and "two session cookies" in sign_in.text
+        again = await browser.post("/ui/session", json={"key": victim}, headers={**both, **XRW})
+        assert again.status_code == 409 and "two session cookies" in again.json()["detail"]
+        assert "set-cookie" not in again.headers
+        one = await browser.get("/ui/", headers={"Cookie": f"theme=dark; {name}={victim}"})
+        assert one.status_code == 200 and 'title="Signed in as victim"' in one.text
+
+
+async def test_over_https_the_cookie_is_host_only_and_a_parent_domain_one_is_ignored(settings, make_key):
+    """Over HTTPS the cookie is `__Host-` prefixed, which a browser never takes with a Domain: a
+    sibling's `gpujobs_key` for the parent domain is not the session and changes nothing."""
+    victim, attacker = await make_key("victim"), await make_key("attacker")
+    https = {"X-Forwarded-Proto": "https"}
+    async with api_client(settings, key=None) as browser:
+        answer = await browser.post("/ui/session", json={"key": victim}, headers={**XRW, **https})
+        cookie = answer.headers["set-cookie"]
+        assert cookie.startswith(f"__Host-{security.SESSION_COOKIE}={victim};"), cookie
+        assert "secure" in cookie.lower() and "Path=/" in cookie and "domain" not in cookie.lower()
+        name = security.SESSION_COOKIE
+        tossed = {"Cookie": f"__Host-{name}={victim}; {name}={attacker}"}
+        page = await browser.get("/ui/", headers={**tossed, **https})
+        assert page.status_code == 200 and 'title="Signed in as victim"' in page.text
+        alone = {"Cookie": f"{security.SESSION_COOKIE}={attacker}", **https}
+        assert (await browser.get("/ui/", headers=alone)).status_code == 303  # not signed in as the attacker
+        gone = await browser.delete("/ui/session", headers={**XRW, **https})
+        assert gone.headers["set-cookie"].startswith(f"__Host-{security.SESSION_COOKIE}=")
+
+
 async def test_changes_signed_in_by_the_cookie_need_x_requested_with(settings, make_key):
     alice = await make_key("alice")
     async with api_client(settings, key=alice) as api:
