@@ -211,7 +211,7 @@ class KeyStore:
         whole = well_formed(key) and len(key) > SHOWN_CHARS
         prefix = key.startswith(KEY_PREFIX) and len(KEY_PREFIX) + 4 <= len(key) <= SHOWN_CHARS
         values = {
-            "id": int(key) if key.isdigit() and len(key) < 19 else None,
+            "id": int(key) if key.isascii() and key.isdigit() and len(key) < 19 else None,
             "prefix": key if prefix else None,
             "key_hash": hash_key(key) if whole else None,
         }

@@ -308,6 +308,17 @@ async def test_keys_cli_create_list_revoke(settings, engine):
     assert row["prefix"] == key[:12] and row["principal"] == "carol" and row["role"] == "admin"
     assert key not in listed.stdout
 
+    # Digits other than ASCII ones: `'²'.isdigit()` is true and int() refused it with a traceback;
+    # Arabic-Indic or full-width digits were taken as the id they spell, and revoked that key.
+    def spelt(zero: int) -> str:  # the key's id in the digits that start at code point `zero`
+        return "".join(chr(zero + int(d)) for d in str(row["id"]))
+
+    for odd in ("\u00b2", spelt(0x660), spelt(0xFF10)):  # ², Arabic-Indic, full-width
+        refused = await asyncio.to_thread(_gpujobs, settings, "revoke", odd)
+        assert refused.returncode == 2 and "no API key" in refused.stderr, (odd, refused.stderr)
+        assert "Traceback" not in refused.stderr
+    assert (await auth.KeyStore(engine).verify(key)).principal == "carol"
+
     revoked = await asyncio.to_thread(_gpujobs, settings, "revoke", str(row["id"]))
     assert revoked.returncode == 0, revoked.stderr
     with pytest.raises(auth.Unauthorized):
