@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     )
     link_ttl_s: WholeSeconds = Field(3600, gt=0, description="How long a download link stays valid")
     public_metrics: bool = Field(True, description="GET /metrics needs no API key (false: an admin key)")
-    public_docs: bool = Field(True, description="/docs, /redoc and /openapi.json need no API key")
+    public_docs: bool = Field(True, description="/docs and /openapi.json need no API key")
     cors_origins: str = Field(
         "", description="Browser origins that may call the API, comma-separated (https://app.example.com)"
     )

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, registry, storage
-from app.api import admin, catalog, deps, files, health, jobs, ops, security, stream
+from app.api import admin, catalog, deps, docs, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import factory
@@ -225,10 +225,13 @@ def create_app(settings: Settings) -> FastAPI:
         summary="A durable job service for GPU models: upload an image, get a mesh.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # app/api/docs.py serves /docs from the package, not a CDN; no /redoc
+        redoc_url=None,
     )
     app.state.settings = settings
     for router in (jobs.router, stream.router, files.router, catalog.router, admin.router, health.router):
         app.include_router(router)
+    app.include_router(docs.router)
     app.include_router(ops.router)
     web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)

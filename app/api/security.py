@@ -39,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import auth, db
-from app.api import deps
+from app.api import deps, docs
 from app.api.limits import drain
 from app.settings import Settings
 
@@ -74,7 +74,7 @@ HEADERS = {
     "cross-origin-opener-policy": "same-origin",
     "cache-control": "no-store",  # routes that may be cached say so themselves
 }
-# JSON and files need nothing from a page; the docs pages load Swagger UI / ReDoc from a CDN.
+# JSON and files need nothing from a page; the pages (app/web, /docs) set their own.
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
 HSTS = "max-age=31536000"
 CORS_METHODS = ("GET", "POST")
@@ -83,9 +83,8 @@ CORS_EXPOSED = ("Location", "Retry-After", "ETag", "Content-Disposition", "WWW-A
 
 
 def docs_paths(app: FastAPI) -> frozenset[str]:
-    """The paths FastAPI serves its documentation on."""
-    paths = (app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url)
-    return frozenset(p for p in paths if p)
+    """The paths of the API's documentation: its page (app/api/docs.py) and the OpenAPI document."""
+    return frozenset(p for p in (docs.DOCS_PATH, app.openapi_url) if p)
 
 
 def public_paths(app: FastAPI, settings: Settings) -> frozenset[str]:
@@ -225,17 +224,14 @@ class Authenticate:
 class SecurityHeaders:
     """ASGI middleware: security headers on every answer, unless the route set them itself."""
 
-    def __init__(self, app: ASGIApp, *, docs: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.docs = docs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        extra = dict(HEADERS)
-        if scope["path"] not in self.docs:
-            extra["content-security-policy"] = API_CSP
+        extra = {**HEADERS, "content-security-policy": API_CSP}
         if scope.get("scheme") == "https":
             extra["strict-transport-security"] = HSTS
 
@@ -305,7 +301,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     public = public_paths(app, settings)
     document(app, public)
     app.add_middleware(Authenticate, public=public)
-    app.add_middleware(SecurityHeaders, docs=docs_paths(app))
+    app.add_middleware(SecurityHeaders)
     origins = settings.cors_origin_list
     if origins:  # outermost, so that 401, 413 and 429 answers carry the CORS headers too
         app.add_middleware(

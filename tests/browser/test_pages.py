@@ -204,6 +204,9 @@ def test_nothing_is_loaded_from_another_site():
     assert len(files) > 10
     offenders = [str(p) for p in files if remote.search(p.read_text(encoding="utf-8", errors="replace"))]
     assert offenders == []
+    swagger = WEB / "static" / "vendor" / "swagger-ui"
+    wanted = {"LICENSE", "NOTICE", "swagger-ui-bundle.js", "swagger-ui.css"}  # served by /docs
+    assert wanted <= {p.name for p in swagger.iterdir()}
     vendored = WEB / "static" / "vendor" / "three"
     assert (vendored / "LICENSE").is_file() and (vendored / "three.core.min.js").is_file()
     bare = re.compile(r"""from\s+["']three["']""")  # every import resolves to a vendored file

@@ -7,6 +7,7 @@ real PostgreSQL; the model tests run real subprocesses.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 import json
@@ -246,7 +247,7 @@ async def test_private_docs_and_metrics_need_a_key(settings, make_key):
     user = await make_key("alice")
     async with api_client(settings, public_docs=False, public_metrics=False) as http:
         async with client_for(http, None) as anonymous:
-            for path in ("/openapi.json", "/docs", "/redoc", "/metrics"):
+            for path in ("/openapi.json", "/docs", "/metrics"):
                 assert (await anonymous.get(path)).status_code == 401, path
         async with client_for(http, user) as alice:
             assert (await alice.get("/openapi.json")).status_code == 200  # docs: any key
@@ -936,7 +937,28 @@ async def test_security_headers_on_every_answer(settings, png):
         assert "strict-transport-security" not in answer.headers  # plain HTTP
     assert answers["/jobs"].headers["cache-control"] == "no-store"
     assert answers["input"].headers["cache-control"].startswith("private")  # the route's own choice
-    assert "content-security-policy" not in docs.headers and docs.headers["x-frame-options"] == "DENY"
+    assert docs.headers["content-security-policy"].startswith("default-src 'none'")
+    assert docs.headers["x-frame-options"] == "DENY"
+
+
+async def test_the_docs_page_loads_nothing_from_another_site_and_has_a_strict_csp(settings):
+    """/docs loaded Swagger UI from cdn.jsdelivr.net (a floating major version, no integrity check)
+    and ran an inline script with no CSP, on the origin of the web page's session cookie: a changed
+    file on the CDN could have acted as any signed-in admin. Now it is a vendored copy, by hash."""
+    async with api_client(settings) as http, client_for(http, None) as anonymous:
+        docs = await anonymous.get("/docs")
+        assert docs.status_code == 200 and "://" not in docs.text, docs.text
+        urls = re.findall(r"""(?:src|href)=["']([^"']+)""", docs.text)
+        assert len(urls) == 3 and all(u.startswith("/ui/static/") for u in urls), urls
+        for url in urls:  # the vendored files, served without a key
+            assert (await anonymous.get(url)).status_code == 200, url
+        [inline] = re.findall(r"<script>(.*?)</script>", docs.text, re.DOTALL)
+        digest = base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()
+        policy = dict(d.strip().split(" ", 1) for d in docs.headers["content-security-policy"].split(";"))
+        assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
+        assert policy["script-src"].split() == ["'self'", f"'sha256-{digest}'"]
+        assert policy["connect-src"] == "'self'"
+        assert (await http.get("/redoc")).status_code == 404  # no second page from a CDN either
 
 
 async def test_cors_allows_only_the_configured_origins(settings):
