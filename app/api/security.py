@@ -51,6 +51,7 @@ PAGE_PUBLIC = frozenset({"/", "/ui/sign-in", "/ui/session"})
 PUBLIC_PREFIXES = ("/files/", "/ui/static/")  # signed links carry their own proof; static assets
 PAGE_PREFIX = "/ui"
 SIGN_IN_PATH = "/ui/sign-in"
+MAX_NEXT_CHARS = 500  # a longer page to return to after signing in is dropped: the jobs page instead
 SESSION_COOKIE = "gpujobs_key"  # HttpOnly, SameSite=Strict: set by app/web/session.py
 HOST_COOKIE_PREFIX = "__Host-"  # over HTTPS: Secure, Path=/, and no Domain, or the browser drops it
 CSRF_HEADER = "x-requested-with"
@@ -145,9 +146,11 @@ def page_navigation(scope: Scope) -> bool:
 
 
 async def send_sign_in(scope: Scope, send: Send) -> None:
-    """Send a browser to the sign-in page, to come back to the page it asked for."""
+    """Send a browser to the sign-in page, to come back to the page it asked for (unless too long)."""
     target = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
-    location = f"{SIGN_IN_PATH}?{urlencode({'next': target})}"
+    location = (
+        SIGN_IN_PATH if len(target) > MAX_NEXT_CHARS else f"{SIGN_IN_PATH}?{urlencode({'next': target})}"
+    )
     headers = [(b"location", location.encode()), (b"content-length", b"0")]
     await send({"type": "http.response.start", "status": 303, "headers": headers})
     await send({"type": "http.response.body", "body": b""})

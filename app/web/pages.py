@@ -13,9 +13,9 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 
 from app import errors, registry, storage
@@ -87,9 +87,9 @@ def _error(caller: Caller | None, exc: errors.AppError) -> Response:
 async def jobs_page(
     services: ServicesDep,
     caller: CallerDep,
-    state: Annotated[str | None, Query(max_length=20)] = None,
-    model: Annotated[str | None, Query(max_length=64)] = None,
-    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    state: str | None = None,
+    model: str | None = None,
+    cursor: str | None = None,
 ) -> Response:
     """The jobs list, newest first, with filters, live updates and the form for a new job."""
     filters = Filters.parse(state, model, cursor, services.models)

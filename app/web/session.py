@@ -61,9 +61,12 @@ def same_origin(request: Request) -> None:
 
 def safe_next(target: str | None) -> str:
     """Where to go after signing in: `target` if it is a page of this site, else the jobs page.
-    No dot segments, plain or %-encoded: a browser resolves `/ui/../docs` to `/docs`."""
-    path = (target or "").partition("?")[0]
-    if target and _NEXT.fullmatch(target) and "//" not in target and not _DOTS.search(unquote(path)):
+    No dot segments, plain or %-encoded: a browser resolves `/ui/../docs` to `/docs`. None longer
+    than `security.MAX_NEXT_CHARS` either (no page of ours is)."""
+    if not target or len(target) > security.MAX_NEXT_CHARS:
+        return HOME
+    path = target.partition("?")[0]
+    if _NEXT.fullmatch(target) and "//" not in target and not _DOTS.search(unquote(path)):
         return target
     return HOME
 
@@ -81,7 +84,7 @@ def two_sessions(request: Request) -> bool:
 
 @router.get("/ui/sign-in")
 async def sign_in_page(
-    request: Request, next_: Annotated[str | None, Query(alias="next", max_length=500)] = None
+    request: Request, next_: Annotated[str | None, Query(alias="next")] = None
 ) -> Response:
     """The sign-in page (saying so when the browser sends two session cookies)."""
     problem = security.TWO_SESSIONS if two_sessions(request) else ""

@@ -284,6 +284,25 @@ async def test_bad_filters_and_cursors_show_a_page_not_a_crash(settings, make_ke
         assert stale.status_code == 422 and "cursor" in stale.text
 
 
+async def test_long_urls_and_filters_show_a_page_never_raw_json(settings, make_key):
+    """A signed-out browser opening a /ui URL over 500 characters was sent to the sign-in page with
+    it as `next`, which answered a raw JSON 422 (`next` too long) instead of the form; a state over
+    20 characters, a model over 64 or a cursor over 200 got the same JSON instead of the page."""
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        page = await browser.get("/ui/jobs/" + "a" * 600)
+        assert page.status_code == 303 and page.headers["location"] == security.SIGN_IN_PATH
+        form = await browser.get("/ui/sign-in", params={"next": "/ui/jobs/" + "a" * 600})
+        assert form.status_code == 200 and 'id="signin-form"' in form.text, form.text[:200]
+        assert f'data-next="{session.HOME}"' in form.text
+        await signed_in(browser, alice)
+        ignored = await browser.get("/ui/", params={"state": "x" * 30, "model": "x" * 70})
+        assert ignored.status_code == 200 and "No jobs yet" in ignored.text
+        cursor = await browser.get("/ui/", params={"cursor": "x" * 300})
+        assert cursor.status_code == 422 and cursor.headers["content-type"].startswith("text/html")
+        assert "cursor" in cursor.text
+
+
 def test_the_page_routes_are_not_in_the_api_document(settings):
     from app.api.main import create_app
 
@@ -306,6 +325,7 @@ def test_the_page_routes_are_not_in_the_api_document(settings):
         ("/ui/jobs/..", "/ui/"),
         ("/ui/jobs/mesh.v2..glb?x=..", "/ui/jobs/mesh.v2..glb?x=.."),  # dots inside a name are fine
         (None, "/ui/"),
+        ("/ui/jobs/" + "a" * 600, "/ui/"),  # too long to be one of ours
     ],
 )
 def test_after_sign_in_only_pages_of_this_site(target, expected):

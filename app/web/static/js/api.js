@@ -4,9 +4,10 @@
 
 export const HEADERS = { 'X-Requested-With': 'gpujobs' };
 
+// Over 500 characters the server would not return to it anyway (security.MAX_NEXT_CHARS).
 export function signIn() {
   const next = location.pathname + location.search;
-  location.assign('/ui/sign-in?next=' + encodeURIComponent(next));
+  location.assign(next.length > 500 ? '/ui/sign-in' : '/ui/sign-in?next=' + encodeURIComponent(next));
 }
 
 function detailOf(data, response) {
