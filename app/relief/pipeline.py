@@ -18,14 +18,17 @@ def load(device: params.Device | str = params.Device.AUTO) -> heightmap.Backend:
     choice = params.Device(device)
     if choice is params.Device.CPU:
         return heightmap.NumpyBackend()
-    torch = torch_backend.import_torch()
+    try:
+        torch = torch_backend.import_torch()
+    except errors.DeviceUnavailable as exc:
+        if choice is params.Device.AUTO:
+            return heightmap.NumpyBackend()  # auto means "PyTorch when it can be used"
+        raise errors.DeviceUnavailable(f"--device {choice.value}: {exc}") from exc
     if choice is params.Device.CUDA:
         return torch_backend.cuda_backend(torch)
     if choice is params.Device.TORCH_CPU:
-        if torch is None:
-            raise errors.DeviceUnavailable("--device torch-cpu needs PyTorch, which is not installed")
         return torch_backend.TorchBackend(torch, "cpu")
-    if torch is not None and torch.cuda.is_available():
+    if torch.cuda.is_available():
         return torch_backend.TorchBackend(torch, "cuda")
     return heightmap.NumpyBackend()
 

@@ -35,18 +35,21 @@ class TorchBackend:
         return result
 
 
-def import_torch() -> Any | None:
-    """The torch module, or None when it is not installed."""
+def import_torch() -> Any:
+    """The torch module; DeviceUnavailable saying why when it cannot be imported."""
     try:
         return importlib.import_module("torch")
-    except ImportError:
-        return None
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":  # torch is there but one of its own imports is missing
+            raise errors.DeviceUnavailable(f"PyTorch cannot be imported: {exc}") from exc
+        raise errors.DeviceUnavailable("PyTorch is not installed") from exc
+    # A CUDA build missing one of its libraries (libcudnn.so.N) fails with OSError, not ImportError.
+    except (ImportError, OSError) as exc:
+        raise errors.DeviceUnavailable(f"PyTorch cannot be imported: {exc}") from exc
 
 
-def cuda_backend(torch: Any | None) -> TorchBackend:
-    """A backend on the first visible GPU; DeviceUnavailable when torch or CUDA is missing."""
-    if torch is None:
-        raise errors.DeviceUnavailable("--device cuda needs PyTorch, which is not installed")
+def cuda_backend(torch: Any) -> TorchBackend:
+    """A backend on the first visible GPU; DeviceUnavailable when CUDA is missing."""
     if not torch.cuda.is_available():
         raise errors.DeviceUnavailable(
             f"--device cuda: torch {torch.__version__} sees no CUDA device "

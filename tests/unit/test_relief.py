@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,12 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRESS_LINE = re.compile(r"^PROGRESS (?P<fraction>[01](?:\.\d+)?) (?P<message>\S.*)$")
 
 
-def run_relief(source: Path, out: Path, *args: str, device: str = "cpu") -> subprocess.CompletedProcess[str]:
+def run_relief(
+    source: Path, out: Path, *args: str, device: str = "cpu", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m app.relief` like the service does, on the numpy path unless told otherwise."""
     paths = ["--input", str(source), "--output-dir", str(out)]
     return subprocess.run(
         [sys.executable, "-m", "app.relief", *paths, "--device", device, *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -179,12 +183,44 @@ def test_bad_arguments_exit_64(gradient: Path, tmp_path: Path, bad: list[str]) -
 
 
 def test_cuda_without_cuda_exits_64(gradient: Path, tmp_path: Path) -> None:
-    torch = torch_backend.import_torch()
-    if torch is not None and torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+    try:
+        if torch_backend.import_torch().cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    except relief_errors.DeviceUnavailable:
+        pass  # no usable PyTorch: no CUDA either
     done = run_relief(gradient, tmp_path / "out", device="cuda")
     assert done.returncode == 64
     assert "cuda" in done.stderr
+
+
+@pytest.fixture
+def broken_torch(tmp_path: Path) -> dict[str, str]:
+    """An environment whose `import torch` fails like a CUDA install missing a library."""
+    package = tmp_path / "site" / "torch"
+    package.mkdir(parents=True)
+    message = "libcudnn.so.9: cannot open shared object file: No such file or directory"
+    (package / "__init__.py").write_text(f"raise OSError({message!r})\n")
+    return {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+
+
+def test_auto_device_falls_back_to_numpy_when_torch_fails_to_load(
+    gradient: Path, tmp_path: Path, broken_torch: dict[str, str]
+) -> None:
+    """docs/models.md: `--device auto` uses numpy when PyTorch cannot be used. An `import torch`
+    failing with OSError (a missing libcudnn) escaped as a crash, exit 1, retried as one."""
+    done = run_relief(gradient, tmp_path / "out", "--resolution", "16", device="auto", env=broken_torch)
+    assert done.returncode == 0, done.stderr
+    assert "device cpu (numpy)" in done.stderr
+    assert (tmp_path / "out/mesh.glb").exists()
+
+
+def test_cuda_with_a_broken_torch_exits_64_with_the_reason(
+    gradient: Path, tmp_path: Path, broken_torch: dict[str, str]
+) -> None:
+    """`--device cuda` with a torch that cannot load is an unusable device (64), and says why."""
+    done = run_relief(gradient, tmp_path / "out", device="cuda", env=broken_torch)
+    assert done.returncode == 64, done.stderr
+    assert "libcudnn.so.9" in done.stderr
 
 
 def test_the_pixel_limit_is_64_megapixels(tmp_path: Path) -> None:
