@@ -13,7 +13,8 @@ One JSON object per UTF-8 line, at most MAX_LINE_BYTES (docs/persistent.md shows
 A runner exits 0 when its stdin closes (the worker closed it, or died). `serve()` keeps the real
 stdout for protocol lines only: file descriptor 1 (Python prints and C extensions alike) is pointed
 at stderr and fd 0 at /dev/null, so nothing the model does can break the protocol. This module
-needs only the standard library: a model living in another environment may copy it.
+needs only the standard library and Python 3.8: a model living in another environment may copy it
+(so nothing 3.10+ runs here: no `X | Y` outside annotations, no match, no dataclass slots).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 # A runner imports this module before its model, so it keeps to light imports: no asyncio (the
 # worker's side frames replies from bytes), `traceback` only on an error, and the messages are NamedTuples
@@ -108,7 +109,8 @@ class Failed(NamedTuple):
     protocol: bool = False
 
 
-Reply: TypeAlias = Ready | Progress | Done | Failed
+# Union, not `|`: this line runs at import, and a copied kit must import on Python 3.8 and 3.9.
+Reply: TypeAlias = Union[Ready, Progress, Done, Failed]  # noqa: UP007
 
 
 def encode(reply: Reply) -> bytes:

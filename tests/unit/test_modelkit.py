@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,51 @@ async def test_a_job_sent_as_stdin_closes_is_never_left_running(tmp_path: Path) 
         assert code in (0, modelkit.EXIT_ORPHANED), err
         replies = [modelkit.parse_reply(line) for line in (await kit.proc.stdout.read()).splitlines()]
         assert not [r for r in replies if not isinstance(r, modelkit.Progress)], replies
+
+
+# -- a copy of the kit in another Python ---------------------------------------------------
+
+COPIED_RUNNER = """
+import sys
+import modelkit
+
+def handle(model, job):
+    (job.output_dir / "out.txt").write_text(model + str(job.params["n"]))
+
+sys.exit(modelkit.serve(lambda: "ran ", handle, name="copied"))
+"""
+
+
+def _old_pythons() -> list[Path]:
+    """pyenv's Python 3.8 and 3.9 interpreters on this machine (docs/persistent.md supports 3.8+)."""
+    versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = [max(versions.glob(f"{minor}.*"), default=None) for minor in ("3.8", "3.9")]
+    return [path / "bin" / "python" for path in found if path is not None]
+
+
+@pytest.mark.parametrize(
+    "python", _old_pythons() or [None], ids=lambda p: p.parent.parent.name if p else "none"
+)
+def test_a_copied_kit_serves_a_job_on_python_3_8_and_3_9(python: Path | None, tmp_path: Path) -> None:
+    """docs/persistent.md: a model in its own environment may carry a copy of modelkit.py (TripoSR
+    supports Python 3.8+). `Reply = Ready | Progress | Done | Failed` ran at import, a TypeError
+    before Python 3.10: the copied kit could not even be imported."""
+    if python is None:
+        pytest.skip("no pyenv Python 3.8 or 3.9 here")
+    (tmp_path / "modelkit.py").write_bytes((ROOT / "app" / "modelkit.py").read_bytes())
+    (tmp_path / "runner.py").write_text(COPIED_RUNNER)
+    request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {"n": 7})
+    with subprocess.Popen(
+        [str(python), str(tmp_path / "runner.py")], cwd=tmp_path, env={"PATH": os.environ["PATH"]},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as proc:  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        assert first, proc.stderr.read().decode()
+        assert modelkit.parse_reply(first) == modelkit.Ready("copied", proc.pid)
+        proc.stdin.write(request.encode())
+        proc.stdin.flush()
+        assert modelkit.parse_reply(proc.stdout.readline()) == modelkit.Done("j:1", ("out.txt",))
+        proc.stdin.close()
+        assert proc.wait(timeout=10) == 0
+    assert (tmp_path / "out" / "out.txt").read_text() == "ran 7"
