@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageOps
+from PIL import Image, ImageFile, ImageOps
 
 from app.relief import errors, params
 
@@ -24,6 +24,9 @@ _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error)
 _WIDE_MODES = frozenset({"I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
 
 FloatArray = npt.NDArray[np.float32]
+
+# open_image marks a 16-bit colour PNG's image info with this when the PNG has a transparent colour.
+KEY_16_BIT = "relief.16_bit_colour_key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +54,22 @@ def open_image(path: Path) -> Image.Image:
                     raise errors.BadInput(
                         f"{width}x{height} is over the {MAX_PIXELS / 1e6:.0f} megapixel limit"
                     )
+                # Read before load(), which clears the tiles that tell the stored bit depth.
+                key_16_bit = _has_16_bit_colour_key(img)
                 img.load()
-                return ImageOps.exif_transpose(img)
+                upright = ImageOps.exif_transpose(img)
     except (*_DECODE_ERRORS, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise errors.BadInput(f"cannot read image {path.name}: {exc}") from exc
+    if key_16_bit:
+        upright.info[KEY_16_BIT] = True
+    return upright
+
+
+def _has_16_bit_colour_key(img: Image.Image) -> bool:
+    """Whether an unloaded image is a 16-bit colour PNG with a transparent colour (tRNS)."""
+    if img.format != "PNG" or not isinstance(img, ImageFile.ImageFile) or not img.tile:
+        return False
+    return img.tile[0][3] == "RGB;16B" and "transparency" in img.info
 
 
 def to_planes(img: Image.Image, mask: params.MaskMode, resolution: int) -> Planes:
@@ -93,7 +108,24 @@ def _alpha(img: Image.Image, mask: params.MaskMode) -> Image.Image | None:
         if mask is params.MaskMode.ALPHA:
             raise errors.BadInput("--mask alpha needs an image with an alpha channel")
         return None
-    alpha = img.getchannel("A") if "A" in img.getbands() else img.convert("RGBA").getchannel("A")
+    alpha = _alpha_band(img)
     if mask is params.MaskMode.AUTO and alpha.getextrema()[0] == 255:
         return None  # an alpha band that is opaque everywhere cuts nothing
     return alpha
+
+
+def _alpha_band(img: Image.Image) -> Image.Image:
+    """The "L" alpha band, or one made from the transparent colour (PNG tRNS); BadInput if it cannot be."""
+    if "A" in img.getbands():
+        return img.getchannel("A")
+    key = img.info.get("transparency")
+    if img.mode in _WIDE_MODES and isinstance(key, int | float):
+        # Pillow's RGBA conversion drops a 16-bit grey key; the raw values are here to compare with it.
+        return Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8))
+    # Pillow reads 16-bit colour at 8 bits but keeps its key at 16, so no pixel would match.
+    if img.info.get(KEY_16_BIT) or (isinstance(key, tuple) and max(key) > 255):
+        raise errors.BadInput(
+            "the transparent colour (tRNS) of a 16-bit colour PNG cannot be applied: "
+            "save the image with an alpha channel, or use --mask none to keep every pixel"
+        )
+    return img.convert("RGBA").getchannel("A")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +135,55 @@ def test_transparent_border_is_cut_away(framed: Path, tmp_path: Path) -> None:
     assert whole_mesh.extents[:2] == pytest.approx([100.0, 100.0])
     # Only the opaque middle half remains, give or take the cell on each edge where alpha is mixed.
     assert cut_mesh.extents[:2] == pytest.approx([50.0, 50.0], abs=100 / 64 + 1e-6)
+
+
+def write_png16(path: Path, pixels: np.ndarray, key: tuple[int, ...]) -> None:
+    """A 16-bit PNG (grey for 2-D pixels, RGB for 3-D) with a tRNS colour key, written byte by byte:
+    Pillow cannot write 16-bit colour."""
+    height, width = pixels.shape[:2]
+    colour_type = 0 if pixels.ndim == 2 else 2
+    rows = b"".join(b"\x00" + pixels[y].astype(">u2").tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"tRNS", struct.pack(f">{len(key)}H", *key))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + body + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def framed16(colour: bool, key: int = 1000) -> np.ndarray:
+    """64x64 16-bit pixels: a ramp in the middle 32x32, a border of the key colour."""
+    pixels = np.full((64, 64), key, dtype=np.uint16)
+    pixels[16:48, 16:48] = np.linspace(2000, 60000, 32, dtype=np.float64)[None, :].astype(np.uint16)
+    return np.stack([pixels] * 3, axis=-1) if colour else pixels
+
+
+@pytest.mark.parametrize("mask", ["auto", "alpha"])
+def test_a_16_bit_grey_pngs_colour_key_cuts_the_mesh(tmp_path: Path, mask: str) -> None:
+    """A 16-bit greyscale PNG's transparent colour (tRNS) was ignored, even under --mask alpha:
+    Pillow's RGBA conversion drops it for I;16, and the transparent border was meshed."""
+    source = tmp_path / "key16.png"
+    write_png16(source, framed16(colour=False), (1000,))
+    done = run_relief(source, tmp_path / "out", "--resolution", "64", "--mask", mask)
+    assert done.returncode == 0, done.stderr
+    cut = load_mesh(tmp_path / "out/mesh.glb")
+    assert_printable(cut)
+    assert cut.extents[:2] == pytest.approx([50.0, 50.0], abs=100 / 64 + 1e-6)
+
+
+@pytest.mark.parametrize("mask", ["auto", "alpha"])
+@pytest.mark.parametrize("key", [1000, 200])  # 200: a key that an 8-bit colour could have
+def test_a_16_bit_colour_pngs_colour_key_is_bad_input(tmp_path: Path, mask: str, key: int) -> None:
+    """Pillow reads 16-bit colour at 8 bits but keeps the key at 16, so no pixel matched it and the
+    transparent border was meshed (exit 0). The key cannot be applied: bad input, saying why."""
+    source = tmp_path / "key16.png"
+    write_png16(source, framed16(colour=True, key=key), (key, key, key))
+    done = run_relief(source, tmp_path / "out", "--resolution", "64", "--mask", mask)
+    assert done.returncode == 65, done.stderr
+    assert "--mask none" in done.stderr
+    whole = run_relief(source, tmp_path / "whole", "--resolution", "64", "--mask", "none")
+    assert whole.returncode == 0, whole.stderr
 
 
 def test_portrait_image_spans_width_along_y(tmp_path: Path) -> None:
