@@ -196,11 +196,13 @@ def _normalise(values: FloatArray, used: BoolArray) -> FloatArray:
     """Map the min..max of the used values to 0..1 (clipping the rest); a flat image maps to 0."""
     if not used.any():
         return np.zeros_like(values)
-    low, high = float(values[used].min()), float(values[used].max())
+    # float64: in float32, `values - low` overflows to inf for spans past 3.4e38, and inf / inf is NaN.
+    wide = values.astype(np.float64)
+    low, high = float(wide[used].min()), float(wide[used].max())
     span = high - low
     if span <= _FLAT_SPAN * max(abs(low), abs(high)):
         return np.zeros_like(values)
-    level: FloatArray = np.clip((values - low) / span, 0.0, 1.0).astype(np.float32)
+    level: FloatArray = np.clip((wide - low) / span, 0.0, 1.0).astype(np.float32)
     return level
 
 

@@ -85,6 +85,11 @@ def to_planes(img: Image.Image, mask: params.MaskMode, resolution: int) -> Plane
         lum_img = lum_img.reduce(factor)
         alpha_img = alpha_img.reduce(factor) if alpha_img is not None else None
     luminance = np.nan_to_num(np.asarray(lum_img, dtype=np.float32), posinf=0.0, neginf=0.0)
+    # Heights are normalised later, so the scale is free: within +-1, a float image near +-3.4e38
+    # cannot overflow float32 in the filters' sums.
+    peak = float(np.abs(luminance).max(initial=0.0))
+    if peak > 0.0:
+        luminance /= peak
     alpha = None if alpha_img is None else np.asarray(alpha_img, dtype=np.float32) / 255.0
     return Planes(luminance, alpha)
 

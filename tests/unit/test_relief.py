@@ -186,6 +186,24 @@ def test_a_16_bit_colour_pngs_colour_key_is_bad_input(tmp_path: Path, mask: str,
     assert whole.returncode == 0, whole.stderr
 
 
+@pytest.mark.parametrize("value", [2e38, 3e38, float(np.finfo(np.float32).max)])
+def test_extreme_float_images_mesh_without_nan(tmp_path: Path, value: float) -> None:
+    """A float TIFF checkerboard of +-2e38 gave NaN vertices (exit 0): the normalisation's
+    `values - low` overflowed float32 to inf, and inf / inf is NaN."""
+    pixels = np.full((32, 32), value, dtype=np.float32)
+    pixels[::2, ::2] = -value
+    source = tmp_path / "extreme.tif"
+    Image.fromarray(pixels, "F").save(source)
+    built = relief.build_mesh(picture.open_image(source), relief.ReliefParams(resolution=64))
+    assert np.isfinite(built.vertices).all()
+    done = run_relief(source, tmp_path / "out", "--format", "stl", "--resolution", "64")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(tmp_path / "out/mesh.stl")
+    assert np.isfinite(result.vertices).all()
+    assert_printable(result)
+    assert result.bounds[1][2] == pytest.approx(7.0)  # the default base 2 and depth 5, at the top
+
+
 def test_portrait_image_spans_width_along_y(tmp_path: Path) -> None:
     source = tmp_path / "portrait.png"
     Image.fromarray(np.tile(np.arange(0, 240, 6, dtype=np.uint8)[:, None], (1, 20)), "L").save(source)
