@@ -48,6 +48,13 @@ class ReliefParams:
     mask: MaskMode = MaskMode.AUTO
 
     def __post_init__(self) -> None:
+        choices = [mode.value for mode in MaskMode]
+        if self.mask not in choices:
+            raise ValueError(f"mask must be one of {', '.join(choices)}, got {self.mask!r}")
+        # A plain "none" equals MaskMode.NONE but is not it, and the mask is compared by identity.
+        object.__setattr__(self, "mask", MaskMode(self.mask))
+        if not isinstance(self.invert, bool):  # "false" would be true
+            raise ValueError(f"invert must be true or false, got {self.invert!r}")
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
             # `not low <= value` also rejects NaN, which compares false with everything.

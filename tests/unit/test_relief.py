@@ -323,6 +323,25 @@ def test_build_mesh_in_process_keeps_holes() -> None:
     assert result.extents == pytest.approx([32.0, 32.0, 2.0])  # flat colour: a slab of base thickness
 
 
+def test_params_given_as_plain_strings_act_as_their_enum(framed: Path) -> None:
+    """ReliefParams(mask="none"), natural for a StrEnum, was kept as a str that is not MaskMode.NONE:
+    the transparent border was cut away all the same."""
+    params = relief.ReliefParams(resolution=32, mask="none")  # type: ignore[arg-type]
+    assert params.mask is relief.MaskMode.NONE
+    result = relief.build_mesh(picture.open_image(framed), params, relief.load("cpu"))
+    assert result.extents[:2] == pytest.approx([100.0, 100.0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [("mask", "bogus", "mask must be one of auto, alpha, none"), ("invert", "false", "invert must be")],
+)
+def test_params_of_the_wrong_kind_are_refused(field: str, value: str, problem: str) -> None:
+    """mask="bogus" was accepted (and meshed as if "alpha"); invert="false" inverted."""
+    with pytest.raises(ValueError, match=problem):
+        relief.ReliefParams(**{field: value})  # type: ignore[arg-type]
+
+
 def test_any_mask_meshes_watertight() -> None:
     # Random masks are full of cells that touch only at a corner, which must not break the solid.
     rng = np.random.default_rng(7)
