@@ -94,13 +94,17 @@ class WarmResult:
         return self.outcome is Outcome.DONE
 
 
+_EXITED_LOADING = "exited while loading"
+
+
 class StartFailed(Exception):
     """The runner could not start, or exited, timed out, was stopped or broke the protocol first.
-    `permanent`: its program is missing or not executable, which no retry mends."""
+    `permanent`: its program is missing or not executable, which no retry mends. `exit_code`: what
+    it exited with when it exited by itself while loading (for the model's oom_exit_codes)."""
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, exit_code: int | None = None) -> None:
         super().__init__(message)
-        self.permanent = permanent
+        self.permanent, self.exit_code = permanent, exit_code
 
 
 def _own_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -186,7 +190,9 @@ class WarmRunner:
         if problem is not None:
             await asyncio.shield(self._end(problem))
             tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
-            raise StartFailed(f"{problem} ({self.describe_exit()}){tail}")
+            # Any other end was ours (a kill), whose exit code says nothing of the model.
+            code = proc.returncode if problem == _EXITED_LOADING else None
+            raise StartFailed(f"{problem} ({self.describe_exit()}){tail}", exit_code=code)
         self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
         self.load_s = self.last_used_s - began
         _LOG.info("warm runner %s ready", launch.name, extra={"action": "runner_ready", "pid": proc.pid})
@@ -206,7 +212,7 @@ class WarmRunner:
             return f"not ready after {self.launch.load_timeout_s:g} s"
         if event is Outcome.STOPPED:
             return f"stopped while loading: {self._stop_reason}"
-        return "exited while loading" if event is None else f"protocol error before ready: {event}"
+        return _EXITED_LOADING if event is None else f"protocol error before ready: {event}"
 
     def stop(self, reason: str) -> None:
         """Abort loading or the job (also one about to be sent) for `reason`; the runner is then ended."""

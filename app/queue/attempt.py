@@ -272,7 +272,7 @@ class Attempt:
         except warmpool.GaveUp:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
         except warm.StartFailed as exc:
-            if spec.out_of_memory(None, str(exc)):
+            if spec.out_of_memory(exc.exit_code, str(exc)):
                 return self._out_of_memory(f"the warm runner did not load: {exc}")
             # As for a one-shot run: a missing program fails at once; a failed load is retried.
             return self._failure(f"the warm runner did not start: {exc}", retryable=not exc.permanent)

@@ -24,8 +24,9 @@ from tests.integration.test_worker import enqueue
 @pytest.fixture
 def models_file(models_file: Path, tmp_path: Path) -> Path:
     """The test models, `warm_slow`, a persistent model whose load takes 30 s, `warm_missing`,
-    whose runner program is not there, and `warm_linger`, whose runner outlives its stdin by 30 s,
-    deaf to SIGTERM (closing it takes two kill graces)."""
+    whose runner program is not there, `warm_linger`, whose runner outlives its stdin by 30 s,
+    deaf to SIGTERM (closing it takes two kill graces), and `warm_oom_load`, whose runner exits
+    while loading with 77, one of its out-of-memory exit codes."""
     loads = tmp_path / "loads-warm_slow.txt"
     serve = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads)])
     slow = json.dumps(["{python}", str(WARM_TOY), "--loads", str(loads), "--load-sleep", "30"])
@@ -37,6 +38,11 @@ def models_file(models_file: Path, tmp_path: Path) -> Path:
         f.write(warm_model("warm_slow", loads).replace(serve, slow))
         f.write(warm_model("warm_missing", loads).replace(serve, missing))
         f.write(warm_model("warm_linger", loads, idle_vram_mb=6000).replace(serve, linger))
+        oom = json.dumps(["{python}", "-c", "raise SystemExit(77)"])
+        oom_codes = "max_attempts = 3\noom_exit_codes = [77]\n"
+        f.write(
+            warm_model("warm_oom_load", loads).replace(serve, oom).replace("max_attempts = 3\n", oom_codes)
+        )
     return models_file
 
 
@@ -169,6 +175,18 @@ async def test_a_runner_whose_program_is_missing_fails_its_job_at_once(manager, 
     job = await manager.get(job_id)
     assert (job.state, job.attempt) == (JobState.failed, 1), job
     assert job.error is not None and "could not be started" in job.error
+
+
+async def test_a_runner_exiting_with_an_oom_exit_code_while_loading_is_out_of_memory(manager, make_worker):
+    """docs/persistent.md: a runner that fails to load is handled as out of memory when its exit
+    code is one of the model's `oom_exit_codes`. Only its text was checked (against oom_patterns):
+    the job was retried as a crash, spending its attempts, with its estimate unchanged."""
+    job_id = await enqueue(manager, model="warm_oom_load", vram_mb=2000, max_attempts=1)
+    async with running(make_worker(burst=False, oom_max_retries=1)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert (job.state, job.oom_retries, job.vram_mb) == (JobState.failed, 1, 3000), job
+    assert job.error is not None and "out of GPU memory: the warm runner did not load" in job.error
+    assert "exit code 77" in job.error and "still out of memory with 1 larger retries" in job.error
 
 
 async def test_idle_runners_stop(manager, make_worker, tmp_path):

@@ -290,12 +290,13 @@ async def test_eviction_frees_the_least_recently_used_runner(tmp_path: Path, poo
 async def test_start_failures(tmp_path: Path, pool: warmpool.WarmPool) -> None:
     with pytest.raises(warm.StartFailed, match=r"exited while loading \(exit code 3\)") as failed:
         await pool.acquire(KEY, _toy(tmp_path, "toy", "--fail-load"), hold_mb=0)
-    assert "load failed on purpose" in str(failed.value)
+    assert "load failed on purpose" in str(failed.value) and failed.value.exit_code == 3
     slow = _launch(
         tmp_path, "slow", [sys.executable, str(WARM_TOY), "--load-sleep", "30"], load_timeout_s=0.5
     )
-    with pytest.raises(warm.StartFailed, match=r"not ready after 0\.5 s"):
+    with pytest.raises(warm.StartFailed, match=r"not ready after 0\.5 s") as failed:
         await pool.acquire(KEY, slow, hold_mb=0)
+    assert failed.value.exit_code is None  # killed by us: its exit code says nothing of the model
     missing = _launch(tmp_path, "missing", [str(tmp_path / "no-such-program")])
     with pytest.raises(warm.StartFailed, match="could not be started"):
         await pool.acquire(KEY, missing, hold_mb=0)
