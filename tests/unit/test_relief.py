@@ -204,6 +204,19 @@ def test_extreme_float_images_mesh_without_nan(tmp_path: Path, value: float) -> 
     assert result.bounds[1][2] == pytest.approx(7.0)  # the default base 2 and depth 5, at the top
 
 
+def test_a_16_bit_grey_png_keeps_its_low_bits(tmp_path: Path) -> None:
+    """docs/models.md: 16-bit greyscale is read at full precision (a ramp over raw 0..255 of 65535,
+    all in the low byte, still spans the whole depth); 16-bit colour, which Pillow reads at 8 bits
+    a channel, the doc had claimed too."""
+    source = tmp_path / "low16.png"
+    Image.fromarray(np.tile(np.arange(256, dtype=np.uint16), (16, 1))).save(source)
+    done = run_relief(source, tmp_path / "out", "--resolution", "64", "--smoothing", "0")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(tmp_path / "out/mesh.glb")
+    assert top_z_at_x(result, 0.0) == pytest.approx(2.0, abs=0.05)
+    assert top_z_at_x(result, 100.0) == pytest.approx(7.0, abs=0.05)
+
+
 def test_portrait_image_spans_width_along_y(tmp_path: Path) -> None:
     source = tmp_path / "portrait.png"
     Image.fromarray(np.tile(np.arange(0, 240, 6, dtype=np.uint8)[:, None], (1, 20)), "L").save(source)
