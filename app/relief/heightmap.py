@@ -177,9 +177,7 @@ def heights(surface: Surface, invert: bool) -> Heightfield:
     if not cells.any():
         raise errors.BadInput("the mask leaves nothing to mesh: the image is transparent everywhere")
     values, supported = _unpremultiply(surface)
-    level = _normalise(values, _corners(cells) & supported)
-    if invert:
-        level = 1.0 - level
+    level = _normalise(values, _corners(cells) & supported, invert)
     # Unsupported vertices only touch cells added to close pinches; rest them on the base.
     return Heightfield(np.where(supported, level, 0.0).astype(np.float32), cells)
 
@@ -192,8 +190,9 @@ def _unpremultiply(surface: Surface) -> tuple[FloatArray, BoolArray]:
     return surface.luminance / np.where(supported, surface.weight, 1.0), supported
 
 
-def _normalise(values: FloatArray, used: BoolArray) -> FloatArray:
-    """Map the min..max of the used values to 0..1 (clipping the rest); a flat image maps to 0."""
+def _normalise(values: FloatArray, used: BoolArray, invert: bool) -> FloatArray:
+    """Map the min..max of the used values to 0..1, or 1..0 inverted (clipping the rest); a flat
+    image maps to 0 either way, a slab of base thickness."""
     if not used.any():
         return np.zeros_like(values)
     # float64: in float32, `values - low` overflows to inf for spans past 3.4e38, and inf / inf is NaN.
@@ -202,8 +201,9 @@ def _normalise(values: FloatArray, used: BoolArray) -> FloatArray:
     span = high - low
     if span <= _FLAT_SPAN * max(abs(low), abs(high)):
         return np.zeros_like(values)
-    level: FloatArray = np.clip((wide - low) / span, 0.0, 1.0).astype(np.float32)
-    return level
+    level = np.clip((wide - low) / span, 0.0, 1.0)
+    result: FloatArray = (1.0 - level if invert else level).astype(np.float32)
+    return result
 
 
 def _corners(cells: BoolArray) -> BoolArray:

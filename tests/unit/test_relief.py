@@ -125,6 +125,19 @@ def test_invert_makes_dark_high(gradient: Path, tmp_path: Path) -> None:
     assert top_z_at_x(result, 100.0) == pytest.approx(2.0, abs=0.05)
 
 
+@pytest.mark.parametrize("invert", ["false", "true"])
+def test_a_flat_image_is_a_slab_of_base_thickness(tmp_path: Path, invert: str) -> None:
+    """docs/models.md: a flat image gives a flat slab base_mm thick. With --invert true it was
+    base + depth thick (7 mm): the flat level 0 was inverted to 1."""
+    source = tmp_path / "flat.png"
+    Image.new("L", (32, 32), 90).save(source)
+    done = run_relief(source, tmp_path / "out", "--resolution", "16", "--invert", invert)
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(tmp_path / "out/mesh.glb")
+    assert_printable(result)
+    assert result.extents == pytest.approx([100.0, 100.0, 2.0])
+
+
 def test_transparent_border_is_cut_away(framed: Path, tmp_path: Path) -> None:
     cut = run_relief(framed, tmp_path / "cut", "--resolution", "64")
     whole = run_relief(framed, tmp_path / "whole", "--resolution", "64", "--mask", "none")
