@@ -342,9 +342,9 @@ class _Loader:
         )
 
     def inherit(self, table: dict[str, object], tables: Mapping[str, object]) -> dict[str, object]:
-        """`extends = "other"`: the other model's fields (same file), overridden by this table's.
-        The tables are read, never changed: whether a model extends another is seen as written,
-        whichever of them was loaded first."""
+        """`extends = "other"`: the other model's fields (same file), overridden by this table's;
+        `params` one level deeper, parameter by parameter. The tables are read, never changed:
+        whether a model extends another is seen as written, whichever of them was loaded first."""
         base = table.get("extends")
         if base is None:
             return table
@@ -355,7 +355,12 @@ class _Loader:
             "must name another model of this file that extends nothing",
         )
         assert isinstance(parent, dict)
-        return {**parent, **{key: value for key, value in table.items() if key != "extends"}}
+        merged = {**parent, **{key: value for key, value in table.items() if key != "extends"}}
+        # Redefining one parameter keeps the others: a child's argv still names them all.
+        own, inherited = table.get("params"), parent.get("params")
+        if isinstance(own, dict) and isinstance(inherited, dict):
+            merged["params"] = {**inherited, **own}
+        return merged
 
     def warm(self, table: Mapping[str, object]) -> dict[str, Any]:
         """mode, serve_argv, load_timeout_s and idle_vram_mb, checked together."""

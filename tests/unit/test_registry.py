@@ -413,6 +413,16 @@ def test_extends_names_another_model_that_extends_nothing(
     assert f"model '{model}': field 'extends': must name another model" in message, message
 
 
+def test_a_model_extending_another_changes_only_the_parameters_it_names(write_file: WriteFile) -> None:
+    """A child redefining one `params.<x>` table lost all of its parent's parameters, and failed
+    with a confusing message about the argv's placeholders (`{label}` is no parameter)."""
+    text = TINY + '[models.short]\nextends = "tiny"\n[models.short.params.steps]\ntype = "int"\nmax = 5\n'
+    short = registry.load_registry(write_file(text)).get("short")
+    assert short.params.keys() == registry.load_registry(write_file(TINY)).get("tiny").params.keys()
+    assert (short.params["steps"].max, short.params["steps"].default) == (5, None)  # replaced whole
+    assert short.params["label"].default == "plain"
+
+
 def test_braces_in_serve_argv_are_written_as_in_argv(write_file: WriteFile) -> None:
     """{{ and }} stand for one brace in serve_argv too, as the template check says and argv does."""
     text = TINY.replace(
