@@ -198,6 +198,12 @@ class Settings(BaseSettings):
             raise ValueError("must be a postgresql:// URL")
         return f"postgresql+asyncpg://{rest}"
 
+    @field_validator("models_file", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        """An empty GPUJOBS_MODELS_FILE (an env file's `NAME=`) is unset, not the folder `.`."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("gpus")
     @classmethod
     def _gpu_sizes(cls, value: str | None) -> str | None:

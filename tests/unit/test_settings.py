@@ -17,6 +17,16 @@ def test_defaults_and_env(monkeypatch):
     assert Settings().database_url is not None and Settings(database_url="").database_url is None
 
 
+def test_an_empty_models_file_is_unset(monkeypatch):
+    """`GPUJOBS_MODELS_FILE=` (as a compose file or an env file leaves it) was the path `.`, and
+    the service stopped at start: "cannot be read: Is a directory". Empty means unset, as for
+    GPUJOBS_DATABASE_URL."""
+    monkeypatch.setenv("GPUJOBS_MODELS_FILE", "")
+    assert load_settings().models_file is None
+    monkeypatch.setenv("GPUJOBS_MODELS_FILE", " ")
+    assert load_settings().models_file is None
+
+
 @pytest.mark.parametrize(
     ("env", "value", "needle"),
     [
