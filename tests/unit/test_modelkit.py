@@ -6,12 +6,14 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from app import modelkit, runner
 from tests.conftest import modules_loaded_by
@@ -367,6 +369,30 @@ def _old_pythons() -> list[Path]:
     return [path / "bin" / "python" for path in found if path is not None]
 
 
+def _serve(argv: list[str], env: dict[str, str], requests: list[modelkit.Request], log: Path) -> list[Any]:
+    """Run a runner program, send it the jobs one by one, and return each one's final reply."""
+    finals: list[modelkit.Reply] = []
+    with (
+        log.open("wb") as stderr,
+        subprocess.Popen(
+            argv, cwd=log.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
+        ) as proc,
+    ):
+        assert proc.stdin is not None and proc.stdout is not None
+        ready = proc.stdout.readline()
+        assert ready, log.read_text()
+        assert isinstance(modelkit.parse_reply(ready), modelkit.Ready)
+        for request in requests:
+            proc.stdin.write(request.encode())
+            proc.stdin.flush()
+            while isinstance(reply := modelkit.parse_reply(proc.stdout.readline()), modelkit.Progress):
+                pass
+            finals.append(reply)
+        proc.stdin.close()
+        assert proc.wait(timeout=10) == 0, log.read_text()
+    return finals
+
+
 @pytest.mark.parametrize(
     "python", _old_pythons() or [None], ids=lambda p: p.parent.parent.name if p else "none"
 )
@@ -379,17 +405,29 @@ def test_a_copied_kit_serves_a_job_on_python_3_8_and_3_9(python: Path | None, tm
     (tmp_path / "modelkit.py").write_bytes((ROOT / "app" / "modelkit.py").read_bytes())
     (tmp_path / "runner.py").write_text(COPIED_RUNNER)
     request = modelkit.Request("j:1", tmp_path / "in.png", tmp_path / "out", {"n": 7})
-    with subprocess.Popen(
-        [str(python), str(tmp_path / "runner.py")], cwd=tmp_path, env={"PATH": os.environ["PATH"]},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    ) as proc:  # fmt: skip
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        first = proc.stdout.readline()
-        assert first, proc.stderr.read().decode()
-        assert modelkit.parse_reply(first) == modelkit.Ready("copied", proc.pid)
-        proc.stdin.write(request.encode())
-        proc.stdin.flush()
-        assert modelkit.parse_reply(proc.stdout.readline()) == modelkit.Done("j:1", ("out.txt",))
-        proc.stdin.close()
-        assert proc.wait(timeout=10) == 0
+    argv, env = [str(python), str(tmp_path / "runner.py")], {"PATH": os.environ["PATH"]}
+    assert _serve(argv, env, [request], tmp_path / "runner.log") == [modelkit.Done("j:1", ("out.txt",))]
     assert (tmp_path / "out" / "out.txt").read_text() == "ran 7"
+
+
+def test_the_blur_runner_of_docs_persistent_md_works_as_shown(tmp_path: Path) -> None:
+    """The doc's blur example failed a CMYK JPEG as a model error (PNG cannot hold CMYK: the runner
+    was ended and the job retried), and took `radius: true` for a radius of 1."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "persistent.md").read_text(), re.S)
+    [example] = [block for block in blocks if block.startswith('"""Blur an image')]
+    (tmp_path / "blur.py").write_text(example)
+    cmyk = tmp_path / "cmyk.jpg"
+    Image.new("CMYK", (32, 24), (10, 20, 30, 40)).save(cmyk)
+    requests = [
+        modelkit.Request("j:1", cmyk, tmp_path / "out1", {"radius": 2}),
+        modelkit.Request("j:2", cmyk, tmp_path / "out2", {"radius": True}),
+    ]
+    argv, env = (
+        [sys.executable, str(tmp_path / "blur.py")],
+        {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
+    )
+    done, refused = _serve(argv, env, requests, tmp_path / "blur.log")
+    assert done == modelkit.Done("j:1", ("blurred.png",)), (tmp_path / "blur.log").read_text()
+    with Image.open(tmp_path / "out1" / "blurred.png") as blurred:
+        assert (blurred.format, blurred.size) == ("PNG", (32, 24))
+    assert isinstance(refused, modelkit.Failed) and refused.bad_input and "params.radius" in refused.error
