@@ -54,12 +54,18 @@ def modules_loaded_by(module: str) -> set[str]:
     return set(run.stdout.split())
 
 
+# This test session, among others that may run on the host at once: xdist's run id (shared by its
+# processes), else this process's id.
+_SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8] or str(os.getpid())
+
+
 def worker_name(name: str) -> str:
-    """A worker's name as this test process gives it: `name`, tagged with the pytest-xdist process
-    when tests run in several. A worker's start kills what a past life of its identity left running
-    on the host (app/queue/leftovers.py), so test processes sharing a host must not share names."""
+    """A worker's name as this test process gives it: `name`, tagged with the test session and the
+    pytest-xdist process. A worker's start kills what a past life of its identity left running on
+    the host (app/queue/leftovers.py), and refuses to start beside a live one: test processes
+    sharing a host, of one session or of two, must not share names."""
     tag = os.environ.get("PYTEST_XDIST_WORKER")
-    return f"{name}-{tag}" if tag else name
+    return f"{name}-{_SESSION}-{tag}" if tag else f"{name}-{_SESSION}"
 
 
 def worker_id(name: str) -> str:

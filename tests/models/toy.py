@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--fail-attempts", type=int, default=0, help="fail while attempt <= this")
     parser.add_argument("--signal", default="none", help="kill itself with this signal")
     parser.add_argument("--output", default="true")
-    parser.add_argument("--trace", default="", help="append a JSON line per run to this file")
+    parser.add_argument("--trace", default="", help="append a JSON line per run to this file (none: off)")
     parser.add_argument("--oom-attempts", type=int, default=0, help="out of GPU memory while attempt <= this")
     parser.add_argument("--noise-kb", type=int, default=0, help="print this many KiB of lines to stderr")
     args = parser.parse_args()
@@ -41,7 +41,7 @@ def main() -> int:
         print(f"PROGRESS {step / args.steps:.3f} step {step}", flush=True)
     noise(args.noise_kb)
     print("toy model stderr line", file=sys.stderr, flush=True)
-    if args.trace:
+    if args.trace and args.trace != "none":
         with open(args.trace, "a") as f:
             record = {
                 "job": job,
