@@ -346,7 +346,9 @@ FAIL = text(
         UPDATE jobs AS j
         SET state = decided.next, error = :error, lease_expires_at = NULL, pid = NULL,
             abnormal_runs = j.abnormal_runs + CASE WHEN :abnormal THEN 1 ELSE 0 END,
-            run_after = now() + make_interval(secs => CAST(:delay_s AS double precision)),
+            -- moved only on the way back to a wait: a job that ended in its run started after it
+            run_after = CASE WHEN decided.next IN ('queued', 'scheduled')
+                THEN now() + make_interval(secs => CAST(:delay_s AS double precision)) ELSE j.run_after END,
             finished_at = CASE WHEN decided.next IN ('queued', 'scheduled') THEN NULL ELSE now() END
         FROM decided WHERE j.id = decided.id
         RETURNING j.id, j.attempt, j.worker_id, j.state, j.run_after, j.model, j.progress
@@ -355,7 +357,8 @@ FAIL = text(
         SELECT id, CASE WHEN state IN ('queued', 'scheduled') THEN 'retry_scheduled'
                         ELSE state::text END,
                attempt, worker_id,
-               CAST(:detail AS jsonb) || jsonb_build_object('run_after', run_after)
+               CAST(:detail AS jsonb) || CASE WHEN state IN ('queued', 'scheduled')
+                   THEN jsonb_build_object('run_after', run_after) ELSE '{{}}' END
         FROM ended
         RETURNING id, job_id, kind
     ), wake AS (

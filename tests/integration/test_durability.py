@@ -644,6 +644,19 @@ async def test_a_job_canceled_while_waiting_for_its_retry_has_no_run_time(manage
     assert run_s is None and wait_s is not None and wait_s >= 3600
 
 
+async def test_a_job_that_failed_in_its_run_has_a_run_time(manager, make_worker, api):
+    """A failure for good set run_after to a backoff as a retry's would: the job read as ended while
+    waiting for a retry, so its page showed no run and /admin/stats left it out of the run times."""
+    job_id = await enqueue(manager, exit_code=3, max_attempts=1, sleep=0.2, steps=1)
+    await make_worker(retry_base_s=5).run()
+    job = await manager.get(job_id)
+    assert job.state is JobState.failed and not job.ended_waiting
+    _, run_s = views.timings(job, datetime.now(UTC))
+    assert run_s is not None and run_s >= 0.2
+    stats = (await api.get("/admin/stats")).json()
+    assert stats["finished"] == 1 and stats["run_s"]["p50"] >= 0.2, stats
+
+
 async def test_a_worker_whose_heartbeat_died_hands_its_jobs_back_before_their_leases_run_out(
     manager, make_worker, engine
 ):
