@@ -188,16 +188,44 @@ class Attempt:
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _run_in_slot(self) -> Callable[[], Awaitable[Any]] | None:
-        """Wait for its room (idle runners evicted), take a slot on the GPU (a job claimed ahead
+        """Wait for its room (idle runners evicted) and a slot on the GPU (a job claimed ahead
         waits until a running one ends), then run the model. Stopped while it waited (cancel,
-        lease lost, shutdown), it runs no model."""
-        if self._room is not None:
-            await self._room.wait()
-        async with self._slot or contextlib.nullcontext():
+        lease lost, shutdown), it stops waiting at once and runs no model."""
+        held = await self._take_slot()
+        try:
             if self._stop_reason is not None:
                 return self._stopped_outcome(self._stop_reason)
             self.model_started_s = time.monotonic()
             return await self._run_model()
+        finally:
+            if held and self._slot is not None:
+                self._slot.release()
+
+    async def _take_slot(self) -> bool:
+        """Wait for the room, then take a GPU slot, unless stopped first; whether a slot is held."""
+        if self._room is not None and not self._room.is_set():
+            await self._unless_stopped(self._room.wait())
+        if self._slot is None or self._stop_reason is not None:
+            return False
+        if not self._slot.locked():  # free: taken at once, no task made
+            await self._slot.acquire()
+            return True
+        return await self._unless_stopped(self._slot.acquire())
+
+    async def _unless_stopped(self, waiting: Awaitable[Any]) -> bool:
+        """Await `waiting` unless the attempt is stopped first (it is then cancelled, which gives
+        a semaphore's slot back if it was being handed over); whether it ended."""
+        task = asyncio.ensure_future(waiting)
+        stop = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return not task.cancelled()
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""

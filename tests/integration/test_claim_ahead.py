@@ -118,3 +118,25 @@ async def test_a_job_goes_to_a_slot_free_now_before_a_slot_ahead(manager, make_w
     in_hand = [planner_.InHand(running.job, 0, time.monotonic(), model_started_s=time.monotonic())]
     [second] = await planner.claim(in_hand, **claim, ahead={0: 1})
     assert second.job.gpu == placed_on
+
+
+async def test_a_job_claimed_ahead_is_canceled_at_once_not_when_its_slot_frees(manager, make_worker):
+    """A canceled job waiting for its GPU slot kept waiting until the running job ended (its
+    timeout at worst), and stayed `running`; now the cancel ends the wait within a heartbeat."""
+    from tests.integration.test_durability import running
+
+    async with running(make_worker(burst=False, max_jobs_per_gpu=1, claim_ahead_s=10.0)) as worker:
+        for _ in range(2):  # short runs: the model's jobs are claimed ahead from now on
+            quick = await enqueue(manager)
+            await until(manager, quick, lambda j: j.state is JobState.succeeded)
+        slow = await enqueue(manager, sleep=20.0, steps=1)
+        await until(manager, slow, lambda j: j.pid is not None)
+        ahead = await enqueue(manager)
+        await until(manager, ahead, lambda j: j.state is JobState.running)  # claimed, waiting
+        assert len(worker.in_hand()) == 2
+        await manager.cancel(ahead, owner=None, by="test")
+        started = time.monotonic()
+        job = await until(manager, ahead, lambda j: j.state.final, timeout_s=10)
+        assert job.state is JobState.canceled and time.monotonic() - started < 5
+        assert (await manager.get(slow)).state is JobState.running  # it still holds the slot
+        await manager.cancel(slow, owner=None, by="test")
