@@ -241,7 +241,12 @@ async def test_paused_worker_cannot_overwrite_the_newer_attempt(manager, spawn_w
         assert len(trace(log)) == 2  # the paused worker's model finished too, while its worker slept
     finally:
         paused.send_signal(signal.SIGCONT)
-    await asyncio.sleep(2)  # the resumed worker reaps its model and tries to report
+    # The resumed worker reaps its model and tries to report: its write is refused, and it says so.
+    paused_log = tmp_path / "worker-paused-0.log"
+    deadline = time.monotonic() + 30
+    while "output discarded" not in paused_log.read_text():
+        assert time.monotonic() < deadline, paused_log.read_text()[-3000:]
+        await asyncio.sleep(0.1)
     job = await manager.get(job_id)
     assert job.state is JobState.succeeded and job.attempt == 2
     path, _, _ = store.resolve(job, "out.txt")
@@ -297,14 +302,16 @@ async def test_cancel_queued_running_and_finished(manager, make_worker, api, tmp
     assert answer.status_code == 200 and answer.json()["state"] == "canceled"
     assert (await manager.get(queued)).state is JobState.canceled
 
-    slow = await enqueue(manager, sleep=30, steps=30)
-    async with running(make_worker(burst=False)):
+    slow = await enqueue(manager, sleep=30, steps=1)
+    # Heartbeats 30 s apart and no progress written (one step): both stop a canceled run too, so
+    # only the NOTIFY can within 2 s.
+    async with running(make_worker(burst=False, heartbeat_interval_s=30, lease_s=60)):
         job = await until(manager, slow, lambda j: j.pid is not None)
         asked = time.monotonic()
         answer = await api.post(f"/jobs/{slow}/cancel")
         assert answer.status_code == 200 and answer.json()["state"] == "running"
         done = await until(manager, slow, lambda j: j.state.final)
-        assert time.monotonic() - asked < 2  # NOTIFY reaches the worker well within a heartbeat
+        assert time.monotonic() - asked < 2  # the NOTIFY reached the worker
     assert done.state is JobState.canceled
     assert not alive(job.pid or 0)
     assert (await kinds(manager, slow))[-2:] == ["cancel_requested", "canceled"]

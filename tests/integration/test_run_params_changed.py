@@ -15,9 +15,11 @@ from tests.integration.test_worker import enqueue
 async def test_params_the_registry_no_longer_takes_fail_the_job_at_once(
     manager, make_worker, tmp_path, model
 ) -> None:
-    job_id = await enqueue(manager, model=model, max_attempts=3, bogus=1)  # not a param of either
+    traced = {"trace": str(tmp_path / "trace.jsonl")} if model == "toy" else {}
+    job_id = await enqueue(manager, model=model, max_attempts=3, bogus=1, **traced)  # bogus: neither's
     await make_worker().run()
     job = await manager.get(job_id)
     assert job.state is JobState.failed and job.attempt == 1, (job.state, job.attempt, job.error)
     assert "params.bogus: unknown parameter" in (job.error or "")
-    assert not (tmp_path / f"loads-{model}.txt").exists()  # no warm runner was started for it
+    # The model never ran: the one-shot model writes a trace line per run, a warm runner its load.
+    assert not (tmp_path / ("trace.jsonl" if model == "toy" else f"loads-{model}.txt")).exists()

@@ -260,12 +260,18 @@ async def test_jobs_that_fit_no_gpu_wait_without_blocking_others(manager, make_w
 
 
 async def test_timeout_kills_the_whole_process_group(manager, make_worker, store):
+    """The worker's timeout fails the job and kills its model (the pid read while it ran: a failed
+    job's row keeps none). The kill goes to the model's group: tests/unit/test_runner.py's
+    test_timeout_kills_the_whole_group sees a forked helper die with it."""
+    from tests.integration.test_durability import running, until  # it imports this module
+
     job_id = await enqueue(manager, model="toy_timeout", sleep=20, steps=1, max_attempts=1)
-    await make_worker().run()
-    job = await manager.get(job_id)
+    async with running(make_worker(burst=False)):
+        pid = (await until(manager, job_id, lambda j: j.pid is not None)).pid
+        job = await until(manager, job_id, lambda j: j.state.final)
     assert job.state is JobState.failed
     assert job.error is not None and job.error.startswith("timed out after 1 s")
-    assert job.pid is None or not _alive(job.pid)
+    assert pid is not None and not _alive(pid)
     kinds = [e.kind for e in await manager.events(job_id)]
     assert kinds[-1] == "failed"
 
