@@ -45,7 +45,7 @@ test: setup browser
 	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
 		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) (less the browser and fuzz tests) =="; \
 		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest -n $(TEST_PROCS) --reruns $(RERUNS) --ignore=tests/browser --ignore=tests/integration/test_fuzz.py; \
-	else echo "(no PostgreSQL at $(LOCAL_PG): the embedded server was the only one tested)"; fi
+	else echo "(no second pass, for the reason above: the embedded server was the only one tested)"; fi
 
 lint: setup
 	$(BIN)/ruff check app tests
