@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,15 +141,23 @@ def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in
 def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: Path, monkeypatch):
     """The success names the files, with their sizes and digests, in the database; a host that
     crashed after it must not come back with those files empty or missing. So the files, the
-    attempt's folder and the job's folder are flushed (fsync) before publish returns."""
+    attempt's folder and the job's folder are flushed (fsync) before publish returns, the folders
+    holding the renamed attempt after its rename (flushed before, the rename itself may be lost)."""
     synced: set[int] = set()
-    fsync = os.fsync
+    steps: list[tuple[str, int]] = []  # ("fsync", inode) and ("rename", inode of the target's folder)
+    fsync, replace = os.fsync, os.replace
 
     def recording(fd: int) -> None:
         synced.add(os.fstat(fd).st_ino)
+        steps.append(("fsync", os.fstat(fd).st_ino))
         fsync(fd)
 
+    def renaming(src: Any, dst: Any) -> None:
+        replace(src, dst)
+        steps.append(("rename", Path(dst).parent.stat().st_ino))
+
     monkeypatch.setattr(os, "fsync", recording)
+    monkeypatch.setattr(os, "replace", renaming)
     store = storage.ResultStore(tmp_path)
     lane, job = store.lane_dir("w", 0), uuid.uuid4()
     store.prepare(lane, "input.png", b"x", job, 1)
@@ -159,6 +168,9 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
     assert (final / "mesh.glb").read_bytes() == b"glTF"
     wanted = {final / "mesh.glb", final, final.parent, final.parent.parent}
     assert {p.stat().st_ino for p in wanted} <= synced
+    job_folder, results = final.parent.stat().st_ino, final.parent.parent.stat().st_ino
+    last_rename = max(i for i, step in enumerate(steps) if step == ("rename", job_folder))
+    assert ("fsync", job_folder) in steps[last_rename:] and ("fsync", results) in steps[last_rename:]
 
 
 # A model's read-only leftovers in its lane: a folder of assets it copied (mode 0555), one it shut
