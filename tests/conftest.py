@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -547,7 +548,9 @@ def spawn_worker(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., A
     """Start `python -m app worker` processes; all are killed at the end of the test."""
     import subprocess
 
-    started: list[subprocess.Popen[bytes]] = []
+    from app.queue import leftovers
+
+    started: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def spawn(name: str, *args: str, **overrides: Any) -> subprocess.Popen[bytes]:
         with (tmp_path / f"worker-{name}-{len(started)}.log").open("wb") as log:
@@ -557,11 +560,16 @@ def spawn_worker(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., A
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        started.append(process)
+        started.append((name, process))
         return process
 
     yield spawn
-    for process in started:
+    for _, process in started:
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
+    # Models run in sessions of their own: a worker killed mid-job leaves them running.
+    for name in {name for name, _ in started}:
+        for group in leftovers.find_worker_models(f"{socket.gethostname()}:{worker_name(name)}"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
