@@ -95,7 +95,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     services = build_services(settings, manager, auth.KeyStore(engine))
     app.state.services = services
     observers = ops.Observability(app).start()  # job feed for streams, metrics, retention on demand
-    await security.announce_missing_admin(services.keys)
+    await security.announce_missing_admin(services.keys, security.public_paths(app, settings))
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
     try:

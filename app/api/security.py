@@ -323,8 +323,9 @@ def install(app: FastAPI, settings: Settings) -> None:
 ANNOUNCE_TIMEOUT_S = 5.0
 
 
-async def announce_missing_admin(keys: auth.KeyStore) -> None:
-    """On a database without an admin key, tell the operator how to make the first one."""
+async def announce_missing_admin(keys: auth.KeyStore, public: frozenset[str]) -> None:
+    """On a database without an admin key, tell the operator how to make the first one (and what
+    answers without a key: `public`, the paths public_paths gives)."""
     try:
         async with asyncio.timeout(ANNOUNCE_TIMEOUT_S):
             has_admin = await keys.has_admin()
@@ -334,7 +335,8 @@ async def announce_missing_admin(keys: auth.KeyStore) -> None:
         return  # requests will answer 503 until the database is back; nothing to tell yet
     if not has_admin:
         log.warning(
-            "no admin API key exists yet; every request except /healthz, /readyz and signed links needs "
-            "a key. Make the first one with: gpujobs keys create admin --admin",
+            "no admin API key exists yet; every request needs a key except %s, signed links and the "
+            "sign-in page. Make the first one with: gpujobs keys create admin --admin",
+            ", ".join(sorted(public)),
             extra={"action": "no_admin_key"},
         )

@@ -272,10 +272,13 @@ async def test_openapi_declares_the_bearer_scheme(client):
 
 
 async def test_first_start_without_an_admin_key_says_how_to_make_one(settings, caplog):
+    """It also says what answers without a key: it named /healthz and /readyz alone, though
+    /metrics and the docs are public by default."""
     with caplog.at_level("WARNING", logger="gpujobs.security"):
-        async with api_client(settings, key=None):
+        async with api_client(settings, key=None, public_docs=False):
             pass
     assert "gpujobs keys create admin --admin" in caplog.text
+    assert "except /healthz, /metrics, /readyz, signed links" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="gpujobs.security"):
         async with api_client(settings):  # an admin key exists now
