@@ -57,10 +57,25 @@ def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
-def _of_event(job: Job, event: manager_.Event, *, newest: bool) -> str:
-    """An event from the history; the newest one carries the job's current state and progress."""
+def _replayed(events: list[manager_.Event]) -> list[float]:
+    """Each event's progress: a progress event's own, one sending the job back to wait 0, any
+    other's that of its attempt so far (a run's `started` is written after its first milestones:
+    0.0 there took the bar back)."""
+    progress, attempt, out = 0.0, None, []
+    for event in events:
+        if event.attempt != attempt:
+            progress, attempt = 0.0, event.attempt
+        if event.kind == "progress":
+            progress = float(event.detail.get("progress", 0.0) or 0.0)
+        out.append(progress if KIND_STATE.get(event.kind) not in ("queued", "scheduled") else 0.0)
+    return out
+
+
+def _of_event(job: Job, event: manager_.Event, progress: float, *, newest: bool) -> str:
+    """An event from the history, with its attempt's `progress` then; the newest one carries the
+    job's current state and progress."""
     state = job.state.value if newest else KIND_STATE.get(event.kind, event.kind)
-    progress = job.progress if newest else float(event.detail.get("progress", 0.0) or 0.0)
+    progress = job.progress if newest else progress
     data = {
         "job": str(job.id),
         "kind": event.kind,
@@ -115,12 +130,14 @@ class JobStream:
         """From the database: the current state (after=None), or every event after `after`."""
         job = await self._manager.get(self._job_id, owner=self._owner)
         events = await self._manager.events(self._job_id, owner=self._owner)
+        replayed = list(zip(events, _replayed(events), strict=True))
         if after is None:
-            events = events[-1:]
+            replayed = replayed[-1:]
         else:  # the client has seen up to `after`: a later RESYNC must not send those again
             self.last_id = max(after, self.last_id)
-            events = [e for e in events if e.id > self.last_id]
-        out = [_of_event(job, e, newest=e is events[-1]) for e in events]
+            replayed = [(e, p) for e, p in replayed if e.id > self.last_id]
+        events = [e for e, _ in replayed]
+        out = [_of_event(job, e, p, newest=e is events[-1]) for e, p in replayed]
         if events:
             self.last_id = events[-1].id
         if (

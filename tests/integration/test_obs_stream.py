@@ -54,12 +54,44 @@ pathlib.Path(sys.argv[1], "out.txt").write_text("done")
 """
 
 
+EARLY = """\
+import pathlib, sys, time
+print("PROGRESS 0.25", flush=True)
+print("PROGRESS 0.5", flush=True)
+time.sleep(1.5)
+pathlib.Path(sys.argv[1], "out.txt").write_text("done")
+"""
+
+
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
-    """`toy`, and `stages`: a model whose progress starts again for its second stage."""
+    """`toy`; `stages`, a model whose progress starts again for its second stage; `early`, one
+    that reports half its progress as it starts, before its run's `started` event is written."""
     path = tmp_path / "models.toml"
-    path.write_text(toy_model("toy") + script_model("stages", ["{python}", "-c", STAGES, "{output_dir}"]))
+    path.write_text(
+        toy_model("toy")
+        + script_model("stages", ["{python}", "-c", STAGES, "{output_dir}"])
+        + script_model("early", ["{python}", "-c", EARLY, "{output_dir}"])
+    )
     return path
+
+
+async def test_a_replayed_history_never_takes_progress_back(settings, make_worker):
+    """The `started` event is written half a second into a run, after the progress milestones of a
+    model that reports at once: replayed (a reconnect), it came with progress 0.0 after 0.25 and
+    0.5, and the client's bar went back. An event that is not progress now carries the progress
+    of its attempt so far."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http, model="early")
+        await make_worker().run()
+        history = (await http.get(f"/jobs/{job_id}/events")).json()
+        kinds = [e["kind"] for e in history]
+        assert kinds.index("progress") < kinds.index("started"), kinds  # the order this is about
+        async with http.stream("GET", f"/jobs/{job_id}/stream", headers={"Last-Event-ID": "0"}) as response:
+            replay = [e["data"] async for e in events(response)]
+    assert [e["kind"] for e in replay] == kinds
+    progress = [e["progress"] for e in replay]
+    assert progress == sorted(progress) and progress[-1] == 1.0, replay
 
 
 async def test_progress_that_starts_again_for_a_new_stage_reaches_the_stream(settings, manager, make_worker):

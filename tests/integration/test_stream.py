@@ -31,12 +31,12 @@ async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
             data += line[5:].strip()
 
 
-async def submit_toy(http: httpx.AsyncClient, **params: Any) -> str:
-    """Queue a toy job over HTTP; its id."""
+async def submit_toy(http: httpx.AsyncClient, model: str = "toy", **params: Any) -> str:
+    """Queue a toy job (or one of `model`) over HTTP; its id."""
     response = await http.post(
         "/jobs",
         files={"image": ("in.png", png_bytes(), "image/png")},
-        data={"model": "toy", "params": json.dumps(params)},
+        data={"model": model, "params": json.dumps(params)},
     )
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
