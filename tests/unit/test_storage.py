@@ -195,12 +195,10 @@ print("removed" if not (store.root / "scratch" / "w").exists() else "left")
 """
 
 
-def test_read_only_folders_a_model_leaves_in_its_lane_are_removed(tmp_path: Path):
-    """A lane holding a folder its model made read-only could not be emptied: the lane was dropped
-    (a new one made for the next job), and at the worker's stop the folder stayed for good, found
-    again, and dropped again, by every start. (Run without the power to ignore permissions: as
-    root, with CAP_DAC_OVERRIDE and its like taken away.)"""
-    argv = [sys.executable, "-c", READ_ONLY_LEFTOVERS, str(tmp_path / "storage")]
+def run_without_overriding_permissions(script: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run `script` with the storage root `root` as its argument, where file modes apply: as root,
+    under setpriv with CAP_DAC_OVERRIDE and its like taken away (skipped without setpriv)."""
+    argv = [sys.executable, "-c", script, str(root)]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv: permissions would not apply")
@@ -208,6 +206,15 @@ def test_read_only_folders_a_model_leaves_in_its_lane_are_removed(tmp_path: Path
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": os.environ["PATH"]}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_read_only_folders_a_model_leaves_in_its_lane_are_removed(tmp_path: Path):
+    """A lane holding a folder its model made read-only could not be emptied: the lane was dropped
+    (a new one made for the next job), and at the worker's stop the folder stayed for good, found
+    again, and dropped again, by every start. (Run without the power to ignore permissions: as
+    root, with CAP_DAC_OVERRIDE and its like taken away.)"""
+    done = run_without_overriding_permissions(READ_ONLY_LEFTOVERS, tmp_path / "storage")
     assert done.stdout.split("\n")[:2] == ["emptied ['input.png', 'out']", "removed"], done.stdout
 
 
@@ -249,14 +256,7 @@ def test_files_the_api_cannot_read_are_a_storage_error_not_missing_or_empty(tmp_
     disk" (404). Now a StorageError that names the path under storage/ and says the API's user
     cannot read it. (Run without the power to ignore permissions: as root, with CAP_DAC_OVERRIDE
     and its like taken away.)"""
-    argv = [sys.executable, "-c", UNREADABLE_DOWNLOADS, str(tmp_path / "storage")]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: permissions would not apply")
-        argv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *argv]
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": os.environ["PATH"]}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 0, done.stderr
+    done = run_without_overriding_permissions(UNREADABLE_DOWNLOADS, tmp_path / "storage")
     lines = done.stdout.splitlines()
     assert lines[0].startswith("folder mesh.glb StorageError "), lines
     assert lines[1] == "folder attempt-1.log opened", lines
