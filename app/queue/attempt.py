@@ -138,6 +138,7 @@ class Attempt:
         self._process: runner.ModelProcess | None = None
         self._stop_reason: str | None = None
         self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
+        self._waiting: asyncio.Future[Any] | None = None  # the wait for its room or slot, if any
         self._last_progress = 0.0
         self._milestone = 0
 
@@ -152,6 +153,8 @@ class Attempt:
         if self._stop_reason is None:
             self._stop_reason = reason
         self._stopped.set()
+        if self._waiting is not None:  # for its room or its GPU slot: it stops waiting at once
+            self._waiting.cancel()
         if self._process is not None:
             self._process.stop(reason)
         if self._runner is not None:
@@ -213,19 +216,19 @@ class Attempt:
         return await self._unless_stopped(self._slot.acquire())
 
     async def _unless_stopped(self, waiting: Awaitable[Any]) -> bool:
-        """Await `waiting` unless the attempt is stopped first (it is then cancelled, which gives
-        a semaphore's slot back if it was being handed over); whether it ended."""
-        task = asyncio.ensure_future(waiting)
-        stop = asyncio.ensure_future(self._stopped.wait())
+        """Await `waiting` in a task that `stop` cancels (a semaphore's acquire gives back a slot
+        handed over as it is cancelled); whether it ended, False when stopped first."""
+        self._waiting = task = asyncio.ensure_future(waiting)
         try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._stop_reason is None or (current is not None and current.cancelling()):
+                raise  # this attempt's own task was cancelled, not only its wait
+            return False
         finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        return not task.cancelled()
+            self._waiting = None
+        return True
 
     async def _run_model(self) -> Callable[[], Awaitable[Any]] | None:
         """Run the process; return the final write to make (None: this attempt lost the job)."""
