@@ -6,8 +6,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# When this server answers, the suite also runs against it (CI machines have one).
+# When this server answers, the tests of what lives in the database run again against it (CI
+# machines have one): the schema and its migrations, the queue's statements (claim, lease,
+# recovery, retention, lists, history) and the paths that drive them end to end. The rest (pages,
+# processes, runners, the CLI, units) does not depend on which server answers, and running it twice
+# would double the suite's time.
 LOCAL_PG := postgresql://postgres@127.0.0.1:5432/test
+SERVER_TESTS := tests/test_migrations.py $(addprefix tests/integration/test_,$(addsuffix .py,\
+	db api_database sched_claims scheduling durability retention retention_races batching \
+	claim_ahead history scale_lists notify_commits stream sched_outage worker learned_cap \
+	metrics_catchup end_to_end))
 # Test processes (pytest-xdist). Run one at a time, the suite waits on timers and subprocesses
 # about half the time; two keep a 2-core machine busy, and more only slow each test down.
 TEST_PROCS ?= 2
@@ -43,8 +51,8 @@ run: setup
 test: setup browser
 	$(BIN)/python -m pytest -n $(TEST_PROCS) --reruns $(RERUNS)
 	@if $(BIN)/python -m tests.pg_answers $(LOCAL_PG); then \
-		echo "== the suite again, against the PostgreSQL at $(LOCAL_PG) (less the browser and fuzz tests) =="; \
-		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest -n $(TEST_PROCS) --reruns $(RERUNS) --ignore=tests/browser --ignore=tests/integration/test_fuzz.py; \
+		echo "== the database's tests again, against the PostgreSQL at $(LOCAL_PG) =="; \
+		DATABASE_URL=$(LOCAL_PG) $(BIN)/python -m pytest -n $(TEST_PROCS) --reruns $(RERUNS) $(SERVER_TESTS); \
 	else echo "(no second pass, for the reason above: the embedded server was the only one tested)"; fi
 
 lint: setup
