@@ -6,6 +6,7 @@ import asyncio
 import os
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -28,10 +29,24 @@ def _url() -> str:
     return Settings(database_url=url).database_url or url
 
 
+# One process migrates at a time: `serve` and a `worker` started together on a new data folder both
+# upgrade. The lock is the session's, not a transaction's: revision 0003 commits part of its work on
+# its own, and a transaction's lock would be let go there, for another process to run 0003 again.
+MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
+
+
 def _run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
-    with context.begin_transaction():
-        context.run_migrations()
+    lock = {"key": MIGRATE_LOCK_KEY}
+    connection.execute(text("SELECT pg_advisory_lock(:key)"), lock)
+    connection.commit()  # the wait ends here; the migrations' own transaction starts after it
+    try:
+        context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    finally:
+        connection.rollback()  # a failed migration's transaction, so that the unlock can run
+        connection.execute(text("SELECT pg_advisory_unlock(:key)"), lock)
+        connection.commit()
 
 
 async def _run_async() -> None:
