@@ -429,13 +429,15 @@ RELEASE_UNKNOWN = text(
     """
 )
 
-# Retries whose time has come go back to the queue (and wake the workers).
+# Retries whose time has come go back to the queue (and wake the workers). The rows are taken by
+# key from an array: joined as `id IN (...)`, the planner, which expects most scheduled jobs to be
+# due (finished jobs' `run_after` lies in the past), read the whole table to match them.
 PROMOTE_DUE = text(
     f"""
     WITH due AS (
         UPDATE jobs SET state = 'queued'
-        WHERE id IN (SELECT id FROM jobs WHERE state = 'scheduled' AND run_after <= now()
-                     ORDER BY run_after LIMIT 1000 FOR UPDATE SKIP LOCKED)
+        WHERE id = ANY(ARRAY(SELECT id FROM jobs WHERE state = 'scheduled' AND run_after <= now()
+                             ORDER BY run_after LIMIT 1000 FOR UPDATE SKIP LOCKED))
         RETURNING model, id, state, attempt, progress
     ), wake AS (
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM (SELECT DISTINCT model FROM due) AS m

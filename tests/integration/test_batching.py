@@ -545,3 +545,30 @@ async def test_a_model_warm_on_a_gpu_too_small_for_the_job_is_not_preferred(mana
     claim = {**CLAIM, "models": ["cold", "warm"], "limit": 1, "warm": {("warm", 1)}}
     [taken] = await manager.claim(**claim, budgets={0: 10_000, 1: 2000})
     assert (taken.job.id, taken.job.gpu) == (older, 0)
+
+
+async def test_due_retries_are_promoted_without_reading_the_jobs_done(manager: JobManager, engine):
+    """Every worker's reaper promotes the due retries every few seconds. The planner expects most
+    scheduled jobs to be due (the `run_after` of finished jobs lies in the past) and read the whole
+    table to join them: a sequential scan of 20,000 jobs (4 ms; 20 ms at 120,000) per round while
+    any retry was due. Checked on the custom and the generic plan."""
+    await enqueue(manager)
+    async with engine.begin() as conn:
+        await conn.execute(plans.FINISHED_BESIDE, {"count": 20_000})
+        await conn.execute(
+            text(
+                "UPDATE jobs SET state = 'scheduled', finished_at = NULL, run_after = now() + "
+                "CASE WHEN id IN (SELECT id FROM jobs ORDER BY id LIMIT 5) THEN interval '-1 minute' "
+                "ELSE interval '1 hour' END "
+                "WHERE id IN (SELECT id FROM jobs WHERE state = 'succeeded' ORDER BY id LIMIT 400)"
+            )
+        )
+        await conn.execute(text("ANALYZE jobs"))
+    for mode in ("force_custom_plan", "force_generic_plan"):
+        reports = await plans.prepared_reports(engine, sql.PROMOTE_DUE, {}, mode)
+        assert len(reports) == 1, reports
+        plan = reports[0]["Plan"]
+        assert "Seq Scan" not in plans.scans_of(plan, "jobs"), plan
+        updated = [n for n in plans.nodes(plan) if n["Node Type"] == "ModifyTable"]
+        assert [n["Actual Rows"] for n in updated] == [5], plan
+    assert await manager.promote_due() == 5
