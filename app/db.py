@@ -134,7 +134,11 @@ def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:  # type: ignor
 
 def asyncpg_dsn(url: str) -> str:
     """The same database as a plain libpq URL, for asyncpg.connect (LISTEN) and psql."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    plain = make_url(url).set(drivername="postgresql")
+    if "ssl" in plain.query:  # asyncpg's keyword; in a URL, asyncpg and libpq read sslmode
+        query = {**plain.query, "sslmode": plain.query["ssl"]}
+        plain = plain.set(query={k: v for k, v in query.items() if k != "ssl"})
+    return plain.render_as_string(hide_password=False)
 
 
 _CONNECTION_ERRORS = (

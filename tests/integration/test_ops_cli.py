@@ -222,3 +222,33 @@ async def test_serve_whose_worker_stops_on_its_own_exits_non_zero(settings, engi
     said = log.read_text()
     assert code == 1, said[-3000:]
     assert "error: the in-process worker stopped after an error" in said, said[-3000:]
+
+
+async def test_a_database_url_with_libpq_sslmode_works_and_a_bad_one_is_one_line(settings, tmp_path):
+    """`?sslmode=disable` (libpq's, common in URLs copied from elsewhere) crashed serve, worker and
+    migrate with `TypeError: connect() got an unexpected keyword argument 'sslmode'`, and a port
+    out of range with an OverflowError traceback, exit 1. Now the first works, through SQLAlchemy
+    and through LISTEN's plain URL, and the second is one line naming the setting, exit 2."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    from app import db
+    from app.settings import Settings
+    from tests.integration.test_client import run_cli
+
+    assert settings.database_url
+    with_sslmode = make_url(settings.database_url).update_query_dict({"sslmode": "disable"})
+    url = with_sslmode.render_as_string(hide_password=False)
+    env = {**worker_env(settings, "sslmode"), "GPUJOBS_DATABASE_URL": url, "COLUMNS": "400"}
+    for args in (["migrate"], ["keys", "list"]):
+        code, _, stderr = await run_cli(env, *args, timeout_s=120)
+        assert code == 0, (args, stderr[-3000:])
+    listen_dsn = db.asyncpg_dsn(Settings(database_url=url).database_url or "")
+    conn = await asyncpg.connect(listen_dsn)
+    await conn.close()
+
+    env["GPUJOBS_DATABASE_URL"] = "postgresql://postgres@127.0.0.1:99999/x"
+    code, _, stderr = await run_cli(env, "migrate", timeout_s=60)
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    [line] = stderr.splitlines()
+    assert line.startswith("error: invalid configuration: GPUJOBS_DATABASE_URL: port 99999"), line

@@ -145,3 +145,57 @@ def test_a_duration_past_ten_years_is_refused_by_name(monkeypatch, name):
     with pytest.raises(errors.ConfigError) as caught:
         load_settings()
     assert f"{env}: Input should be less than or equal to 315360000" in caught.value.message, caught.value
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql://postgres@127.0.0.1:99999/x", "port 99999 is not a number between 1 and 65535"),
+        ("postgresql://postgres@127.0.0.1:0/x", "port 0 is not a number between 1 and 65535"),
+        ("postgresql://postgres@127.0.0.1:abc/x", "cannot be read as a URL"),
+        ("postgresql://[::1/x", "cannot be read as a URL"),
+        ("postgresql://h/x?foo=bar", "asyncpg takes no 'foo' in the URL"),
+        ("postgresql://h/x?sslmode=sometimes", "sslmode 'sometimes' is not one of"),
+        ("postgresql://h/x?ssl=require&sslmode=disable", "give ssl or sslmode"),
+        ("postgresql://h/x?sslmode=require&sslmode=disable", "sslmode is given twice"),
+        ("postgresql://h/x?host=a,b&port=5432,99999", "port 99999 is not a number between"),
+        ("postgresql://h/x?port=abc", "port abc is not a number between"),
+    ],
+)
+def test_a_database_url_asyncpg_cannot_use_is_refused_by_name(monkeypatch, url, expected):
+    """A bad port, an unclosed IPv6 bracket or a query parameter asyncpg does not take (libpq's
+    `sslmode=require` among them) passed, and serve, worker and migrate crashed at their first
+    connection with a traceback (OverflowError, ValueError, TypeError: unexpected keyword argument
+    'sslmode'), exit 1."""
+    monkeypatch.setenv("GPUJOBS_DATABASE_URL", url)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    message = caught.value.message
+    assert message.startswith("invalid configuration: GPUJOBS_DATABASE_URL: " + expected), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("mode", ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"])
+def test_libpq_sslmode_is_asyncpgs_ssl(mode):
+    """libpq's `sslmode` is asyncpg's `ssl` through SQLAlchemy, and `sslmode` again in the plain
+    URL that LISTEN (asyncpg's DSN parser) and psql read."""
+    from app import db
+
+    url = Settings(database_url=f"postgresql://u:p@db:5432/jobs?sslmode={mode}").database_url
+    assert url == f"postgresql+asyncpg://u:p@db:5432/jobs?ssl={mode}"
+    assert Settings(database_url=f"postgres://u:p@db/jobs?ssl={mode}").database_url == (
+        f"postgresql+asyncpg://u:p@db/jobs?ssl={mode}"
+    )
+    assert db.asyncpg_dsn(url) == f"postgresql://u:p@db:5432/jobs?sslmode={mode}"
+
+
+def test_the_urls_the_service_makes_itself_pass():
+    """The embedded server's URL (a socket folder in `host`), IPv6 and several hosts still pass."""
+    for url in (
+        "postgresql+asyncpg://postgres@/postgres?host=/tmp/gpujobs-pg",
+        "postgresql://postgres@[::1]:5432/x",
+        "postgresql://postgres@/x?host=a,b&port=5432,5433",
+        "postgresql://postgres@/x?host=a:5432&host=b:5433",
+        "postgresql://u:p%40x@db:5432/jobs",
+    ):
+        assert Settings(database_url=url).database_url is not None
