@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app import errors
+from app import errors, gpu
 
 # The longest duration a setting may name: ten years. Longer ones are mistakes, and reach past what
 # PostgreSQL's timestamps hold once added to or taken from now() (a lease of 1e12 s killed the reaper).
@@ -100,7 +100,9 @@ class Settings(BaseSettings):
         "the worker, if any, runs in the first",
     )
     gpus: str | None = Field(None, description='Virtual GPUs when NVML is absent, e.g. "24GiB,24GiB"')
-    virtual_gpu_mb: int = Field(24_576, gt=0, description="Size of the one virtual GPU when gpus is unset")
+    virtual_gpu_mb: int = Field(
+        24_576, gt=0, le=gpu.MAX_GPU_MB, description="Size of the one virtual GPU when gpus is unset"
+    )
     vram_buffer_mb: int = Field(512, ge=0, description="VRAM kept free on every GPU")
     max_jobs_per_gpu: int = Field(0, ge=0, description="Cap on concurrent jobs per GPU (0 = only VRAM)")
     models_file: Path | None = Field(None, description="Extra model registry TOML file")
@@ -209,8 +211,6 @@ class Settings(BaseSettings):
     def _gpu_sizes(cls, value: str | None) -> str | None:
         """Reject an unreadable GPU list at start, not at the first claim."""
         if value:
-            from app import gpu
-
             try:
                 gpu.parse_sizes(value)
             except errors.ConfigError as exc:

@@ -252,3 +252,29 @@ async def test_a_database_url_with_libpq_sslmode_works_and_a_bad_one_is_one_line
     assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
     [line] = stderr.splitlines()
     assert line.startswith("error: invalid configuration: GPUJOBS_DATABASE_URL: port 99999"), line
+
+
+async def test_the_largest_virtual_gpu_allowed_runs_jobs_and_the_api_still_answers(
+    settings, manager, spawn_worker, tmp_path
+):
+    """A virtual GPU past PostgreSQL's integer (GPUJOBS_VIRTUAL_GPU_MB=1e12) made the claim fail
+    and POST /jobs and GET /models answer 500; the largest one allowed claims and runs a job, and
+    the API reads the worker's GPUs back."""
+    import asyncio
+
+    from app import gpu
+    from app.queue.jobs import JobState
+    from tests.conftest import png_bytes
+    from tests.integration.test_worker import enqueue
+
+    job_id = await enqueue(manager)
+    worker = spawn_worker("largest", "--burst", gpus="", virtual_gpu_mb=gpu.MAX_GPU_MB)
+    code = await asyncio.wait_for(asyncio.to_thread(worker.wait), timeout=120)
+    log = next(tmp_path.glob("worker-largest-*.log")).read_text()
+    assert code == 0, log[-3000:]
+    job = await manager.get(job_id)
+    assert job is not None and job.state is JobState.succeeded, log[-3000:]
+    async with api_client(settings) as http:
+        assert (await http.get("/models")).status_code == 200
+        files = {"image": ("a.png", png_bytes(), "image/png")}
+        assert (await http.post("/jobs", files=files, data={"model": "toy"})).status_code == 201

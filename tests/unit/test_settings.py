@@ -199,3 +199,18 @@ def test_the_urls_the_service_makes_itself_pass():
         "postgresql://u:p%40x@db:5432/jobs",
     ):
         assert Settings(database_url=url).database_url is not None
+
+
+def test_a_virtual_gpu_larger_than_the_claim_counts_is_refused(monkeypatch):
+    """GPUJOBS_VIRTUAL_GPU_MB=1000000000000 passed: the worker stored total_mb=1e12 in workers.gpus,
+    its claim then failed (int32 out of range), and every POST /jobs and GET /models answered 500
+    until that row aged out. The bound is GPUJOBS_GPUS's: what PostgreSQL's integer holds, in MB."""
+    from app import gpu
+
+    monkeypatch.setenv("GPUJOBS_VIRTUAL_GPU_MB", str(gpu.MAX_GPU_MB))
+    assert load_settings().virtual_gpu_mb == gpu.MAX_GPU_MB
+    monkeypatch.setenv("GPUJOBS_VIRTUAL_GPU_MB", "1000000000000")
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    expected = f"GPUJOBS_VIRTUAL_GPU_MB: Input should be less than or equal to {gpu.MAX_GPU_MB}"
+    assert expected in caught.value.message, caught.value.message
