@@ -23,6 +23,9 @@ LONGEST_S = 10 * 365 * 86_400
 # A duration setting: its field adds the lower bound and the description.
 Seconds = Annotated[float, Field(le=LONGEST_S)]
 WholeSeconds = Annotated[int, Field(le=LONGEST_S)]
+# The bound of every count among the settings: PostgreSQL's integer. Those that reach SQL as a
+# parameter failed there past it (a worker's start, every POST /jobs), far from the variable.
+PG_INT_MAX = 2**31 - 1
 
 
 class Settings(BaseSettings):
@@ -48,6 +51,7 @@ class Settings(BaseSettings):
     queue_limit: int = Field(
         10_000,
         ge=1,
+        le=PG_INT_MAX,
         description="Most queued jobs; POST /jobs answers 429 when full (in the last tenth each upload "
         "counts, and uploads written at the same moment may pass it by up to GPUJOBS_UPLOAD_WRITERS per "
         "API process; below that, each API process checks against a count at most 1 s old)",
@@ -55,12 +59,14 @@ class Settings(BaseSettings):
     queue_limit_per_key: int = Field(
         100,
         ge=0,
+        le=PG_INT_MAX,
         description="Most queued jobs per principal (its keys share it); 429 beyond (uploads written at "
         "the same moment may pass it by up to GPUJOBS_UPLOAD_WRITERS per API process); 0 = no limit",
     )
     upload_writers: int = Field(
         4,
         ge=0,
+        le=PG_INT_MAX,
         description="Uploads written to the database at once; the rest wait their turn in the API, "
         "first come first served (0 = no limit)",
     )
@@ -103,8 +109,11 @@ class Settings(BaseSettings):
     virtual_gpu_mb: int = Field(
         24_576, gt=0, le=gpu.MAX_GPU_MB, description="Size of the one virtual GPU when gpus is unset"
     )
-    vram_buffer_mb: int = Field(512, ge=0, description="VRAM kept free on every GPU")
-    max_jobs_per_gpu: int = Field(0, ge=0, description="Cap on concurrent jobs per GPU (0 = only VRAM)")
+    vram_buffer_mb: int = Field(512, ge=0, le=gpu.MAX_GPU_MB, description="VRAM kept free on every GPU")
+    # The claim adds jobs claimed ahead to it, in PostgreSQL's int[].
+    max_jobs_per_gpu: int = Field(
+        0, ge=0, le=10_000, description="Cap on concurrent jobs per GPU (0 = only VRAM)"
+    )
     models_file: Path | None = Field(None, description="Extra model registry TOML file")
     link_secret: str | None = Field(
         None, description="HMAC secret for download links; unset = generated once in storage_dir"
@@ -134,18 +143,28 @@ class Settings(BaseSettings):
         description="The top job that fits no GPU gets a GPU held for it after this wait",
     )
     backfill_min_samples: int = Field(
-        5, ge=1, description="Finished runs of a model needed before it may backfill a held GPU"
+        5,
+        ge=1,
+        le=PG_INT_MAX,
+        description="Finished runs of a model needed before it may backfill a held GPU",
     )
     learned_vram_min_samples: int = Field(
-        20, ge=1, description="Observed peaks of a model needed before its VRAM estimate is learned"
+        20,
+        ge=1,
+        le=PG_INT_MAX,
+        description="Observed peaks of a model needed before its VRAM estimate is learned",
     )
     learned_vram_percentile: float = Field(95, gt=0, le=100, description="Percentile of observed peaks used")
-    learned_vram_margin_mb: int = Field(256, ge=0, description="Added to the learned VRAM estimate")
+    learned_vram_margin_mb: int = Field(
+        256, ge=0, le=gpu.MAX_GPU_MB, description="Added to the learned VRAM estimate"
+    )
     learned_vram_above_declared: bool = Field(
         False,
         description="Let a learned estimate exceed the model's declared maximum (not the largest GPU seen)",
     )
-    oom_max_retries: int = Field(2, ge=0, description="Out-of-memory re-queues with a larger estimate")
+    oom_max_retries: int = Field(
+        2, ge=0, le=PG_INT_MAX, description="Out-of-memory re-queues with a larger estimate"
+    )
     oom_growth: float = Field(1.5, gt=1, description="Factor the VRAM estimate grows by after an OOM")
     gpu_settle_timeout_s: Seconds = Field(
         30,
@@ -161,6 +180,7 @@ class Settings(BaseSettings):
     warm_streak_max: int = Field(
         4,
         ge=0,
+        le=PG_INT_MAX,
         description="Claims in a row that may take jobs of models with a warm runner first, among equal "
         "priorities; the next claim takes the oldest (0 = never prefer)",
     )
@@ -170,6 +190,7 @@ class Settings(BaseSettings):
     quarantine_after: int = Field(
         3,
         ge=1,
+        le=PG_INT_MAX,
         description="Abnormal deaths (signals, warm runners dying mid-job, lost workers) before a job is "
         "quarantined",
     )
@@ -181,7 +202,10 @@ class Settings(BaseSettings):
         5, ge=0, description="How long /metrics reuses what it read from the database"
     )
     ready_min_workers: int = Field(
-        0, ge=0, description="/readyz answers 503 while fewer live workers heartbeat (0 = never)"
+        0,
+        ge=0,
+        le=PG_INT_MAX,
+        description="/readyz answers 503 while fewer live workers heartbeat (0 = never)",
     )
     stream_keepalive_s: Seconds = Field(15, gt=0, description="Comment line sent on an idle job stream")
     retention_days: float = Field(

@@ -254,27 +254,30 @@ async def test_a_database_url_with_libpq_sslmode_works_and_a_bad_one_is_one_line
     assert line.startswith("error: invalid configuration: GPUJOBS_DATABASE_URL: port 99999"), line
 
 
-async def test_the_largest_virtual_gpu_allowed_runs_jobs_and_the_api_still_answers(
+async def test_the_largest_values_allowed_run_jobs_and_the_api_still_answers(
     settings, manager, spawn_worker, tmp_path
 ):
-    """A virtual GPU past PostgreSQL's integer (GPUJOBS_VIRTUAL_GPU_MB=1e12) made the claim fail
-    and POST /jobs and GET /models answer 500; the largest one allowed claims and runs a job, and
-    the API reads the worker's GPUs back."""
+    """Settings past PostgreSQL's integer failed in SQL: a virtual GPU of 1e12 MB made the claim fail
+    and POST /jobs and GET /models answer 500, GPUJOBS_QUARANTINE_AFTER=3e9 stopped the worker at
+    start, a queue limit of 1e20 made every POST /jobs a 500. The largest values allowed work: the
+    worker claims and runs a job, the API reads its GPUs back and queues a job."""
     import asyncio
 
     from app import gpu
     from app.queue.jobs import JobState
+    from app.settings import PG_INT_MAX
     from tests.conftest import png_bytes
     from tests.integration.test_worker import enqueue
 
     job_id = await enqueue(manager)
-    worker = spawn_worker("largest", "--burst", gpus="", virtual_gpu_mb=gpu.MAX_GPU_MB)
+    largest = {"virtual_gpu_mb": gpu.MAX_GPU_MB, "quarantine_after": PG_INT_MAX, "max_jobs_per_gpu": 10_000}
+    worker = spawn_worker("largest", "--burst", gpus="", **largest)
     code = await asyncio.wait_for(asyncio.to_thread(worker.wait), timeout=120)
     log = next(tmp_path.glob("worker-largest-*.log")).read_text()
     assert code == 0, log[-3000:]
     job = await manager.get(job_id)
     assert job is not None and job.state is JobState.succeeded, log[-3000:]
-    async with api_client(settings) as http:
+    async with api_client(settings, queue_limit=PG_INT_MAX, queue_limit_per_key=PG_INT_MAX) as http:
         assert (await http.get("/models")).status_code == 200
         files = {"image": ("a.png", png_bytes(), "image/png")}
         assert (await http.post("/jobs", files=files, data={"model": "toy"})).status_code == 201

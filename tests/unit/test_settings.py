@@ -214,3 +214,37 @@ def test_a_virtual_gpu_larger_than_the_claim_counts_is_refused(monkeypatch):
         load_settings()
     expected = f"GPUJOBS_VIRTUAL_GPU_MB: Input should be less than or equal to {gpu.MAX_GPU_MB}"
     assert expected in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "bound"),
+    [
+        # Each reaches a SQL parameter: an integer (abnormal_runs + 1 >= :quarantine_after), the
+        # claim's int[] of slots, or a LIMIT and a count (bigint). These passed, and the worker died
+        # at start with a traceback, or every POST /jobs answered 500.
+        ("GPUJOBS_QUARANTINE_AFTER", "3000000000", 2**31 - 1),
+        ("GPUJOBS_QUEUE_LIMIT", "99999999999999999999", 2**31 - 1),
+        ("GPUJOBS_QUEUE_LIMIT_PER_KEY", "99999999999999999999", 2**31 - 1),
+        ("GPUJOBS_MAX_JOBS_PER_GPU", "3000000000", 10_000),
+        ("GPUJOBS_VRAM_BUFFER_MB", "1000000000000", 2**31 - 1),
+    ],
+)
+def test_an_integer_past_what_the_database_holds_is_refused_by_name(monkeypatch, env, value, bound):
+    monkeypatch.setenv(env, str(bound))
+    load_settings()
+    monkeypatch.setenv(env, value)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    assert f"{env}: Input should be less than or equal to {bound}" in caught.value.message, caught.value
+
+
+INT_SETTINGS = sorted(name for name, field in Settings.model_fields.items() if field.annotation is int)
+
+
+@pytest.mark.parametrize("name", INT_SETTINGS)
+def test_every_integer_setting_has_an_upper_bound_postgresql_holds(name):
+    """An integer setting without one took any size (a typo's extra zeros), and those that reach
+    SQL then failed there, far from the variable; the rest are bounded alike, within PostgreSQL's
+    integer, so that a new use in SQL cannot meet one too large."""
+    bounds = [m.le for m in Settings.model_fields[name].metadata if getattr(m, "le", None) is not None]
+    assert bounds and bounds[0] <= 2**31 - 1, name
