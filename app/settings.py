@@ -220,15 +220,16 @@ class Settings(BaseSettings):
     @classmethod
     def _asyncpg_driver(cls, value: str | None) -> str | None:
         """Accept postgres:// and postgresql:// URLs that asyncpg can use; always use asyncpg."""
-        if value is None or value == "":
-            return None
-        return asyncpg_url(value)
+        return None if value is None else asyncpg_url(value)
 
-    @field_validator("models_file", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _blank_is_unset(cls, value: object) -> object:
-        """An empty GPUJOBS_MODELS_FILE (an env file's `NAME=`) is unset, not the folder `.`."""
-        return None if isinstance(value, str) and not value.strip() else value
+    def _blank_is_unset(cls, values: object) -> object:
+        """A blank setting (an env file's `NAME=`) is unset: its default. Else GPUJOBS_HOST= was the
+        host "" (every interface), GPUJOBS_MODELS_FILE= and GPUJOBS_STORAGE_DIR= the folder `.`."""
+        if not isinstance(values, dict):
+            return values
+        return {k: v for k, v in values.items() if not (isinstance(v, str) and not v.strip())}
 
     @field_validator("gpus")
     @classmethod

@@ -248,3 +248,13 @@ def test_every_integer_setting_has_an_upper_bound_postgresql_holds(name):
     integer, so that a new use in SQL cannot meet one too large."""
     bounds = [m.le for m in Settings.model_fields[name].metadata if getattr(m, "le", None) is not None]
     assert bounds and bounds[0] <= 2**31 - 1, name
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+@pytest.mark.parametrize("name", sorted(Settings.model_fields))
+def test_a_blank_setting_is_its_default(monkeypatch, name, blank):
+    """`GPUJOBS_HOST=` (a blank line of an env file or a compose file) was the host "", and `serve`
+    listened on every interface instead of 127.0.0.1; a blank GPUJOBS_STORAGE_DIR was the folder
+    `.`, a blank GPUJOBS_LINK_SECRET of spaces the secret. Blank means unset, for every setting."""
+    monkeypatch.setenv(f"GPUJOBS_{name.upper()}", blank)
+    assert getattr(load_settings(), name) == Settings.model_fields[name].default
