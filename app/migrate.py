@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import text
+from sqlalchemy import exc, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import errors
@@ -47,15 +47,54 @@ def upgrade(url: str, revision: str = "head") -> None:
 
     from app import db
 
-    async def found() -> str | None:
+    async def found() -> tuple[str | None, list[str]]:
         engine = db.create_engine(url, pool_size=1)
         try:
-            return await current(engine)
+            at = await current(engine)
+            return at, [] if at is not None else await _our_tables(engine)
         finally:
             await engine.dispose()
 
-    check_known(asyncio.run(found()))
-    command.upgrade(alembic_config(url), revision)
+    at, unrecorded = asyncio.run(found())
+    check_known(at)
+    if unrecorded:
+        raise errors.ConfigError(
+            _UNRECORDED.format(what=f"tables named as gpujobs's ({', '.join(unrecorded)})")
+        )
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except exc.ProgrammingError as error:  # a type or index of ours there: one transaction, undone
+        if at is not None or getattr(error.orig, "sqlstate", None) not in _ALREADY_EXISTS:
+            raise
+        reason = (str(error.orig).strip().splitlines() or ["already exists"])[0]
+        what = f"objects named as gpujobs's ({reason.split(': ')[-1]})"
+        raise errors.ConfigError(_UNRECORDED.format(what=what)) from error
+
+
+# Never migrated (no alembic_version), yet holding what the first migration creates: its CREATE
+# failed with SQLAlchemy's traceback. duplicate_table, duplicate_object (a type, a constraint).
+_ALREADY_EXISTS = frozenset({"42P07", "42710"})
+_UNRECORDED = (
+    "the database holds {what} but no alembic_version: gpujobs did not create them, or their record "
+    "of migrations was dropped; migrate an empty database (GPUJOBS_DATABASE_URL), or drop them first"
+)
+
+
+async def _our_tables(engine: AsyncEngine) -> list[str]:
+    """The tables of the schema migrations create in whose names are gpujobs's tables' names."""
+    from app import db, tables
+
+    assert tables  # imported for its side effect: the tables register on Base.metadata
+    names = sorted(db.Base.metadata.tables)
+    async with engine.connect() as conn:
+        found = await conn.scalars(
+            text(
+                "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+                " AND relname = ANY(:names) ORDER BY relname"
+            ),
+            {"names": names},
+        )
+        return list(found)
 
 
 def downgrade(url: str, revision: str = "base") -> None:

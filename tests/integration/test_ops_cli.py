@@ -281,3 +281,48 @@ async def test_the_largest_values_allowed_run_jobs_and_the_api_still_answers(
         assert (await http.get("/models")).status_code == 200
         files = {"image": ("a.png", png_bytes(), "image/png")}
         assert (await http.post("/jobs", files=files, data={"model": "toy"})).status_code == 201
+
+
+async def test_migrate_over_tables_it_did_not_record_is_one_line_and_changes_nothing(
+    server_url, database_url, tmp_path
+):
+    """`gpujobs migrate` into a database holding a table of one of our names but no alembic_version
+    (another application's `workers`, or a migrated database whose alembic_version was dropped)
+    printed SQLAlchemy's DuplicateTable traceback, exit 1. Now one line, exit 2, nothing changed."""
+    import asyncpg
+
+    from app import db
+    from tests.integration.test_client import run_cli
+    from tests.test_migrations import empty_database
+
+    async def run(url: str, statement: str) -> str:
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+        code, stdout, stderr = await run_cli({**env, "GPUJOBS_DATABASE_URL": url}, "migrate", timeout_s=120)
+        assert code == 2 and stdout == "" and "Traceback" not in stderr, stderr[-3000:]
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]  # after Alembic's
+        return line
+
+    async with empty_database(server_url) as url:
+        line = await run(url, "CREATE TABLE workers (x int)")
+        assert line.startswith("error: the database holds tables named as gpujobs's (workers) but no "), line
+        assert "empty database" in line, line
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        try:
+            tables = await conn.fetch(
+                "SELECT relname FROM pg_class WHERE relkind = 'r' AND relnamespace = 'public'::regnamespace"
+            )
+        finally:
+            await conn.close()
+        assert [t["relname"] for t in tables] == ["workers"]  # nothing created beside it
+    line = await run(database_url, "DROP TABLE alembic_version")
+    assert line.startswith("error: the database holds tables named as gpujobs's (api_keys, inputs, "), line
+    async with empty_database(server_url) as url:  # a type of ours, not a table: Alembic's error
+        line = await run(url, "CREATE TYPE job_state AS ENUM ('x')")
+        assert line.startswith(
+            """error: the database holds objects named as gpujobs's (type "job_state" """
+        ), line
