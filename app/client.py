@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -110,6 +112,15 @@ def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
         f"{response.request.url} answered {response.status_code} ({kind}): not the API; "
         "is --url (GPUJOBS_URL) the API's address?"
     )
+
+
+def job_path(job_id: str) -> str:
+    """The job's id as it goes into a URL (canonical); exit 2 unless it is a UUID, so that no other
+    text (`../models`, `../admin/prune#`, "") makes the request for another route."""
+    try:
+        return str(uuid.UUID(job_id))
+    except ValueError:
+        fail(f"{job_id!r} is not a job id (a UUID, as `gpujobs jobs list` shows)")
 
 
 def parse_params(pairs: list[str]) -> dict[str, Any]:
@@ -248,7 +259,7 @@ def follow(http: httpx.Client, job_id: str) -> None:
             headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
             pause_s = min(0.5 * 2**attempt, 10)
             try:
-                with http.stream("GET", f"/jobs/{job_id}/stream", headers=headers) as response:
+                with http.stream("GET", f"/jobs/{job_path(job_id)}/stream", headers=headers) as response:
                     if response.status_code in TRY_AGAIN:
                         response.read()
                         pause_s = retry_after_s(response, pause_s)
@@ -343,7 +354,7 @@ def list_jobs(
 def show_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
     """One job: state, progress, attempts, error and file links."""
     with connect(url, key) as http:
-        job = call(http, "GET", f"/jobs/{job_id}")
+        job = call(http, "GET", f"/jobs/{job_path(job_id)}")
     show(job, as_json)
     if not as_json:
         for file in job["files"]:
@@ -354,7 +365,7 @@ def show_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJs
 def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
     """Cancel a job (queued: at once; running: within a heartbeat)."""
     with connect(url, key) as http:
-        answer = call(http, "POST", f"/jobs/{job_id}/cancel")
+        answer = call(http, "POST", f"/jobs/{job_path(job_id)}/cancel")
     typer.echo(f"{answer['id']}  {answer['state']}")
 
 
@@ -362,7 +373,7 @@ def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
 def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
     """Queue a failed, canceled or quarantined job again (admin key)."""
     with connect(url, key) as http:
-        show(call(http, "POST", f"/admin/jobs/{job_id}/retry"), as_json)
+        show(call(http, "POST", f"/admin/jobs/{job_path(job_id)}/retry"), as_json)
 
 
 # -- prune --------------------------------------------------------------------------------------
@@ -373,7 +384,10 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(text.lower())
     if match is None:
         raise errors.InvalidRequest(f"{text!r} is not a duration (examples: 90s, 15m, 12h, 7d, 2w)")
-    return float(match[1]) * _UNIT_S[match[2]]
+    seconds = float(match[1]) * _UNIT_S[match[2]]
+    if not math.isfinite(seconds):  # JSON has no infinity; a finite one too long gets the server's 422
+        raise errors.InvalidRequest(f"{text!r} is longer than any duration (examples: 90s, 12h, 7d, 2w)")
+    return seconds
 
 
 def prune(

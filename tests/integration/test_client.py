@@ -104,7 +104,7 @@ async def test_jobs_list_show_cancel_retry_and_prune(settings, make_key, tmp_pat
         code, _, stderr = await gpujobs(http, await make_key("user"), "prune")
         assert code == 2 and "403" in stderr  # prune is for admins
         code, _, stderr = await gpujobs(http, admin, "jobs", "show", "not-a-job")
-        assert code == 2 and "422" in stderr
+        assert code == 2 and "is not a job id" in stderr  # refused before the request
 
 
 def test_params_are_typed_like_json():
@@ -310,3 +310,38 @@ async def test_a_failed_download_prints_the_servers_reason(
     printed = capsys.readouterr().err
     assert "download of out.txt answered 410" in printed and "deleted by retention" in printed, printed
     assert not list(out.iterdir())  # nor a partial file left
+
+
+async def test_a_job_id_that_is_not_a_uuid_is_refused_before_any_request(settings, make_key):
+    """Job ids went into the URL as given: `jobs show ../models` asked GET /models and crashed
+    (KeyError: 'state'), `jobs cancel '../admin/prune#'` sent POST /admin/prune, `jobs show ''`
+    said the server "answered 307". A job id is a UUID: anything else is one line, exit 2."""
+    key = await make_key("ids", admin=True)
+    async with api_client(settings) as http:
+        for args in (
+            ["jobs", "show", "../models"],
+            ["jobs", "show", ""],
+            ["jobs", "cancel", "../admin/prune#"],
+            ["jobs", "retry", "../../models"],
+        ):
+            code, stdout, stderr = await gpujobs(http, key, *args)
+            assert code == 2 and stdout == "", (args, stderr)
+            assert stderr == f"error: {args[2]!r} is not a job id (a UUID, as `gpujobs jobs list` shows)\n", (
+                stderr
+            )
+        job_id = "0b0d6a5e-3a4b-4c5d-8e9f-0a1b2c3d4e5f"
+        code, _, stderr = await gpujobs(http, key, "jobs", "show", job_id.upper())
+        assert code == 2 and stderr.startswith("error: 404: "), stderr  # a UUID reaches the server
+
+
+@pytest.mark.parametrize("text", ["1" + "0" * 400, "1" + "0" * 400 + "w", "9" * 308 + "w"])
+def test_a_duration_too_large_for_a_number_is_refused(text, capsys):
+    """`prune --older-than 1000…0` (400 zeros) crashed with `ValueError: Out of range float values
+    are not JSON compliant`; a finite value past the server's bound gets the server's 422."""
+    with pytest.raises(typer.Exit) as caught:
+        client.prune(older_than=text, dry_run=True, url="http://127.0.0.1:9", key=None, as_json=False)
+    assert caught.value.exit_code == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {text!r} is longer than any duration (examples: 90s, 12h, 7d, 2w)\n"
+    )
