@@ -27,6 +27,7 @@ ACCEPTED = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")
 PNG_SIGNATURE = SIGNATURES[0]
 PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
+PNG_HEADER_END = 29  # the signature, then IHDR's length, type and 13 bytes of fields: all png_rows reads
 PNG_FILTERS = bytes(range(5))  # the filter byte that starts each row: None, Sub, Up, Average, Paeth
 # The image data is inflated in steps, so memory stays flat whatever the image's size:
 # INFLATE_IN compressed bytes in (zlib copies what it has not read yet), INFLATE_OUT bytes out.
@@ -107,16 +108,23 @@ def _probe(data: Data, head: bytes) -> tuple[str, int, int]:
             with Image.open(io.BytesIO(data)) as probe:
                 kind, (width, height) = probe.format, probe.size
     except UnidentifiedImageError as exc:
-        if head.startswith(SIGNATURES) and (not head.startswith(b"RIFF") or head[8:12] == b"WEBP"):
+        if _accepted_start(head):
             raise errors.InvalidRequest("image: the file is truncated or corrupt", field="image") from exc
         raise errors.UnsupportedMedia(
             "image: not a PNG, JPEG or WebP image (the type is read from the content, not the name)"
         ) from exc
     except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        if _accepted_start(head) and isinstance(exc, OSError | ValueError):  # cut off in its header
+            raise _corrupt(str(exc)) from exc
         raise errors.InvalidRequest(f"image: cannot be read ({exc})", field="image") from exc
     if kind not in ACCEPTED:
         raise errors.UnsupportedMedia(f"image: {kind} images are not accepted; send PNG, JPEG or WebP")
     return kind, width, height
+
+
+def _accepted_start(head: bytes) -> bool:
+    """Whether a file beginning with `head` begins as a PNG, JPEG or WebP does."""
+    return head.startswith(SIGNATURES) and (not head.startswith(b"RIFF") or head[8:12] == b"WEBP")
 
 
 def _corrupt(reason: str) -> errors.InvalidRequest:
@@ -155,8 +163,9 @@ def check_png(data: Data) -> bool:
 
 def png_rows(data: Data) -> tuple[int, int] | None:
     """(bytes per row, rows) of a plain PNG's image data once inflated, from its header (a row is
-    its filter byte, then its samples); None if not a PNG, or of a layout check_png leaves alone."""
-    if data[8:16] != b"\0\0\0\x0dIHDR":
+    its filter byte, then its samples); None if not a PNG, of a layout check_png leaves alone, or cut
+    off inside its header (PIL then calls it truncated)."""
+    if data[8:16] != b"\0\0\0\x0dIHDR" or len(data) < PNG_HEADER_END:
         return None
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     depth, colour, compression, filtering, interlace = data[24:29]

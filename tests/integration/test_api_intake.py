@@ -514,3 +514,12 @@ async def test_a_repeat_with_a_large_float_param_is_the_same_request(manager: Jo
     await intake.check_repeat(manager, again, new, image)  # no Conflict
     with pytest.raises(errors.Conflict, match="different params"):
         await intake.check_repeat(manager, again, dataclasses.replace(new, params={"x": value * 2}), image)
+
+
+@pytest.mark.parametrize("cut", [16, 24, 28])
+async def test_a_png_cut_off_inside_its_header_is_422(client, png, engine, cut):
+    """A PNG ending inside its IHDR chunk was a 500 (the header's fields unpacked from too few bytes)."""
+    response = await submit(client, png((64, 64))[:cut])
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"].startswith("image: the file is truncated or corrupt"), response.text
+    assert await counts(engine) == (0, 0, 0)

@@ -275,3 +275,20 @@ def test_images_within_the_configured_limit_pass_however_large():
         assert checked.media_type == f"image/{kind}"
         with pytest.raises(errors.InvalidRequest, match="over the 50 megapixel limit"):
             images.inspect(data, max_pixels=50_000_000)
+
+
+@pytest.mark.parametrize("cut", [16, 20, 24, 28])
+def test_a_png_cut_off_inside_its_header_is_truncated_not_a_crash(cut):
+    """png_rows unpacked the IHDR's five bytes from fewer: a ValueError, a 500 at POST /jobs."""
+    data = encode(noise("RGB"))[:cut]
+    assert images.png_rows(data) is None
+    assert refused(data).startswith("image: the file is truncated or corrupt")
+
+
+@pytest.mark.parametrize("kind", ["JPEG", "WEBP"])
+def test_a_jpeg_or_webp_cut_off_inside_its_header_is_truncated(kind):
+    """Pillow's error for a header it cannot finish was shown as "cannot be read (...)"."""
+    buffer = io.BytesIO()
+    noise("RGB").save(buffer, format=kind)
+    for cut in (16, 24, 40):
+        assert refused(buffer.getvalue()[:cut]).startswith("image: the file is truncated or corrupt")
