@@ -11,6 +11,7 @@ about a PNG's layout sends it to the full decode instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import warnings
@@ -103,23 +104,62 @@ def _identify(data: Data) -> tuple[str, int, int]:
 def _probe(data: Data, head: bytes) -> tuple[str, int, int]:
     """What PIL makes of `data`, which begins with `head`."""
     try:
-        with warnings.catch_warnings():  # the pixel limit is ours; PIL's warning is not needed
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as probe:
-                kind, (width, height) = probe.format, probe.size
+        kind, width, height = _read_header(data)
     except UnidentifiedImageError as exc:
         if _accepted_start(head):
             raise errors.InvalidRequest("image: the file is truncated or corrupt", field="image") from exc
         raise errors.UnsupportedMedia(
             "image: not a PNG, JPEG or WebP image (the type is read from the content, not the name)"
         ) from exc
-    except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
         if _accepted_start(head) and isinstance(exc, OSError | ValueError):  # cut off in its header
             raise _corrupt(str(exc)) from exc
         raise errors.InvalidRequest(f"image: cannot be read ({exc})", field="image") from exc
     if kind not in ACCEPTED:
         raise errors.UnsupportedMedia(f"image: {kind} images are not accepted; send PNG, JPEG or WebP")
     return kind, width, height
+
+
+def _read_header(data: Data) -> tuple[str | None, int, int]:
+    """(format, width, height) from the header, whatever the size. Image.open refuses a size over
+    twice Image.MAX_IMAGE_PIXELS with its own text (decompression bomb...), which would hide the
+    limit that counts, ours: such a header is read again without that check (nothing is decoded)."""
+    try:
+        with warnings.catch_warnings():  # the pixel limit is ours; PIL's warning is not needed
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as probe:
+                return probe.format, probe.width, probe.height
+    except Image.DecompressionBombError:
+        if (found := _size_past_pillows_limit(data)) is None:
+            raise
+        return found
+
+
+def _size_past_pillows_limit(data: Data) -> tuple[str | None, int, int] | None:
+    """(format, width, height) of a PNG or JPEG from its PIL plugin, which skips Image.open's limit;
+    of a WebP from its first chunk (its plugin checks the limit itself, before libwebp allocates)."""
+    if data[8:12] == b"WEBP":
+        size = _webp_size(bytes(data[12:30]))
+        return None if size is None else ("WEBP", *size)
+    for kind in ("PNG", "JPEG"):
+        factory, accept = Image.OPEN[kind]
+        if accept is not None and accept(bytes(data[:16])):
+            with factory(io.BytesIO(data), "") as probe:
+                return probe.format, probe.width, probe.height
+    return None
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    """(width, height) from a WebP's first chunk: `head` is its type, length and first 10 bytes."""
+    kind, little = head[:4], functools.partial(int.from_bytes, byteorder="little")
+    if kind == b"VP8X":  # the canvas: width - 1 and height - 1, 24 bits each
+        return 1 + little(head[12:15]), 1 + little(head[15:18])
+    if kind == b"VP8L":  # after the signature byte: width - 1 and height - 1, 14 bits each
+        bits = little(head[9:13])
+        return 1 + (bits & 0x3FFF), 1 + (bits >> 14 & 0x3FFF)
+    if kind == b"VP8 ":  # after the frame tag and start code: width and height, 14 bits each
+        return little(head[14:16]) & 0x3FFF, little(head[16:18]) & 0x3FFF
+    return None
 
 
 def _accepted_start(head: bytes) -> bool:

@@ -292,3 +292,46 @@ def test_a_jpeg_or_webp_cut_off_inside_its_header_is_truncated(kind):
     noise("RGB").save(buffer, format=kind)
     for cut in (16, 24, 40):
         assert refused(buffer.getvalue()[:cut]).startswith("image: the file is truncated or corrupt")
+
+
+def claiming(kind: str, width: int, height: int) -> bytes:
+    """A small image whose header claims `width` x `height` (a decompression bomb's head)."""
+    if kind == "PNG":
+        ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+        return assemble([(b"IHDR", ihdr), (b"IDAT", zlib.compress(b"\0" * 1000)), (b"IEND", b"")])
+    buffer = io.BytesIO()
+    fmt, options = {
+        "JPEG": ("JPEG", {}),
+        "VP8 ": ("WEBP", {}),
+        "VP8L": ("WEBP", {"lossless": True}),
+        "VP8X": ("WEBP", {"exif": b"Exif\0\0II*\0\x08\0\0\0\0\0"}),
+    }[kind]
+    noise("RGB", (16, 16)).save(buffer, format=fmt, **options)
+    data = bytearray(buffer.getvalue())
+    if kind == "JPEG":
+        at = data.index(b"\xff\xc0") + 5  # the frame header: length, precision, then height and width
+        data[at : at + 4] = struct.pack(">HH", height, width)
+    elif kind == "VP8 ":  # after the frame tag and start code
+        data[26:30] = struct.pack("<HH", width, height)
+    elif kind == "VP8L":  # after the signature byte, 14 bits each
+        data[21:25] = ((width - 1) | (height - 1) << 14).to_bytes(4, "little")
+    else:  # the canvas, 24 bits each
+        assert data[12:16] == b"VP8X"
+        data[24:30] = (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("kind", "side"),
+    [(k, s) for k in ("PNG", "JPEG") for s in (9_000, 20_000, 60_000)]
+    + [("VP8 ", 9_000), ("VP8 ", 16_000), ("VP8L", 9_000), ("VP8L", 16_000), ("VP8X", 60_000)],
+)  # (a VP8X canvas under Pillow's limit is checked against its image by libwebp: this one fails)
+def test_any_size_over_the_limit_is_named_with_the_limit(kind, side):
+    """Over twice Pillow's own limit (179 MP), Pillow's DecompressionBombError text was shown
+    ("exceeds limit of 178956970 pixels, could be decompression bomb DOS attack"), not ours."""
+    with pytest.raises(errors.InvalidRequest) as caught:
+        images.inspect(claiming(kind, side, side), max_pixels=64_000_000)
+    megapixels = side * side / 1e6
+    assert caught.value.message == (
+        f"image: {side}x{side} is {megapixels:.1f} megapixels, over the 64 megapixel limit"
+    )
