@@ -23,7 +23,10 @@ from zlib_ng import zlib_ng  # zlib's interface; its CRC-32 and inflate several 
 from app import errors
 from app.queue.manager import NewInput
 
-ACCEPTED = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+# PIL's format -> the media type stored. "MPO" is a JPEG with an MPF extension (phone cameras add
+# one, with a second, smaller picture): any JPEG reader sees its first picture, which is what the
+# full decode checks and what the model reads.
+ACCEPTED = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp"}
 # How accepted files begin: one that begins so but cannot be identified is cut short, not foreign.
 SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")
 PNG_SIGNATURE = SIGNATURES[0]

@@ -523,3 +523,20 @@ async def test_a_png_cut_off_inside_its_header_is_422(client, png, engine, cut):
     assert response.status_code == 422, response.text
     assert response.json()["detail"].startswith("image: the file is truncated or corrupt"), response.text
     assert await counts(engine) == (0, 0, 0)
+
+
+async def test_a_phone_jpeg_with_an_mpf_extension_is_stored_as_a_jpeg_and_runs(settings, engine):
+    """A JPEG with an MPF extension (phones write them; Pillow calls them MPO) was refused 415."""
+    from tests.integration.test_end_to_end import wait_for
+
+    first, second = Image.new("RGB", (64, 32), (200, 100, 50)), Image.new("RGB", (64, 32), (0, 0, 0))
+    buffer = io.BytesIO()
+    first.save(buffer, format="MPO", save_all=True, append_images=[second])
+    image = buffer.getvalue()
+    async with api_client(settings, run_worker=True) as client:
+        response = await submit(client, image, name="IMG_0001.JPG", params={"resolution": 32})
+        assert response.status_code == 201, response.text
+        stored = await client.get(f"/jobs/{response.json()['id']}/input")
+        assert stored.headers["content-type"] == "image/jpeg" and stored.content == image
+        job = await wait_for(client, response.json()["id"], {"succeeded", "failed"})
+        assert job["state"] == "succeeded", job["error"]

@@ -335,3 +335,21 @@ def test_any_size_over_the_limit_is_named_with_the_limit(kind, side):
     assert caught.value.message == (
         f"image: {side}x{side} is {megapixels:.1f} megapixels, over the 64 megapixel limit"
     )
+
+
+def mpo(size: tuple[int, int] = (37, 23)) -> bytes:
+    """A JPEG with an MPF extension and a second picture, as phones write them (Pillow: "MPO")."""
+    buffer = io.BytesIO()
+    extra = noise("RGB", size, seed=2)
+    noise("RGB", size).save(buffer, format="MPO", save_all=True, append_images=[extra])
+    return buffer.getvalue()
+
+
+def test_a_phone_jpeg_with_an_mpf_extension_is_a_jpeg():
+    """Pillow calls these MPO; they were refused 415 "MPO images are not accepted"."""
+    data = mpo()
+    with Image.open(io.BytesIO(data)) as opened:
+        assert opened.format == "MPO"
+    checked = images.inspect(data, max_pixels=LIMIT)
+    assert (checked.width, checked.height, checked.media_type) == (37, 23, "image/jpeg")
+    assert refused(data[: len(data) // 4]).startswith("image: the file is truncated or corrupt")
