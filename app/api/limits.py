@@ -4,7 +4,8 @@ A declared `Content-Length` over the limit is refused before a byte is read. Oth
 counted as it arrives; past the limit the request is cut off and answered 413, whatever the form
 parser was doing with it, so a huge upload never fills memory or disk. Routes that take no upload
 but must take a body from anyone (the web page's sign-in) get their own small limit (`per_path`),
-enforced the same way, so their body is never parsed past a few kB.
+enforced the same way, so their body is never parsed past a few kB. `refuse` sends these answers,
+and the other refusals made before the body is read (401, 403: app/api/security.py), at once.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
 memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In
@@ -14,9 +15,10 @@ declared size, and read back without a copy (`PartBuffer`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Coroutine, Mapping
-from contextlib import aclosing
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +32,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Room for the multipart boundaries and the small form fields around the image.
 FORM_OVERHEAD_BYTES = 64 * 1024
-# Before answering 413, read and throw away up to this much of the rest of the body: most clients
-# only read the answer once they have sent everything, and would see a reset instead of the 413.
+# After a refusal, read and throw away up to this much of the rest of the body, for at most this
+# long, before closing: a client that only reads the answer once it has sent everything would see
+# a reset instead of it. The answer goes first, so the drain never delays it.
 DRAIN_BYTES = 16 * 1024 * 1024
+DRAIN_S = 2.0
 
 
 class BodyTooLarge(Exception):
@@ -74,8 +78,7 @@ class BodyLimit:
         limit = self.per_path.get(scope["path"], self.upload)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit.max_bytes:
-            await drain(receive)
-            await _refuse(send, limit.detail)
+            await refuse(scope, receive, send, 413, limit.detail)
             return
         state: dict[str, Any] = {"seen": 0, "over": False, "started": False}
 
@@ -99,31 +102,63 @@ class BodyLimit:
         except BodyTooLarge:
             pass
         if state["over"] and not state["started"]:
-            await drain(receive)
-            await _refuse(send, limit.detail)
+            await refuse(scope, receive, send, 413, limit.detail)
 
 
-async def _refuse(send: Send, detail: str) -> None:
+def has_body(scope: Scope) -> bool:
+    """Whether the request says a body follows (a Content-Length over 0, or chunked)."""
+    headers = dict(scope["headers"])
+    return headers.get(b"content-length", b"0").strip() != b"0" or b"transfer-encoding" in headers
+
+
+async def refuse(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    detail: str,
+    headers: Iterable[tuple[str, str]] = (),
+) -> None:
+    """Answer `status` with `{"detail": detail}` at once, without reading the body first.
+
+    Reading first had the server send `100 Continue` to a client that asked (`Expect:
+    100-continue`, as curl does), inviting the upload being refused, and left a client that stalled
+    mid-body without an answer. With a body, the answer says `Connection: close`; then, before the
+    connection closes, what the client still sends is read and dropped (`drain`), so that one that
+    reads only once it has sent everything finds the answer rather than a reset.
+    """
     body = json.dumps({"detail": detail}).encode()
-    headers = [
+    closing = has_body(scope)
+    raw = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
+        *([(b"connection", b"close")] if closing else []),
+        *((k.encode(), v.encode()) for k, v in headers),
     ]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    if not closing:
+        await send({"type": "http.response.body", "body": body})
+        return
+    # The whole answer is sent, but the response stays open while draining: the server sends
+    # nothing more and closes the connection when it completes.
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await drain(receive)
+    await send({"type": "http.response.body", "body": b""})
 
 
-async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:
-    """Read and drop the request body (up to `limit`), so the client sees our answer, not a reset."""
+async def drain(receive: Receive, *, max_bytes: int = DRAIN_BYTES, max_s: float = DRAIN_S) -> None:
+    """Read and drop the request body until it ends or the client goes, at most `max_bytes` of it
+    and for at most `max_s` (a client may stall, or wait for a 100 Continue that never comes)."""
     seen = 0
-    while seen < limit:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        seen += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max_s):
+            while seen < max_bytes:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                seen += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
 
 
 class PartBuffer:
@@ -222,7 +257,7 @@ class InMemoryUploads(Request):
                 max_files=max_files, max_fields=max_fields, max_part_size=max_part_size
             )
         try:
-            async with aclosing(self.stream()) as stream:
+            async with contextlib.aclosing(self.stream()) as stream:
                 parser = InMemoryParser(
                     self.headers,
                     stream,

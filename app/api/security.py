@@ -26,9 +26,7 @@ browser origins (none by default) call the API with a bearer key (no cookies, no
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -39,8 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import auth, db
-from app.api import deps, docs
-from app.api.limits import drain
+from app.api import deps, docs, limits
 from app.settings import Settings
 
 log = logging.getLogger("gpujobs.security")
@@ -156,18 +153,6 @@ async def send_sign_in(scope: Scope, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def send_json(send: Send, status: int, detail: str, headers: Iterable[tuple[str, str]] = ()) -> None:
-    """Answer with `{"detail": ...}` (for middleware, which runs outside the exception handlers)."""
-    body = json.dumps({"detail": detail}).encode()
-    raw = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *((k.encode(), v.encode()) for k, v in headers),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
 class Authenticate:
     """ASGI middleware: every request outside the public paths needs a valid key (see module doc)."""
 
@@ -186,8 +171,7 @@ class Authenticate:
         token = bearer_token(scope)
         if token is None and (token := session_token(scope)) is not None:
             if scope["method"] not in SAFE_METHODS and CSRF_HEADER not in Headers(scope=scope):
-                await drain(receive)
-                await send_json(send, 403, CROSS_SITE)
+                await limits.refuse(scope, receive, send, 403, CROSS_SITE)
                 return
         keys: auth.KeyStore = scope["app"].state.services.keys
         try:
@@ -199,12 +183,12 @@ class Authenticate:
             if (down := deps.unavailable(exc)) is None:
                 raise
             log.warning("database unavailable", extra={"action": "db_down", "path": scope["path"]})
-            await drain(receive)
-            await send_json(send, 503, down.message, [("retry-after", str(down.retry_after_s))])
+            await limits.refuse(
+                scope, receive, send, 503, down.message, [("retry-after", str(down.retry_after_s))]
+            )
             return
         if admin_only(scope["path"]) and not identity.admin:
-            await drain(receive)
-            await send_json(send, 403, ADMIN_ONLY)
+            await limits.refuse(scope, receive, send, 403, ADMIN_ONLY)
             return
         scope.setdefault("state", {})["identity"] = identity
         await self.app(scope, receive, send)
@@ -220,8 +204,7 @@ class Authenticate:
         else:
             detail = MISSING_KEY if token is None else BAD_KEY
         challenge = CHALLENGE if detail == MISSING_KEY else f'{CHALLENGE}, error="invalid_token"'
-        await drain(receive)
-        await send_json(send, 401, detail, [("www-authenticate", challenge)])
+        await limits.refuse(scope, receive, send, 401, detail, [("www-authenticate", challenge)])
 
 
 class SecurityHeaders:

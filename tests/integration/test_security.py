@@ -11,6 +11,7 @@ import base64
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ from PIL import Image
 from sqlalchemy import text
 
 from app import auth, errors, links, registry, storage
-from app.api import security
+from app.api import limits, security
 from app.settings import Settings
 from tests.conftest import (
     api_client,
@@ -677,6 +678,76 @@ async def test_anonymous_upload_is_refused_before_the_body_is_read(settings):
         headers = {"content-type": "multipart/form-data; boundary=x", "content-length": str(8 << 20)}
         response = await anonymous.post("/jobs", content=body(), headers=headers)
         assert response.status_code == 401
+
+
+async def _refused_at_once(
+    http: httpx.AsyncClient, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[bytes, float, float]:
+    """Send a request's head (and `body`) over a raw socket, then wait without sending more, as a
+    client does that asked `Expect: 100-continue` or stalls mid-upload. Returns (every byte the
+    server sent until it closed, seconds to the first of them, seconds to the close)."""
+    reader, writer = await asyncio.open_connection(http.base_url.host, http.base_url.port)
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {http.base_url.host}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    started = time.monotonic()
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    received, first_s = b"", math.inf
+    try:
+        while (left_s := started + 10 - time.monotonic()) > 0:
+            try:
+                piece = await asyncio.wait_for(reader.read(1 << 16), left_s)
+            except TimeoutError:
+                break
+            if not piece:  # the server closed the connection
+                break
+            first_s = min(first_s, time.monotonic() - started)
+            received += piece
+        return received, first_s, time.monotonic() - started
+    finally:
+        writer.close()
+
+
+UPLOAD = {"Content-Type": "multipart/form-data; boundary=b"}
+# A client that asks before sending 50 MB and waits; one that declares 1 GB, sends 5 bytes and stalls.
+WAITING = ({**UPLOAD, "Content-Length": str(50 << 20), "Expect": "100-continue"}, b"")
+STALLED = ({**UPLOAD, "Content-Length": str(1_000_000_000)}, b"--b\r\n")
+
+
+@pytest.mark.parametrize("client", [WAITING, STALLED], ids=["expect-100", "stalled"])
+@pytest.mark.parametrize(
+    ("who", "path", "status"),
+    [
+        (None, "/jobs", 401),
+        ("bad key", "/jobs", 401),
+        ("cookie", "/jobs", 403),  # a session cookie without X-Requested-With
+        ("user", "/admin/jobs/retry", 403),
+        ("admin", "/jobs", 413),
+    ],
+)
+async def test_a_refusal_before_the_body_is_answered_at_once_without_inviting_it(
+    settings, make_key, client, who, path, status
+):
+    """Refusals read the body first: a client waiting on `Expect: 100-continue` (curl) was sent
+    100 Continue, then its upload was read (up to 16 MB) before the refusal; one that declared
+    1 GB and sent a little got no answer at all."""
+    headers, body = client
+    if who == "bad key":
+        headers = {**headers, "Authorization": "Bearer gpj_" + "x" * 43}
+    elif who == "cookie":
+        headers = {**headers, "Cookie": f"gpujobs_key={await make_key('alice')}"}
+    elif who is not None:
+        headers = {**headers, "Authorization": f"Bearer {await make_key(who, admin=who == 'admin')}"}
+    async with api_client(settings, key=None) as http:
+        received, first_s, closed_s = await _refused_at_once(http, path, headers, body)
+    head = received.split(b"\r\n\r\n")[0].lower()
+    assert received.startswith(f"HTTP/1.1 {status} ".encode()), received[:200]
+    assert b" 100 " not in received and b"continue" not in head, received[:200]
+    assert b"connection: close" in head, head
+    assert first_s < 1.0, f"answered after {first_s:.2f} s"
+    assert closed_s < limits.DRAIN_S + 2, f"closed after {closed_s:.2f} s"  # the drain is bounded
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import tracemalloc
 
 import pytest
@@ -84,3 +86,25 @@ def test_a_part_buffer_holds_what_was_written_not_its_capacity():
     buffer.seek(2)
     buffer.write(b"ng")  # overwrites in place, as a file does
     assert buffer.seek(0) == 0 and buffer.read() == b"\x89Png" + chunk * 40
+
+
+@pytest.mark.asyncio
+async def test_the_drain_after_a_refusal_is_bounded_in_bytes_and_time():
+    """It read until the body ended: a client declaring 1 GB and sending slowly held it forever."""
+    read = 0
+
+    async def endless() -> dict[str, object]:  # a client that keeps sending 64 kB pieces
+        nonlocal read
+        read += 1
+        return {"type": "http.request", "body": b"\0" * 65_536, "more_body": True}
+
+    await limits.drain(endless, max_bytes=1 << 20)
+    assert read == 16
+
+    async def stalled() -> dict[str, object]:  # a client that sends nothing more
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    started = time.monotonic()
+    await limits.drain(stalled, max_s=0.2)
+    assert time.monotonic() - started < 1
