@@ -176,17 +176,15 @@ def serve(
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes
     _usable_storage(settings)
+    where = (host or settings.host, port if port is not None else settings.port)
     try:
-        with database(settings) as ready:
+        # The address first: nothing starts (the database, the worker) when it cannot be had.
+        with serve_.listen(*where) as sock, database(settings) as ready:
             asyncio.run(_check_schema(ready.database_url or ""))
             # Refused here in one line, not by each API process's start-up in a traceback (and
             # the link secret's file exists before several processes read it).
             check_settings(ready)
-            where = (host or ready.host, port if port is not None else ready.port)
-            if count == 1:
-                code = serve_.serve_app(ready, *where)
-            else:
-                code = serve_.serve_processes(ready, count, *where)
+            code = serve_.run(ready, count, sock)
     except errors.AppError as exc:
         raise _fail(exc) from exc
     # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.

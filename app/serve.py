@@ -7,7 +7,7 @@ so on a host with cores to spare one process is the bound on uploads long before
 keeps N children serving it: the kernel hands each new connection to a child that is waiting in
 `accept`, so a busy child takes no more. Only child 0 runs the in-process worker. A child that
 dies is started again (after a pause if it died young); one that could not start at all on its
-first try (a port, a database, a setting) ends the whole command with its exit code. The parent
+first try (a database, a setting) ends the whole command with its exit code. The parent
 does no HTTP itself: it waits on the children and on SIGTERM/SIGINT, which it passes on.
 """
 
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Final
 
+from app import errors
+
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
@@ -50,7 +52,7 @@ PAUSE_MAX_S: Final = 30.0
 REPEAT_S: Final = 1.0
 
 
-def uvicorn_config(app: FastAPI | str, settings: Settings, host: str, port: int) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int) -> uvicorn.Config:
     """The server's settings, the same in one process and in each of several."""
     import uvicorn
 
@@ -67,16 +69,50 @@ def uvicorn_config(app: FastAPI | str, settings: Settings, host: str, port: int)
     )
 
 
-def serve_app(settings: Settings, host: str, port: int, sockets: list[socket.socket] | None = None) -> int:
-    """Run the app in this process until it is asked to stop; the exit code `gpujobs serve` gives."""
+def listen(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
+    """A socket listening on host:port, for uvicorn to serve; ConfigError naming the settings if
+    the address cannot be had (in use, or no address of this host).
+
+    Bound before the app starts: uvicorn given only host and port runs the app's start-up, which
+    starts the in-process worker, before it binds, so a port in use was found after the worker had
+    claimed jobs. Listening at once also keeps the port from a second `serve` starting beside
+    this one (two sockets with SO_REUSEADDR may both bind a port that none listens on yet)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
+    sock = socket.socket(family)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise errors.ConfigError(
+            f"GPUJOBS_HOST/GPUJOBS_PORT (--host/--port): cannot listen on {where}: {exc}"
+        ) from exc
+    return sock
+
+
+def run(settings: Settings, processes: int, sock: socket.socket) -> int:
+    """Serve on `sock` (listening) in this process, or in `processes` of them; the exit code."""
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", f"[{host}]" if sock.family == socket.AF_INET6 else host, port)
+    if processes == 1:
+        return serve_app(settings, sock)
+    return serve_processes(settings, processes, sock)
+
+
+def serve_app(settings: Settings, sock: socket.socket) -> int:
+    """Run the app in this process on `sock` (listening) until it is asked to stop; the exit code
+    `gpujobs serve` gives."""
     import uvicorn
 
     from app.api.main import create_app
 
     app = create_app(settings)
+    host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn_config(app, settings, host, port))
     app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
-    server.run(sockets=sockets)
+    server.run(sockets=[sock])
     if not server.started:  # the start-up failed (said in the log)
         return START_FAILED
     if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
@@ -84,7 +120,7 @@ def serve_app(settings: Settings, host: str, port: int, sockets: list[socket.soc
     return 0
 
 
-def _child_main(settings: Settings, host: str, port: int, sock: socket.socket, parent: int) -> None:
+def _child_main(settings: Settings, sock: socket.socket, parent: int) -> None:
     """A child's whole life (a fresh interpreter: multiprocessing's spawn)."""
     from app import logs
 
@@ -93,7 +129,7 @@ def _child_main(settings: Settings, host: str, port: int, sock: socket.socket, p
     # (a child that shut down by itself first would be taken for one that died, and started again).
     os.setpgid(0, 0)
     _end_with_parent(parent)
-    sys.exit(serve_app(settings, host, port, sockets=[sock]))
+    sys.exit(serve_app(settings, sock))
 
 
 def _end_with_parent(parent: int) -> None:
@@ -132,7 +168,6 @@ class Supervisor:
         self._settings = settings
         self._processes = processes
         self._sock = sock
-        self._host, self._port = sock.getsockname()[:2]
         self._on_child_exit = on_child_exit
         self._context = multiprocessing.get_context("spawn")
         self._children: dict[int, _Child] = {}
@@ -171,7 +206,7 @@ class Supervisor:
         settings = self._settings.model_copy(update={"run_worker": self._settings.run_worker and index == 0})
         process = self._context.Process(
             target=_child_main,
-            args=(settings, self._host, self._port, self._sock, os.getpid()),
+            args=(settings, self._sock, os.getpid()),
             name=f"gpujobs-api-{index}",
         )
         process.start()
@@ -270,16 +305,11 @@ def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def serve_processes(settings: Settings, processes: int, host: str, port: int) -> int:
-    """Bind host:port once and keep `processes` children serving it; the exit code."""
+def serve_processes(settings: Settings, processes: int, sock: socket.socket) -> int:
+    """Keep `processes` children serving `sock` (listening); the exit code."""
     from app import metrics
 
-    config = uvicorn_config("app.api.main:create_app", settings, host, port)
-    try:
-        sock = config.bind_socket()
-    except SystemExit:  # uvicorn logged why (the address is in use, say)
-        return START_FAILED
-    with sock, _metrics_dir():
+    with _metrics_dir():
         # An ended child's live gauges leave the shared metrics; its counters stay.
         supervisor = Supervisor(settings, processes, sock, on_child_exit=metrics.mark_process_dead)
         with _signals_stop(supervisor):

@@ -275,18 +275,39 @@ def test_a_setting_the_app_refuses_is_said_in_one_line_before_serving(
     assert line.startswith("error: "), line
 
 
-def test_a_port_in_use_exits_3_and_starts_nothing(settings, tmp_path):
+@pytest.mark.parametrize(
+    ("processes", "host"),
+    [("1", "127.0.0.1"), ("2", "127.0.0.1"), ("1", "bad host")],
+    ids=["one process, port in use", "two processes, port in use", "bad host"],
+)
+async def test_an_address_that_cannot_be_bound_is_said_in_one_line_and_claims_nothing(
+    settings, manager, processes, host
+):
+    """In one process (the default), uvicorn ran the app's start-up, and so started its worker,
+    before it bound the port: with the port in use the worker claimed and ran queued jobs, then the
+    command died of `address already in use` (exit 3); a host that is no address likewise. The
+    address is now bound first, in one process as in several: one line naming the settings, exit
+    2, nothing started."""
     import socket
 
+    from app.queue.jobs import JobState
+    from tests.integration.test_client import run_cli
+    from tests.integration.test_worker import enqueue
+
+    job_id = await enqueue(manager)
+    env = {**worker_env(settings, "taken"), "GPUJOBS_HOST": host, "COLUMNS": "400"}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
-        argv = [sys.executable, "-m", "app", "serve", "--processes", "2", "--port", str(port)]
-        env = worker_env(settings, "taken")
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 3, done.stderr[-3000:]
-    assert "API process" not in done.stderr and "address already in use" in done.stderr.lower(), done.stderr
+        port = str(taken.getsockname()[1])
+        code, _, stderr = await run_cli(env, "serve", "--processes", processes, "--port", port, timeout_s=60)
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: GPUJOBS_HOST/GPUJOBS_PORT (--host/--port): "), line
+    assert ("address already in use" if host == "127.0.0.1" else "bad host") in line.lower(), line
+    assert "API process" not in stderr and "worker started" not in stderr, stderr
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt, job.worker_id) == (JobState.queued, 0, None), job
 
 
 def test_a_process_that_cannot_be_started_stops_those_already_started(settings, tmp_path):
