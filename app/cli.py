@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -203,18 +203,19 @@ def worker(
     _usable_storage(settings)
     try:
         with database(settings) as ready:
-            asked = asyncio.run(_run_worker(ready, burst=burst))
+            ended = asyncio.run(_run_worker(ready, burst=burst))
     except errors.AppError as exc:
         raise _fail(exc) from exc
-    if not (asked or burst):
-        # Only a failure (logged above: a side task died) ends a worker nobody asked to stop; exit
-        # non-zero, so a supervisor that restarts on failure starts it again.
+    if ended == "failed" or (ended == "by itself" and not burst):
+        # Only a failure (logged above: a side task died, or the worker raised) ends a worker nobody
+        # asked to stop; exit non-zero, so a supervisor that restarts on failure starts it again.
         typer.echo("error: the worker stopped after an error (see the log above)", err=True)
         raise typer.Exit(1)
 
 
-async def _run_worker(settings: Settings, *, burst: bool) -> bool:
-    """Run a worker until it stops; True when SIGTERM or SIGINT asked it to."""
+async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "by itself", "failed"]:
+    """Run a worker until it stops: asked to (SIGTERM, SIGINT), by itself (burst mode's end, or a
+    side task that died), or failed (it raised, logged here). A worker that cannot start raises."""
     from app import db, storage
     from app.queue.factory import build_worker
     from app.queue.manager import JobManager
@@ -240,8 +241,13 @@ async def _run_worker(settings: Settings, *, burst: bool) -> bool:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
-        await w.run()
-        return asked.is_set()
+        await w.start()
+        try:
+            await w.run()
+        except Exception:  # said in the log, in its format, as serve's worker's is (not as a traceback)
+            log.exception("the worker stopped after an error", extra={"action": "worker_ended"})
+            return "failed"
+        return "asked" if asked.is_set() else "by itself"
     finally:
         await queue_engine.dispose()
         await engine.dispose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -117,15 +118,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 )
                 raise
             task = asyncio.create_task(worker.run(), name="worker")
-            task.add_done_callback(lambda _: _worker_ended(app))
+            task.add_done_callback(functools.partial(_worker_ended, app))
         app.state.worker = worker
         yield
     finally:
         app.state.stopping = True
         if worker is not None and task is not None:
             worker.stop()
-            with contextlib.suppress(Exception):
-                await task
+            await asyncio.wait([task])  # how it ended is _worker_ended's to say
         await observers.stop()
         # The last uploads' NOTIFYs, given up after as long as uvicorn gives open connections.
         await manager.teller.flush(timeout_s=5)
@@ -134,15 +134,20 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.dispose()
 
 
-def _worker_ended(app: FastAPI) -> None:
-    """The in-process worker ended without the server stopping it (a side task of its died): the
-    API must not answer ready and run no job. /readyz says so from now on, and `serve` (which sets
-    `app.state.on_worker_failed`) stops the server and exits non-zero, so that whatever supervises
-    the process starts it again."""
-    if getattr(app.state, "stopping", False):
+def _worker_ended(app: FastAPI, task: asyncio.Task[None]) -> None:
+    """The in-process worker ended without the server stopping it (a side task of its died, or it
+    raised: logged here with its traceback, the only place it is): the API must not answer ready
+    and run no job. /readyz says so from now on, and `serve` (which sets `app.state.on_worker_failed`)
+    stops the server and exits non-zero, so that whatever supervises the process starts it again."""
+    failure = None if task.cancelled() else task.exception()
+    stopping = getattr(app.state, "stopping", False)
+    if stopping and failure is None:  # the server stopped it
+        return
+    what = "failed while stopping" if stopping else "stopped after an error"
+    log.error("the in-process worker %s", what, exc_info=failure, extra={"action": "worker_ended"})
+    if stopping:
         return
     app.state.worker_failed = True
-    log.error("the in-process worker stopped after an error", extra={"action": "worker_ended"})
     on_failed = getattr(app.state, "on_worker_failed", None)
     if on_failed is not None:
         on_failed()

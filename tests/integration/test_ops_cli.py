@@ -325,3 +325,78 @@ async def test_migrate_over_tables_it_did_not_record_is_one_line_and_changes_not
         assert line.startswith(
             """error: the database holds objects named as gpujobs's (type "job_state" """
         ), line
+
+
+REFUSE_CLAIMS = (
+    "CREATE FUNCTION refuse_claims() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$ BEGIN RAISE EXCEPTION 'claims refused by the test'; END $$",
+    "CREATE TRIGGER refuse_claims BEFORE UPDATE ON jobs FOR EACH ROW "
+    "WHEN (OLD.state = 'queued' AND NEW.state = 'running') EXECUTE FUNCTION refuse_claims()",
+)
+
+
+async def test_serve_whose_worker_fails_logs_why_once(settings, engine, manager, tmp_path):
+    """The in-process worker's claim failed (an error of the database that is no outage: here a
+    trigger refuses it) and serve exited 1 with "the in-process worker stopped after an error (see
+    the log above)", but nothing above said which error: the worker task's exception was
+    swallowed. It is logged once, with its traceback, on the ERROR line that says the worker ended."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    from tests.integration.test_worker import enqueue
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "app", "serve", "--port", str(port)]
+    with log.open("wb") as out:
+        serve = await asyncio.to_thread(
+            subprocess.Popen, argv, env=worker_env(settings, "claim-fails"), stdout=out, stderr=out
+        )
+    try:
+        wait_until_serving(serve, f"http://127.0.0.1:{port}", log)
+        async with engine.begin() as conn:
+            for statement in REFUSE_CLAIMS:
+                await conn.execute(text(statement))
+        await enqueue(manager)
+        code = await asyncio.wait_for(asyncio.to_thread(serve.wait), timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert code == 1, log.read_text()[-3000:]
+    said_once_why(log.read_text(), "error: the in-process worker stopped after an error")
+
+
+async def test_a_worker_that_fails_logs_why_once(settings, engine, manager, spawn_worker, tmp_path):
+    """`gpujobs worker` whose claim failed so died of the exception, which came out as typer's
+    boxed traceback of several kilobytes, outside the log (and its format), with no `error:` line.
+    It is logged as serve's is, then the one line, exit 1 (in burst mode too: this is no end of the
+    queue)."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    from tests.integration.test_worker import enqueue
+
+    async with engine.begin() as conn:
+        for statement in REFUSE_CLAIMS:
+            await conn.execute(text(statement))
+    await enqueue(manager)
+    for run, args in enumerate([(), ("--burst",)]):
+        worker = spawn_worker("claim-fails", *args)
+        code = await asyncio.wait_for(asyncio.to_thread(worker.wait), timeout=60)
+        said = (tmp_path / f"worker-claim-fails-{run}.log").read_text()
+        assert code == 1, said[-3000:]
+        said_once_why(said, "error: the worker stopped after an error")
+
+
+def said_once_why(said: str, error: str) -> None:
+    """The log `said` holds the claim's error, with its traceback, once, on the ERROR line that
+    says the worker ended; and the command's last line is `error`."""
+    assert said.count("Traceback (most recent call last)") == 1, said[-5000:]
+    assert "─" not in said, said[-5000:]  # no boxed traceback of typer's
+    ended = said.index("action=worker_ended")
+    assert said.rindex("ERROR", 0, ended) > said.rindex("\n", 0, ended), said[-5000:]
+    assert ended < said.index("Traceback") < said.index("claims refused by the test"), said[-5000:]
+    assert said.strip().splitlines()[-1].startswith(error), said[-3000:]
