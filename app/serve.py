@@ -35,6 +35,7 @@ from app import errors
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from app.settings import Settings
 
@@ -42,7 +43,8 @@ log = logging.getLogger("gpujobs.serve")
 
 # Exit codes, as `gpujobs serve` in one process gives them.
 WORKER_FAILED: Final = 1  # the in-process worker stopped after an error
-START_FAILED: Final = 3  # uvicorn could not start (the port, the app's start-up)
+REFUSED: Final = 2  # the app's start-up refused a setting (its worker cannot start): said in one line
+START_FAILED: Final = 3  # uvicorn could not start (the app's start-up failed otherwise)
 # A child that dies this soon after its start waits before the next start, doubling to the cap.
 YOUNG_S: Final = 10.0
 PAUSE_FIRST_S: Final = 0.5
@@ -52,7 +54,7 @@ PAUSE_MAX_S: Final = 30.0
 REPEAT_S: Final = 1.0
 
 
-def uvicorn_config(app: FastAPI, settings: Settings, host: str, port: int) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uvicorn.Config:
     """The server's settings, the same in one process and in each of several."""
     import uvicorn
 
@@ -110,14 +112,41 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
 
     app = create_app(settings)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn_config(app, settings, host, port))
+    server = uvicorn.Server(uvicorn_config(_QuietRefusal(app), settings, host, port))
     app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's when the start-up failed (or a signal's: _exit_on_sigterm)
+        refused: errors.AppError | None = getattr(app.state, "start_refused", None)
+        if refused is None:
+            raise
+        raise refused from None  # for the CLI to say in one line, exit 2
     if not server.started:  # the start-up failed (said in the log)
         return START_FAILED
     if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
         return WORKER_FAILED
     return 0
+
+
+class _QuietRefusal:
+    """The app, but for the traceback uvicorn logs of a start-up the app refused with an AppError
+    (`app.state.start_refused`: its worker cannot start), which the app logged in one line, and
+    `gpujobs serve` says in one more."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await self._app(scope, receive, send)
+
+        async def quiet(message: Message) -> None:
+            refused = getattr(self._app.state, "start_refused", None) is not None
+            if message["type"] == "lifespan.startup.failed" and refused:
+                message = {**message, "message": ""}  # Starlette's traceback of it
+            await send(message)
+
+        await self._app(scope, receive, quiet)
 
 
 def _child_main(settings: Settings, sock: socket.socket, parent: int) -> None:
@@ -129,7 +158,12 @@ def _child_main(settings: Settings, sock: socket.socket, parent: int) -> None:
     # (a child that shut down by itself first would be taken for one that died, and started again).
     os.setpgid(0, 0)
     _end_with_parent(parent)
-    sys.exit(serve_app(settings, sock))
+    try:
+        code = serve_app(settings, sock)
+    except errors.AppError as exc:  # said in one line, as by `gpujobs serve` in one process
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        code = REFUSED
+    sys.exit(code)
 
 
 def _end_with_parent(parent: int) -> None:
@@ -227,9 +261,9 @@ class Supervisor:
             self._on_child_exit(pid)
         if self._stop.is_set():
             return
-        if child.first and code == START_FAILED:
+        if child.first and code in (START_FAILED, REFUSED):
             log.error("API process %d (pid %s) could not start; stopping the others", child.index, pid)
-            self.exit_code = START_FAILED
+            self.exit_code = code
             self._stop.set()
             return
         lived_s = time.monotonic() - child.started

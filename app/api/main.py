@@ -101,24 +101,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     worker: worker_.Worker | None = None
     try:
         if settings.run_worker:
-            worker = factory.build_worker(
-                settings,
-                manager=services.manager,
-                store=services.store,
-                models=services.models,
-                listen_dsn=db.asyncpg_dsn(settings.database_url),
-            )
-            # Started here, not in its task: a worker that cannot run (no GPU fits a model, or its
-            # id is taken on this host) fails the start-up instead of leaving an API with no worker.
-            try:
-                await worker.start()
-            except errors.AppError as exc:
-                log.error(
-                    "the in-process worker cannot start: %s", exc.message, extra={"action": "worker_refused"}
-                )
-                raise
-            task = asyncio.create_task(worker.run(), name="worker")
-            task.add_done_callback(functools.partial(_worker_ended, app))
+            worker, task = await _start_worker(app, settings, services)
         app.state.worker = worker
         yield
     finally:
@@ -132,6 +115,33 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if queue_engine is not None:
             await queue_engine.dispose()
         await engine.dispose()
+
+
+async def _start_worker(
+    app: FastAPI, settings: Settings, services: Services
+) -> tuple[worker_.Worker, asyncio.Task[None]]:
+    """Start the in-process worker, then run it in a task of its own."""
+    assert settings.database_url
+    worker = factory.build_worker(
+        settings,
+        manager=services.manager,
+        store=services.store,
+        models=services.models,
+        listen_dsn=db.asyncpg_dsn(settings.database_url),
+    )
+    # Started here, not in its task: a worker that cannot run (no GPU fits a model, or its id is
+    # taken on this host) fails the start-up instead of leaving an API with no worker.
+    try:
+        await worker.start()
+    except errors.AppError as exc:
+        log.error("the in-process worker cannot start: %s", exc.message, extra={"action": "worker_refused"})
+        # `gpujobs serve` says it in one line and exits 2, as `gpujobs worker` does (app.serve),
+        # rather than uvicorn's traceback of it.
+        app.state.start_refused = exc
+        raise
+    task = asyncio.create_task(worker.run(), name="worker")
+    task.add_done_callback(functools.partial(_worker_ended, app))
+    return worker, task
 
 
 def _worker_ended(app: FastAPI, task: asyncio.Task[None]) -> None:

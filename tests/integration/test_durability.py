@@ -124,26 +124,26 @@ async def test_a_second_worker_with_a_live_workers_id_refuses_to_start(manager, 
     assert first.poll() is None
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
 @pytest.mark.parametrize("trouble", ["id taken", "no GPU fits"])
-def test_serve_exits_and_says_why_when_its_worker_cannot_start(settings, tmp_path, trouble):
+def test_serve_exits_and_says_why_when_its_worker_cannot_start(settings, tmp_path, trouble, processes):
     """`gpujobs serve` runs a worker beside the API. One that could not start (its id held by a
     live worker on this host, or no GPU big enough for any model) used to die unseen in its task,
-    leaving an API whose jobs never ran; the server now fails its start-up with the reason."""
+    leaving an API whose jobs never ran; the server then failed its start-up with the reason, but
+    also with uvicorn's traceback of it (4.5 KB) and exit 3, where `worker` says it in one line,
+    exit 2. Now `serve` says it as `worker` does, in one process or in several."""
     env = worker_env(settings, "twin", gpus="1MiB" if trouble == "no GPU fits" else "24GiB")
+    env["COLUMNS"] = "400"
     held = (
         leftovers.hold_identity(f"{socket.gethostname()}:{worker_name('twin')}")
         if trouble == "id taken"
         else None
     )
     log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "app", "serve", "--processes", processes, "--port", str(free_port())]
     try:
         with log.open("wb") as out:
-            serve = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--port", str(free_port())],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+            serve = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         code = serve.wait(timeout=60)
     finally:
         if held is not None:
@@ -152,9 +152,11 @@ def test_serve_exits_and_says_why_when_its_worker_cannot_start(settings, tmp_pat
             serve.kill()
             serve.wait()
     said = log.read_text()
-    assert code != 0, said
     reason = "another worker with the id" if trouble == "id taken" else "no GPU can ever run a job"
     assert f"the in-process worker cannot start: {reason}" in said
+    assert code == 2 and "Traceback" not in said and "─" not in said, said[-5000:]
+    [line] = [line for line in said.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {reason}"), line
 
 
 async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next_round(
