@@ -45,10 +45,13 @@ def _settings() -> Settings:
     return settings
 
 
-def _usable_storage(settings: Settings) -> None:
-    """Make the storage folder if missing and check it takes files; else exit 2 naming the setting
-    (a file there, or a folder this user cannot write, crashed deep inside the start-up)."""
+def _usable_storage(settings: Settings, *, folders: bool = False) -> None:
+    """Make the storage folder if missing and check it takes files, and with `folders` make those
+    serve and worker keep in it; else exit 2 naming the setting (a file there, or a folder this
+    user cannot write, crashed deep inside the start-up)."""
     import tempfile
+
+    from app import storage
 
     path = settings.storage_dir
     try:
@@ -58,6 +61,11 @@ def _usable_storage(settings: Settings) -> None:
     except OSError as exc:
         typer.echo(f"error: GPUJOBS_STORAGE_DIR: cannot use {path}: {exc.strerror or exc}", err=True)
         raise typer.Exit(2) from exc
+    if folders:
+        try:
+            storage.ResultStore(path)  # a file named `logs` in the way, say
+        except errors.ConfigError as exc:
+            raise _fail(exc) from exc
 
 
 @contextlib.contextmanager
@@ -175,7 +183,7 @@ def serve(
     if worker is not None:  # the flag overrides GPUJOBS_RUN_WORKER; without it, the setting holds
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes
-    _usable_storage(settings)
+    _usable_storage(settings, folders=True)
     where = (host or settings.host, port if port is not None else settings.port)
     try:
         # The address first: nothing starts (the database, the worker) when it cannot be had.
@@ -200,7 +208,7 @@ def worker(
 ) -> None:
     """Run a worker alone: it claims jobs that fit this host's GPUs and runs them."""
     settings = _settings()
-    _usable_storage(settings)
+    _usable_storage(settings, folders=True)
     try:
         with database(settings) as ready:
             ended = asyncio.run(_run_worker(ready, burst=burst))

@@ -29,6 +29,20 @@ def load_or_create_secret(storage_dir: Path) -> bytes:
     The secret is written to a file of its own first and linked into place whole, so a process
     starting beside another never reads the file created but not yet written."""
     path = storage_dir / "link_secret"
+    try:
+        secret = _read_or_create(storage_dir, path)
+    except OSError as exc:  # a folder in the way, a file this user cannot read
+        raise errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {path}: {exc.strerror or exc}") from exc
+    if len(secret) < MIN_SECRET_CHARS:  # cut by hand, or copied wrong: the operator set no secret
+        raise errors.ConfigError(
+            f"the link secret file {path} holds {len(secret)} characters, fewer than "
+            f"{MIN_SECRET_CHARS}: delete it and a new one is made at the next start "
+            "(links signed with the old one stop working)"
+        )
+    return secret
+
+
+def _read_or_create(storage_dir: Path, path: Path) -> bytes:
     storage_dir.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         fd, draft = tempfile.mkstemp(prefix=".link_secret.", dir=storage_dir)  # 0600
@@ -39,14 +53,7 @@ def load_or_create_secret(storage_dir: Path) -> bytes:
                 os.link(draft, path)
         finally:
             os.unlink(draft)
-    secret = path.read_bytes().strip()
-    if len(secret) < MIN_SECRET_CHARS:  # cut by hand, or copied wrong: the operator set no secret
-        raise errors.ConfigError(
-            f"the link secret file {path} holds {len(secret)} characters, fewer than "
-            f"{MIN_SECRET_CHARS}: delete it and a new one is made at the next start "
-            "(links signed with the old one stop working)"
-        )
-    return secret
+    return path.read_bytes().strip()
 
 
 class LinkSigner:

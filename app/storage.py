@@ -92,7 +92,12 @@ class ResultStore:
         self._made: set[Path] = set()  # lanes and runner folders known to exist
         self._inputs: dict[Path, str] = {}  # lane -> its input file, kept for the next job to overwrite
         for part in ("scratch", "results", "logs"):
-            (self.root / part).mkdir(parents=True, exist_ok=True)
+            folder = self.root / part
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # a file in the way, or a folder this user cannot write
+                reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
+                raise errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {folder}: {reason}") from exc
 
     def lane_dir(self, owner: str, index: int) -> Path:
         """Scratch lane `index` of a worker: a folder reused by one job after another."""

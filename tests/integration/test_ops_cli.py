@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.conftest import api_client, free_port, wait_until_serving, worker_env
 from tests.integration.test_client import gpujobs
@@ -198,6 +199,30 @@ async def test_a_storage_dir_that_cannot_be_used_is_named(settings, tmp_path):
         [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert line.startswith(f"error: GPUJOBS_STORAGE_DIR: cannot use {taken}"), line
     assert taken.read_text() == "a file"
+
+
+@pytest.mark.parametrize("in_the_way", ["logs", "scratch", "results", "link_secret/"])
+async def test_something_in_the_way_inside_the_storage_dir_is_named(settings, tmp_path, in_the_way):
+    """Only the storage folder itself was checked: a file where its `logs`, `scratch` or `results`
+    folder goes, or a folder named `link_secret`, crashed `worker` with a FileExistsError traceback
+    (exit 1) and `serve` with uvicorn's traceback (exit 3) or an IsADirectoryError's (exit 1)."""
+    from tests.integration.test_client import run_cli
+
+    settings.storage_dir.mkdir(parents=True)
+    taken = settings.storage_dir / in_the_way.rstrip("/")
+    if in_the_way.endswith("/"):
+        taken.mkdir()
+    else:
+        taken.write_text("a file")
+    env = {**worker_env(settings, "storage"), "COLUMNS": "400"}
+    commands = [["serve", "--port", str(free_port())]]
+    if in_the_way != "link_secret/":  # a worker signs no links
+        commands.append(["worker", "--burst"])
+    for args in commands:
+        code, _, stderr = await run_cli(env, *args, timeout_s=60)
+        assert code == 2 and "Traceback" not in stderr and "─" not in stderr, (args, stderr[-3000:])
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(f"error: GPUJOBS_STORAGE_DIR: cannot use {taken}: "), line
 
 
 async def test_serve_whose_worker_stops_on_its_own_exits_non_zero(settings, engine, tmp_path):

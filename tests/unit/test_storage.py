@@ -270,3 +270,24 @@ def test_files_the_api_cannot_read_are_a_storage_error_not_missing_or_empty(tmp_
         strict=True,
     ):
         assert f"storage/{path}" in line and "the API's user cannot read" in line, line
+
+
+@pytest.mark.parametrize("part", ["scratch", "results", "logs"])
+def test_a_file_in_the_way_of_a_folder_names_the_setting(tmp_path: Path, part: str):
+    """A file where a storage folder goes was a FileExistsError deep in the start-up."""
+    from app import errors
+
+    (tmp_path / part).write_text("a file")
+    with pytest.raises(errors.ConfigError) as refused:
+        storage.ResultStore(tmp_path)
+    assert refused.value.message == f"GPUJOBS_STORAGE_DIR: cannot use {tmp_path / part}: not a folder"
+
+
+def test_a_folder_in_the_way_of_the_link_secret_names_the_setting(tmp_path: Path):
+    """A folder named `link_secret` was an IsADirectoryError in the start-up."""
+    from app import errors, links
+
+    (tmp_path / "link_secret").mkdir()
+    with pytest.raises(errors.ConfigError) as refused:
+        links.load_or_create_secret(tmp_path)
+    assert refused.value.message.startswith(f"GPUJOBS_STORAGE_DIR: cannot use {tmp_path / 'link_secret'}: ")
