@@ -299,7 +299,9 @@ class Settings(BaseSettings):
 # What a database URL's query may hold: what SQLAlchemy's asyncpg dialect hands asyncpg.connect()
 # as keyword arguments (any other is a TypeError at the first connection), and what asyncpg's own
 # URL parser (LISTEN's connection) reads, where an unknown name is sent to the server as a setting.
-URL_QUERY = ("host", "port", "ssl", "sslmode")
+URL_QUERY = (
+    "host", "port", "user", "password", "database", "passfile", "ssl", "sslmode", "target_session_attrs",
+)  # fmt: skip
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
 

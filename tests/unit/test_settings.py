@@ -197,6 +197,7 @@ def test_the_urls_the_service_makes_itself_pass():
         "postgresql://postgres@/x?host=a,b&port=5432,5433",
         "postgresql://postgres@/x?host=a:5432&host=b:5433",
         "postgresql://u:p%40x@db:5432/jobs",
+        "postgresql://db/jobs?user=u&password=p&target_session_attrs=read-write",  # as libpq and asyncpg
     ):
         assert Settings(database_url=url).database_url is not None
 
