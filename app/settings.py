@@ -38,8 +38,9 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(
         None,
-        description="PostgreSQL URL; its query may hold host, port and ssl (or libpq's sslmode: disable "
-        "... verify-full); unset = embedded PostgreSQL in <storage_dir>/pgdata",
+        description="PostgreSQL URL; its query may hold host, port, user, password, database, passfile, "
+        "target_session_attrs and ssl (or libpq's sslmode: disable ... verify-full); unset = embedded "
+        "PostgreSQL in <storage_dir>/pgdata",
     )
     storage_dir: Path = Field(Path("storage"), description="Result files, logs, scratch, embedded database")
     host: str = Field("127.0.0.1", description="Address the API binds to")
