@@ -10,6 +10,7 @@ what answered is not the API.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -90,8 +91,13 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
-    """One API call; its JSON answer, or exit 2 with the server's `detail`."""
+# What a job's answer holds, as the commands read it.
+JOB_KEYS = ("id", "state", "model", "attempt", "max_attempts", "priority", "created_at", "progress", "files")
+
+
+def call(http: httpx.Client, method: str, path: str, *, expect: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """One API call; its JSON answer (an object with the keys `expect` names), or exit 2 with the
+    server's `detail`, or with "not the API" for an answer the API does not give."""
     import httpx
 
     try:
@@ -100,13 +106,19 @@ def call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
         fail(f"cannot reach {http.base_url}: {exc}")
     except httpx.InvalidURL as exc:  # a URL that parsed, but has no usable port, say
         fail(f"the API's URL (--url, GPUJOBS_URL) {str(http.base_url)!r} is not usable: {exc}")
-    if response.status_code >= 400:
+    answer = None
+    with contextlib.suppress(ValueError):
+        if response.headers.get("content-type", "").startswith("application/json") or response.is_success:
+            answer = response.json()
+    if response.status_code >= 400 and isinstance(answer, dict) and "detail" in answer:
         fail(f"{response.status_code}: {detail_of(response)}")
-    try:
-        if response.status_code < 300:
-            return response.json()
-    except ValueError:
-        pass
+    if response.is_success and isinstance(answer, dict) and all(k in answer for k in expect):
+        return answer
+    not_the_api(response)
+
+
+def not_the_api(response: httpx.Response) -> NoReturn:
+    """Exit 2 for an answer that is not the API's (another server's page, another shape of JSON)."""
     kind = response.headers.get("content-type", "no content type")
     fail(
         f"{response.request.url} answered {response.status_code} ({kind}): not the API; "
@@ -177,13 +189,14 @@ def submit(
             "/jobs",
             files={"image": (image.name, f, "application/octet-stream")},
             data={"model": model, "priority": str(priority), "params": json.dumps(parse_params(param or []))},
+            expect=JOB_KEYS,
         )
         if not (wait or out):
             show(job, as_json)
             return
         stderr().print(f"job {job['id']} queued", highlight=False)
         follow(http, job["id"])
-        job = call(http, "GET", f"/jobs/{job['id']}")
+        job = call(http, "GET", f"/jobs/{job['id']}", expect=JOB_KEYS)
         finish(http, job, out, as_json)
 
 
@@ -342,7 +355,7 @@ def list_jobs(
     """List jobs, newest first."""
     query = {k: v for k, v in {"state": state, "model": model, "limit": limit}.items() if v is not None}
     with connect(url, key) as http:
-        page = call(http, "GET", "/jobs", params=query)
+        page = call(http, "GET", "/jobs", params=query, expect=("jobs",))
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
@@ -354,7 +367,7 @@ def list_jobs(
 def show_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
     """One job: state, progress, attempts, error and file links."""
     with connect(url, key) as http:
-        job = call(http, "GET", f"/jobs/{job_path(job_id)}")
+        job = call(http, "GET", f"/jobs/{job_path(job_id)}", expect=JOB_KEYS)
     show(job, as_json)
     if not as_json:
         for file in job["files"]:
@@ -365,7 +378,7 @@ def show_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJs
 def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
     """Cancel a job (queued: at once; running: within a heartbeat)."""
     with connect(url, key) as http:
-        answer = call(http, "POST", f"/jobs/{job_path(job_id)}/cancel")
+        answer = call(http, "POST", f"/jobs/{job_path(job_id)}/cancel", expect=("id", "state"))
     typer.echo(f"{answer['id']}  {answer['state']}")
 
 
@@ -373,7 +386,7 @@ def cancel_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None) -> None:
 def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJson = False) -> None:
     """Queue a failed, canceled or quarantined job again (admin key)."""
     with connect(url, key) as http:
-        show(call(http, "POST", f"/admin/jobs/{job_path(job_id)}/retry"), as_json)
+        show(call(http, "POST", f"/admin/jobs/{job_path(job_id)}/retry", expect=JOB_KEYS), as_json)
 
 
 # -- prune --------------------------------------------------------------------------------------
@@ -406,7 +419,9 @@ def prune(
     except errors.InvalidRequest as exc:
         fail(exc.message)
     with connect(url, key) as http:
-        report = call(http, "POST", "/admin/prune", json={"older_than_s": seconds, "dry_run": dry_run})
+        body = {"older_than_s": seconds, "dry_run": dry_run}
+        expect = ("jobs", "cutoff", "files_bytes", "inputs_bytes", "inputs_deleted")
+        report = call(http, "POST", "/admin/prune", json=body, expect=expect)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return

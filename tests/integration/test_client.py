@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +351,44 @@ def test_a_duration_too_large_for_a_number_is_refused(text, capsys):
         capsys.readouterr().err
         == f"error: {text!r} is longer than any duration (examples: 90s, 12h, 7d, 2w)\n"
     )
+
+
+@contextlib.contextmanager
+def other_server(folder: Path) -> Iterator[str]:
+    """A web server that is not the API (Python's http.server serving `folder`): its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() < deadline and process.poll() is None, "http.server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def test_a_server_that_is_not_the_api_is_said_in_one_line(tmp_path):
+    """Another web server's error page was printed whole after `error: 404:` (many lines of HTML),
+    and a JSON answer of another shape (`{"status": "ok"}` at /jobs) crashed `jobs list` with a
+    KeyError traceback and exit code 1, which means "the job failed"."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "jobs").write_text('{"status": "ok"}')
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+    env["GPUJOBS_API_KEY"] = "k"
+    with other_server(site) as url:
+        env["GPUJOBS_URL"] = url
+        for args in (["jobs", "list"], ["jobs", "show", str(uuid.uuid4())], ["jobs", "list", "--json"]):
+            code, _, stderr = await run_cli(env, *args)
+            assert code == 2 and "Traceback" not in stderr, (args, stderr[-2000:])
+            [line] = stderr.splitlines()
+            assert "not the API" in line and "--url" in line, (args, line)
