@@ -348,19 +348,24 @@ def list_jobs(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state")] = None,
     model: Annotated[str | None, typer.Option(help="Only jobs of this model")] = None,
     limit: Annotated[int, typer.Option(min=1, max=200, help="How many")] = 50,
+    cursor: Annotated[str | None, typer.Option(help="Where the page before ended (it prints it)")] = None,
     url: Url = DEFAULT_URL,
     key: Key = None,
     as_json: AsJson = False,
 ) -> None:
-    """List jobs, newest first."""
-    query = {k: v for k, v in {"state": state, "model": model, "limit": limit}.items() if v is not None}
+    """List jobs, newest first; a page that is not the last says on stderr how to get the next."""
+    query = {"state": state, "model": model, "limit": limit, "cursor": cursor}
     with connect(url, key) as http:
-        page = call(http, "GET", "/jobs", params=query, expect=("jobs",))
+        page = call(
+            http, "GET", "/jobs", params={k: v for k, v in query.items() if v is not None}, expect=("jobs",)
+        )
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
     for job in page["jobs"]:
         show(job, False)
+    if page.get("next_cursor"):
+        stderr().print(f"more: add --cursor {page['next_cursor']}", highlight=False)
 
 
 @jobs.command("show")

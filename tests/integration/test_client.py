@@ -392,3 +392,23 @@ async def test_a_server_that_is_not_the_api_is_said_in_one_line(tmp_path):
             assert code == 2 and "Traceback" not in stderr, (args, stderr[-2000:])
             [line] = stderr.splitlines()
             assert "not the API" in line and "--url" in line, (args, line)
+
+
+async def test_jobs_list_pages_with_the_cursor_it_prints(settings, make_key, tmp_path):
+    """`jobs list` showed the first page (200 jobs at most) and no way past it: the API's cursor
+    had no option, and nothing said more jobs were there."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    key = await make_key("pager")
+    async with api_client(settings) as http:
+        ids = []
+        for _ in range(3):
+            code, stdout, _ = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--json")
+            ids.append(json.loads(stdout)["id"])
+        code, stdout, stderr = await gpujobs(http, key, "jobs", "list", "--limit", "2")
+        assert code == 0 and [line.split()[0] for line in stdout.splitlines()] == ids[:0:-1], stdout
+        [hint] = [line for line in stderr.splitlines() if "--cursor" in line]
+        cursor = hint.split("--cursor ")[1].split()[0]
+        code, stdout, stderr = await gpujobs(http, key, "jobs", "list", "--limit", "2", "--cursor", cursor)
+        assert code == 0 and [line.split()[0] for line in stdout.splitlines()] == ids[:1], stdout
+        assert "--cursor" not in stderr  # the last page says nothing more
