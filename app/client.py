@@ -241,13 +241,16 @@ def download(http: httpx.Client, link: str, path: Path) -> Path:
 # -- following a job ----------------------------------------------------------------------------
 
 
-def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, dict[str, Any]]]:
-    """Server-sent events from a stream's lines: (id, event, data)."""
+def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, Any]]:
+    """Server-sent events from a stream's lines: (id, event, data read as JSON, else None)."""
     event_id, event, data = None, "message", ""
     for line in lines:
         if line == "":
             if data:
-                yield event_id, event, json.loads(data)
+                try:
+                    yield event_id, event, json.loads(data)
+                except ValueError:
+                    yield event_id, event, None
             event_id, event, data = None, "message", ""
         elif line.startswith("id:"):
             event_id = line[3:].strip()
@@ -283,10 +286,16 @@ def follow(http: httpx.Client, job_id: str) -> None:
                         )
                         time.sleep(pause_s)
                         continue
+                    if response.status_code == 204:  # ended; Last-Event-ID was its last event
+                        return
                     if response.status_code != 200:
-                        response.read()
-                        fail(f"{response.status_code}: {response.text}")
+                        reason = refusal(response)
+                        if not reason:
+                            not_the_api(response)
+                        fail(f"{response.status_code}{reason}")
                     for event_id, _, data in sse(response.iter_lines()):
+                        if not isinstance(data, dict) or not {"state", "attempt"} <= data.keys():
+                            not_the_api(response)
                         last = event_id or last
                         label = (
                             f"{data['state']} (attempt {data['attempt']})"

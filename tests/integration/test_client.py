@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -412,3 +414,66 @@ async def test_jobs_list_pages_with_the_cursor_it_prints(settings, make_key, tmp
         code, stdout, stderr = await gpujobs(http, key, "jobs", "list", "--limit", "2", "--cursor", cursor)
         assert code == 0 and [line.split()[0] for line in stdout.splitlines()] == ids[:1], stdout
         assert "--cursor" not in stderr  # the last page says nothing more
+
+
+class _EndedWhileAway(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the API: a job whose stream breaks after a running event, and answers 204
+    (the job ended, Last-Event-ID was its last event) when followed again; then the job, succeeded."""
+
+    job_id = str(uuid.uuid4())
+    streams = 0
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _job(self, state: str) -> dict[str, Any]:
+        return {
+            "id": self.job_id, "state": state, "model": "toy", "attempt": 1, "max_attempts": 3,
+            "priority": 0, "created_at": "2026-11-27T00:00:00Z", "progress": 1.0, "files": [],
+        }  # fmt: skip
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._json(201, self._job("queued"))
+
+    def do_GET(self) -> None:
+        if not self.path.endswith("/stream"):
+            self._json(200, self._job("succeeded"))
+            return
+        type(self).streams += 1
+        if type(self).streams > 1:
+            self.send_response(204)
+            self.end_headers()
+            return
+        event = b'id: 7\nevent: state\ndata: {"state": "running", "attempt": 1, "progress": 0.5}\n\n'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(event)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_a_stream_that_answers_204_when_followed_again_ends_the_wait(tmp_path):
+    """The stream answers 204 to a Last-Event-ID that was its job's last event. The client took it
+    for a refusal: `error: 204:` and exit code 2, for a job that had succeeded."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EndedWhileAway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+    env |= {"GPUJOBS_URL": f"http://127.0.0.1:{server.server_address[1]}", "GPUJOBS_API_KEY": "k"}
+    try:
+        code, stdout, stderr = await run_cli(env, "submit", str(image), "-m", "toy", "--wait")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+    assert _EndedWhileAway.streams == 2 and stdout.startswith(f"{_EndedWhileAway.job_id}  succeeded"), stdout
