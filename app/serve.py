@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from app import errors
@@ -106,13 +107,12 @@ def run(settings: Settings, processes: int, sock: socket.socket) -> int:
 def serve_app(settings: Settings, sock: socket.socket) -> int:
     """Run the app in this process on `sock` (listening) until it is asked to stop; the exit code
     `gpujobs serve` gives."""
-    import uvicorn
 
     from app.api.main import create_app
 
     app = create_app(settings)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn_config(_QuietRefusal(app), settings, host, port))
+    server = _server(uvicorn_config(_QuietRefusal(app), settings, host, port), app)
     app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock])
@@ -126,6 +126,22 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
     if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
         return WORKER_FAILED
     return 0
+
+
+def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
+    """uvicorn's server, but that a signal to exit tells the app at once (`app.state.on_exit`:
+    its worker stops claiming, its event streams end), not once open connections have closed or
+    timeout_graceful_shutdown has passed."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            on_exit: Callable[[], None] | None = getattr(app.state, "on_exit", None)
+            if on_exit is not None:  # None while the app starts: it has no worker or stream yet
+                on_exit()
+
+    return Server(config)
 
 
 class _QuietRefusal:

@@ -8,7 +8,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -103,6 +103,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.run_worker:
             worker, task = await _start_worker(app, settings, services)
         app.state.worker = worker
+        # Called by `serve`'s server from its signal handler: only the loop's thread-safe call there.
+        app.state.on_exit = functools.partial(_call_soon, asyncio.get_running_loop(), _exit_asked, app)
         yield
     finally:
         app.state.stopping = True
@@ -142,6 +144,21 @@ async def _start_worker(
     task = asyncio.create_task(worker.run(), name="worker")
     task.add_done_callback(functools.partial(_worker_ended, app))
     return worker, task
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[FastAPI], None], app: FastAPI) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nothing is left to stop
+        loop.call_soon_threadsafe(callback, app)
+
+
+def _exit_asked(app: FastAPI) -> None:
+    """The server was told to exit (SIGTERM): the worker stops claiming now, not after uvicorn's
+    wait for open connections (an event stream's), which left it claiming, and its running jobs
+    running, for that long beyond the grace. The lifespan's end waits for it."""
+    app.state.stopping = True  # its end now is the server's doing, not a failure (_worker_ended)
+    worker: worker_.Worker | None = getattr(app.state, "worker", None)
+    if worker is not None:
+        worker.stop()
 
 
 def _worker_ended(app: FastAPI, task: asyncio.Task[None]) -> None:

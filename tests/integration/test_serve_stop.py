@@ -1,0 +1,51 @@
+"""`gpujobs serve` on SIGTERM: it stops claiming at once.
+
+Real `gpujobs serve` processes (tests/integration/test_serve_processes.py's `serving`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.test_durability import kinds, until
+from tests.integration.test_serve_processes import serving
+from tests.integration.test_worker import enqueue
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+
+# Most of the GPU (GPUJOBS_GPUS=24GiB in worker_env): one such job runs at a time.
+BIG_MB = 20000
+
+
+async def first_event(http: httpx.AsyncClient, job_id: object) -> tuple[httpx.Response, AsyncIterator[str]]:
+    """An event stream of the job, open, its first event (the current state) read; its lines."""
+    request = http.build_request("GET", f"/jobs/{job_id}/stream")
+    response = await http.send(request, stream=True)
+    assert response.status_code == 200, await response.aread()
+    lines = response.aiter_lines()
+    while not (await anext(lines)).startswith("data:"):
+        pass
+    return response, lines
+
+
+async def test_sigterm_stops_claiming_at_once_though_a_stream_is_open(settings, manager, make_key, tmp_path):
+    """A job queued at SIGTERM was claimed, and run, for up to 5 s after it: the worker was told to
+    stop only once uvicorn had waited that long for open connections (here: an event stream)."""
+    auth = {"Authorization": f"Bearer {await make_key('ops', admin=True)}"}
+    with serving(settings, tmp_path, shutdown_grace_s=10) as (serve, base):
+        running = await enqueue(manager, sleep=0.8, steps=2, vram_mb=BIG_MB)
+        await until(manager, running, lambda j: j.pid is not None)
+        waiting = await enqueue(manager, vram_mb=BIG_MB)  # waits for the GPU `running` holds
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+            stream, _ = await first_event(http, waiting)
+            serve.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(serve.wait, 30) == 143
+            await stream.aclose()
+    assert (await manager.get(running)).state.value == "succeeded"  # within the grace
+    assert "claimed" not in await kinds(manager, waiting)
+    assert (await manager.get(waiting)).state.value == "queued"
