@@ -96,6 +96,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     services = build_services(settings, manager, auth.KeyStore(engine))
     app.state.services = services
     observers = ops.Observability(app).start()  # job feed for streams, metrics, retention on demand
+    app.state.exiting = asyncio.Event()  # set when the server is told to exit: event streams end
     await security.announce_missing_admin(services.keys, security.public_paths(app, settings))
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
@@ -152,10 +153,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[FastAPI], No
 
 
 def _exit_asked(app: FastAPI) -> None:
-    """The server was told to exit (SIGTERM): the worker stops claiming now, not after uvicorn's
-    wait for open connections (an event stream's), which left it claiming, and its running jobs
-    running, for that long beyond the grace. The lifespan's end waits for it."""
+    """The server was told to exit (SIGTERM): the worker stops claiming now, and event streams end,
+    not after uvicorn's wait for open connections (the streams'), which left the worker claiming,
+    and its running jobs running, for that long beyond the grace. The lifespan's end waits for it."""
     app.state.stopping = True  # its end now is the server's doing, not a failure (_worker_ended)
+    app.state.exiting.set()
     worker: worker_.Worker | None = getattr(app.state, "worker", None)
     if worker is not None:
         worker.stop()

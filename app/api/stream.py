@@ -12,11 +12,13 @@ a reconnect with `Last-Event-ID: n` it sends the events after `n` from the histo
 nothing is repeated or skipped. It closes after a final state. Live events come from the process's
 one LISTEN connection (`notify.JobFeed`); the database is read only on connect and after the feed
 lost notifications (RESYNC), never polled. A client that reconnects to a finished job having seen
-its last event gets 204, which tells a browser's EventSource to stop reconnecting.
+its last event gets 204, which tells a browser's EventSource to stop reconnecting. When the server
+is told to exit, the stream ends its body at once (the client reconnects with Last-Event-ID).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -49,6 +51,7 @@ KIND_STATE = {
     "cancel_requested": "running",
 }
 FINAL = frozenset(s.value for s in JobState if s.final)
+EXITING = "exiting"  # JobStream._next: the server is exiting
 
 
 def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
@@ -115,8 +118,10 @@ class JobStream:
         owner: str | None,
         keepalive_s: float,
         open_streams: prometheus_client.Gauge,
+        exiting: asyncio.Event,
     ) -> None:
         self._manager = manager
+        self._exiting = exiting  # set when the server is told to exit: the stream ends
         self._feed = feed
         self._open_streams = open_streams  # gpujobs_stream_subscribers
         self._job_id = job_id
@@ -176,13 +181,16 @@ class JobStream:
         """The whole stream: catch up, then live notes until a final state."""
         subscription = self._feed.subscribe(self._job_id)  # before reading: nothing falls in between
         self._open_streams.inc()  # a gauge the processes' files can sum: a count kept as the feed keeps it
+        exiting = asyncio.create_task(self._exiting.wait(), name=f"stream-exit:{self._job_id}")
         try:
             yield f"retry: {RETRY_MS}\n\n"
             for chunk in await self.catch_up(after):
                 yield chunk
             stale = subscription.pending  # notes that came before (or while) the database was read
             while not self.done:
-                item = await subscription.next(self._keepalive_s)
+                item = await self._next(subscription, exiting)
+                if item is EXITING:
+                    return
                 if item is None:
                     yield ": keepalive\n\n"
                     continue
@@ -196,8 +204,25 @@ class JobStream:
                         yield chunk
                     stale = subscription.pending
         finally:
+            exiting.cancel()
             self._feed.unsubscribe(subscription)
             self._open_streams.dec()
+
+    async def _next(
+        self, subscription: notify.Subscription, exiting: asyncio.Task[Any]
+    ) -> notify.Note | str | None:
+        """The subscription's next item (None: time for a keepalive), or EXITING once the server is
+        told to exit. The stream then ends its body at once, and the client reconnects with
+        Last-Event-ID to another process or this one's successor: held open, it kept the shutdown
+        waiting for uvicorn's 5 s, then was cut with an error in the log and a truncated body."""
+        if exiting.done():
+            return EXITING
+        item = asyncio.create_task(subscription.next(self._keepalive_s), name=f"stream:{self._job_id}")
+        await asyncio.wait([item, exiting], return_when=asyncio.FIRST_COMPLETED)
+        if not item.done():
+            item.cancel()  # a note it would have taken is not sent: the stream ends here
+            return EXITING
+        return item.result()
 
 
 def _last_event_id(value: str | None) -> int | None:
@@ -238,6 +263,7 @@ async def stream_job(
         owner=caller.owner_filter,
         keepalive_s=request.app.state.settings.stream_keepalive_s,
         open_streams=request.app.state.metrics.streams,
+        exiting=request.app.state.exiting,
     )
     return StreamingResponse(
         stream.events(after),

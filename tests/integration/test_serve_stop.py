@@ -1,4 +1,5 @@
-"""`gpujobs serve` on SIGTERM: it stops claiming at once.
+"""`gpujobs serve` on SIGTERM: it stops claiming at once, open event streams end cleanly at once,
+and a new connection is refused at once, in one process or in several.
 
 Real `gpujobs serve` processes (tests/integration/test_serve_processes.py's `serving`)."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,3 +51,26 @@ async def test_sigterm_stops_claiming_at_once_though_a_stream_is_open(settings, 
     assert (await manager.get(running)).state.value == "succeeded"  # within the grace
     assert "claimed" not in await kinds(manager, waiting)
     assert (await manager.get(waiting)).state.value == "queued"
+
+
+async def test_sigterm_ends_open_streams_cleanly_at_once(settings, manager, make_key, tmp_path):
+    """An open event stream held every shutdown for 5 s, then was cut (the client's "peer closed
+    connection without sending complete message body"; an ERROR traceback in the log). It ends its
+    body at once instead; the client reconnects with Last-Event-ID."""
+    auth = {"Authorization": f"Bearer {await make_key('ops', admin=True)}"}
+    job_id = await enqueue(manager)
+    with serving(settings, tmp_path, "--no-worker") as (serve, base):
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+            _, lines = await first_event(http, job_id)
+            signalled = time.monotonic()
+            serve.send_signal(signal.SIGTERM)
+            async for _ in lines:  # RemoteProtocolError if cut
+                pass
+            ended_s = time.monotonic() - signalled
+            assert await asyncio.to_thread(serve.wait, 30) == 143
+            stopped_s = time.monotonic() - signalled
+    assert ended_s < 1.5, ended_s
+    assert stopped_s < 3, stopped_s
+    log = (tmp_path / "serve.log").read_text()
+    assert "Exception in ASGI application" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
