@@ -299,7 +299,12 @@ class Supervisor:
                 self._start(index, first=False, pause_s=pause_s)
 
     def _stop_all(self) -> None:
-        """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait."""
+        """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait.
+
+        The port is let go of first: each child closes its copy as it begins to stop, and with
+        this one kept open until the last had exited, the kernel went on accepting connections
+        that nobody would serve (they hung, then were reset); now they are refused at once."""
+        self._sock.close()
         for child in self._children.values():
             with contextlib.suppress(OSError):
                 child.process.terminate()

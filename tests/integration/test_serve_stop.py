@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from tests.integration.test_durability import kinds, until
 from tests.integration.test_serve_processes import serving
+from tests.integration.test_serve_processes import until as wait_for
 from tests.integration.test_worker import enqueue
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
@@ -74,3 +76,23 @@ async def test_sigterm_ends_open_streams_cleanly_at_once(settings, manager, make
     log = (tmp_path / "serve.log").read_text()
     assert "Exception in ASGI application" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+async def test_a_connection_after_sigterm_is_refused_with_several_processes(settings, manager, tmp_path):
+    """The parent kept its copy of the listening socket until every child had exited, so while one
+    still stopped (its worker's jobs in their grace) the kernel accepted connections nobody would
+    serve: they hung, then were reset. They are refused, as with one process."""
+    with serving(settings, tmp_path, "--processes", "2", shutdown_grace_s=3) as (serve, base):
+        job_id = await enqueue(manager, sleep=30, steps=30, vram_mb=BIG_MB)
+        await until(manager, job_id, lambda j: j.pid is not None)
+        port = int(base.rsplit(":", 1)[1])
+        serve.send_signal(signal.SIGTERM)
+        log = tmp_path / "serve.log"
+        await asyncio.to_thread(
+            wait_for, lambda: "SIGTERM: stopping the API processes" in log.read_text(), what="SIGTERM"
+        )
+        await asyncio.sleep(1)  # the children have closed theirs; the worker's job is in its grace
+        assert serve.poll() is None
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert await asyncio.to_thread(serve.wait, 30) == 0
