@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from alembic.script import ScriptDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
+# One process migrates at a time (migrations/env.py holds this session advisory lock throughout):
+# `serve` and a `worker` started together on a new data folder both migrate.
+MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
 VERSIONS = ROOT / "migrations" / "versions"
 # `revision: str = "0004"` and `down_revision: str | None = "0003"` (or None) in a migration script.
 _REVISION = re.compile(
@@ -50,10 +53,14 @@ def upgrade(url: str, revision: str = "head") -> None:
     async def found() -> tuple[str | None, list[str]]:
         engine = db.create_engine(url, pool_size=1)
         try:
-            at = await current(engine)
-            return at, [] if at is not None else await _our_tables(engine)
+            # Read while no other process migrates (they hold the lock throughout): between its
+            # first commit and its record of the revision, ours looked like tables no one made.
+            async with engine.connect() as lock:
+                await lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATE_LOCK_KEY})
+                at = await current(engine)
+                return at, [] if at is not None else await _our_tables(engine)
         finally:
-            await engine.dispose()
+            await engine.dispose()  # the lock goes with its connection
 
     at, unrecorded = asyncio.run(found())
     check_known(at)

@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app import tables
+from app import migrate, tables
 from app.db import Base
 
 assert tables  # imported for its side effect: the tables register on Base.metadata
@@ -29,14 +29,11 @@ def _url() -> str:
     return Settings(database_url=url).database_url or url
 
 
-# One process migrates at a time: `serve` and a `worker` started together on a new data folder both
-# upgrade. The lock is the session's, not a transaction's: revision 0003 commits part of its work on
-# its own, and a transaction's lock would be let go there, for another process to run 0003 again.
-MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
-
-
 def _run(connection: Connection) -> None:
-    lock = {"key": MIGRATE_LOCK_KEY}
+    # One process migrates at a time (app.migrate.MIGRATE_LOCK_KEY). The lock is the session's, not
+    # a transaction's: revision 0003 commits part of its work on its own, and a transaction's lock
+    # would be let go there, for another process to run 0003 again.
+    lock = {"key": migrate.MIGRATE_LOCK_KEY}
     connection.execute(text("SELECT pg_advisory_lock(:key)"), lock)
     connection.commit()  # the wait ends here; the migrations' own transaction starts after it
     try:
