@@ -59,8 +59,7 @@ def _usable_storage(settings: Settings, *, folders: bool = False) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        typer.echo(f"error: GPUJOBS_STORAGE_DIR: cannot use {path}: {exc.strerror or exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise _fail(storage.unusable(path, exc)) from exc
     if folders:
         try:
             storage.ResultStore(path)  # a file named `logs` in the way, say

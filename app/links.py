@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import quote
 
-from app import errors
+from app import errors, storage
 
 MIN_SECRET_CHARS = 16
 
@@ -32,7 +32,7 @@ def load_or_create_secret(storage_dir: Path) -> bytes:
     try:
         secret = _read_or_create(storage_dir, path)
     except OSError as exc:  # a folder in the way, a file this user cannot read
-        raise errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {path}: {exc.strerror or exc}") from exc
+        raise storage.unusable(path, exc) from exc
     if len(secret) < MIN_SECRET_CHARS:  # cut by hand, or copied wrong: the operator set no secret
         raise errors.ConfigError(
             f"the link secret file {path} holds {len(secret)} characters, fewer than "

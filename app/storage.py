@@ -84,6 +84,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def unusable(path: Path, exc: OSError, reason: str | None = None) -> errors.ConfigError:
+    """The error for a path under the storage folder that cannot be used, naming the setting."""
+    return errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {path}: {reason or exc.strerror or exc}")
+
+
 class ResultStore:
     """Paths and atomic moves below the storage root."""
 
@@ -96,8 +101,9 @@ class ResultStore:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # a file in the way, or a folder this user cannot write
-                reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
-                raise errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {folder}: {reason}") from exc
+                raise unusable(
+                    folder, exc, "not a folder" if isinstance(exc, FileExistsError) else None
+                ) from exc
 
     def lane_dir(self, owner: str, index: int) -> Path:
         """Scratch lane `index` of a worker: a folder reused by one job after another."""

@@ -24,7 +24,7 @@ import typer
 from sqlalchemy import text
 
 from app import client
-from tests.conftest import api_client, modules_loaded_by, png_bytes
+from tests.conftest import api_client, free_port, modules_loaded_by, png_bytes
 from tests.integration.test_end_to_end import gradient_png
 from tests.integration.test_worker import enqueue
 
@@ -358,9 +358,7 @@ def test_a_duration_too_large_for_a_number_is_refused(text, capsys):
 @contextlib.contextmanager
 def other_server(folder: Path) -> Iterator[str]:
     """A web server that is not the API (Python's http.server serving `folder`): its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
