@@ -125,6 +125,12 @@ OURS_FINISHES = "SELECT finished_at AS at FROM jobs WHERE state = 'succeeded' AN
 NOTIFY_QUEUED = text("SELECT pg_notify(:channel, :model)")  # wakes listening workers at commit
 OURS_MARK = "SELECT quote_literal(coalesce(max(created_at), '-infinity')) FROM jobs"
 OURS_REGISTERED = "SELECT count(*) FROM workers WHERE state <> 'dead'"
+# The statements that claimed jobs and that finished them: a claim sets started_at to its
+# transaction's now(), a finish finished_at (successes carried by a claim share its now()).
+OURS_STATEMENTS = (
+    "SELECT count(DISTINCT started_at) AS claims, count(DISTINCT finished_at) AS finishes"
+    " FROM jobs WHERE created_at > {since}"
+)
 
 
 def steady_sql(finishes: str) -> str:
@@ -236,6 +242,7 @@ class Drained:
     steady_per_s: float  # successes per second between the 10th and 90th percentile finish times
     output: str = ""  # the last lines of a worker's output, when the queue was not drained
     processes: tuple[int, int] | None = None  # standing workers with their models: before, after
+    statements: tuple[int, int] | None = None  # claim statements, statements that finished jobs
 
     def per_s(self, seconds: float) -> float:
         """Jobs succeeded per second over `seconds`."""
@@ -312,6 +319,7 @@ class Queue:
     mark: str
     registered: str
     since: str
+    statements: str | None = None  # (claims, finishes): how many statements the jobs shared
 
     def sql(self, template: str) -> str:
         """`template` for the jobs this queue counts."""
@@ -339,9 +347,13 @@ async def read_out(
         counts = (await conn.execute(text(queue.sql(queue.counts)))).one()
         span = await conn.scalar(text(queue.sql(queue.span)))
         steady = await conn.scalar(text(steady_sql(queue.sql(queue.finishes))))
+        statements = None
+        if queue.statements is not None:
+            claims, finishes = (await conn.execute(text(queue.sql(queue.statements)))).one()
+            statements = int(claims), int(finishes)
     return Drained(
         int(counts.ok), int(counts.bad), wall_s, float(span or 0), codes, finished, used, float(steady or 0),
-        "" if finished else output,
+        "" if finished else output, statements=statements,
     )  # fmt: skip
 
 
@@ -452,6 +464,9 @@ def report(run: Run, section: str, drained: Drained, enqueue_per_s: float, *, st
     cpu = "CPU ms/job" if standing else "CPU ms/job, start-up incl."
     run.add(section, f"{cpu}: workers and their models / PostgreSQL",
             f"{workers_ms} / {per_item_ms(drained.cpu.postgres_s, drained.ok)}")  # fmt: skip
+    if drained.statements is not None and drained.ok:
+        claims, finishes = (100 * n / drained.ok for n in drained.statements)
+        run.add(section, "statements per 100 jobs: claims / finishing", f"{claims:.1f} / {finishes:.1f}")
     run.add(section, "succeeded / failed; worker exit codes",
             f"{drained.ok} / {drained.bad}; {' '.join(map(str, drained.codes))}")  # fmt: skip
 
@@ -489,7 +504,7 @@ async def ours(run: Run, model: str, label: str, jobs: int, n_workers: int, *, s
 
     queue = Queue(
         run.bench.url, start, functools.partial(bulk_enqueue, run, model), OURS_ENDED, OURS_COUNTS, OURS_SPAN,
-        OURS_FINISHES, OURS_MARK, OURS_REGISTERED, "'-infinity'",
+        OURS_FINISHES, OURS_MARK, OURS_REGISTERED, "'-infinity'", OURS_STATEMENTS,
     )  # fmt: skip
     await measure_queue(run, queue, model, f"gpujobs, {label}", jobs, n_workers, standing=standing)
 
