@@ -137,6 +137,18 @@ def _success_values(items: Sequence[tuple[Job, str, str]]) -> dict[str, Any]:
     }
 
 
+def _offers(
+    gpu_ids: Sequence[int], limit: int, slots: Mapping[int, int] | None, ahead: Mapping[int, int] | None
+) -> tuple[list[int], list[int]]:
+    """Per GPU of a claim: the jobs it may take (its slots, at most `limit`), and of those the ones
+    past its slots free now (its slots less `ahead`), which wait for a running job to end."""
+    if slots is None:
+        return [limit] * len(gpu_ids), [0] * len(gpu_ids)
+    offered = [min(limit, slots[g]) for g in gpu_ids]
+    ahead = ahead or {}
+    return offered, [max(0, n - (slots[g] - ahead.get(g, 0))) for g, n in zip(gpu_ids, offered, strict=True)]
+
+
 def _claimed(rows: Iterable[Any]) -> list[Claimed]:
     """Claimed jobs from CLAIM's rows, with their input images."""
     return [
@@ -448,15 +460,11 @@ class JobManager:
             return []
         limits = dict(models) if isinstance(models, Mapping) else dict.fromkeys(models, math.inf)
         budget = max(budgets[g] for g in gpu_ids)
-        offered = [limit if slots is None else min(limit, slots[g]) for g in gpu_ids]
-        # Of the slots a GPU offers this claim, those past the ones free now (its slots less `ahead`).
-        waits = [0] * len(gpu_ids) if slots is None else [
-            max(0, n - (slots[g] - (ahead or {}).get(g, 0))) for g, n in zip(gpu_ids, offered, strict=True)
-        ]  # fmt: skip
+        offered, waits = _offers(gpu_ids, limit, slots, ahead)
         values = {
             "models": list(limits),
             "max_megapixels": list(limits.values()),
-            "warm_mb": [
+            "warm_mb": [  # per model: the most free MB of a GPU where it has a warm runner
                 max((budgets[g] for m, g in warm if m == model and g in gpu_ids), default=0)
                 for model in limits
             ],

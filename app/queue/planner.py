@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from app import errors, gpu, registry, scheduler, warmpool
@@ -262,11 +262,18 @@ class Planner:
         jobs = await take(open_, models, limit=max(1, limit))
         if jobs or not held or self.reservation is None:
             return jobs
-        # The held GPU: one job at a time, so each sees the reservation as it stands.
-        jobs = await take(held, models, min_priority=self.reservation.effective_priority + 1)
+        return await self._claim_held(take, held, models, self.reservation)
+
+    async def _claim_held(
+        self, take: Callable[..., Awaitable[list[Claimed]]], held: dict[int, int], models: list[str],
+        reservation: scheduler.Reservation,
+    ) -> list[Claimed]:  # fmt: skip
+        """On the GPU held for the reservation, one job at a time (each sees the reservation as it
+        stands): one that outranks it, else one short enough to end before its start (backfill)."""
+        jobs = await take(held, models, min_priority=reservation.effective_priority + 1)
         if jobs:
             return jobs
-        window = self.reservation.start_s - time.monotonic()
+        window = reservation.start_s - time.monotonic()
         limits = scheduler.backfill_limits(
             self.estimates, models, window, min_samples=self._config.backfill_min_samples
         )
