@@ -7,6 +7,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
@@ -174,6 +175,35 @@ async def test_a_refused_sign_in_does_not_echo_the_key(settings):
             assert "SSSS" not in refused.text and refused.json()["detail"][0]["loc"][-1] == "key"
         form = await browser.post("/ui/session", data={"key": secret}, headers=XRW)  # not JSON: the body
         assert form.status_code == 422 and "SSSS" not in form.text, form.text
+
+
+class Forms(HTMLParser):
+    """The attributes of each <form> of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[dict[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "form":
+            self.found.append(dict(attrs))
+
+
+async def test_the_sign_in_form_never_puts_the_key_in_a_url(settings):
+    """The sign-in form had no method, so a browser that submitted it before its script ran (a slow
+    network, a password manager filling the key and pressing Enter) or without scripts sent
+    `GET /ui/sign-in?key=gpj_...`: the key in the address bar, the history and the access log of a
+    proxy in front. The form posts now: the key goes in the body, which is refused there, unread."""
+    secret = "gpj_" + "S" * 43
+    async with api_client(settings, key=None) as browser:
+        forms = Forms()
+        forms.feed((await browser.get("/ui/sign-in")).text)
+        [form] = [f for f in forms.found if f.get("id") == "signin-form"]
+        assert (form.get("method") or "get").lower() == "post", form
+        action = form.get("action") or "/ui/sign-in"
+        posted = await browser.post(action, data={"key": secret})  # what such a browser sends
+        assert posted.status_code == 403 and "set-cookie" not in posted.headers
+        assert "SSSS" not in posted.text
 
 
 async def test_pages_have_a_strict_csp_and_static_assets_need_no_key(settings):
