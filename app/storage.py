@@ -33,7 +33,7 @@ from typing import BinaryIO
 from app import errors
 from app.queue.jobs import Job, ResultFile
 
-LOG_NAME = re.compile(r"^attempt-([1-9][0-9]{0,5})\.log$")  # as links name logs
+LOG_NAME = re.compile(r"attempt-([1-9][0-9]{0,5})\.log\Z")  # as links name logs (\Z: no final line break)
 LOG_FILE = re.compile(r"^([0-9a-f-]{36})\.attempt-[1-9][0-9]{0,5}\.log$")  # as logs are stored
 
 

@@ -381,6 +381,7 @@ async def test_links_only_name_files_of_the_job_inside_storage(settings, make_wo
         uid = uuid.UUID(job_id)
         names = ["../../link_secret", "/etc/passwd", "..", ".", "out.txt/../../../link_secret"]
         names += ["attempt-0.log", "attempt-2.log", "attempt-1.log/../x", "probe.json", "%2e%2e"]
+        names += ["attempt-1.log\n"]  # `$` matches before a final line break: was the log, renamed
         for name in names:
             answer = await http.get(signer.url(uid, name))  # a valid signature, a bad name
             assert answer.status_code == 404, name
