@@ -7,7 +7,7 @@ Bearer header (a revoked key stops working on the next request). Both routes wan
 `X-Requested-With`, so another site's page can neither sign a browser in with its own key nor sign
 it out; a cookie set by a sibling subdomain for the parent domain is ignored over HTTPS, and over
 HTTP makes two session cookies, which sign the browser out (`security.session_token`).
-`DELETE /ui/session` forgets the cookie.
+`DELETE /ui/session` forgets the cookie and asks the browser to drop its cache of the site.
 """
 
 from __future__ import annotations
@@ -116,8 +116,10 @@ async def sign_in(body: SignIn, request: Request, services: ServicesDep) -> Resp
 
 @router.delete(SESSION_PATH, status_code=204, dependencies=[Depends(same_origin)])
 async def sign_out(request: Request) -> Response:
-    """Forget the session cookie."""
-    response = Response(status_code=204)
+    """Forget the session cookie, and what the browser cached of this site."""
+    # A job's input is cached for a day (app/api/jobs.py) and would be shown without a key to the
+    # next person at this browser; browsers that do not know the header ignore it.
+    response = Response(status_code=204, headers={"Clear-Site-Data": '"cache"'})
     response.delete_cookie(
         security.session_cookie_name(request.scope),
         path="/",

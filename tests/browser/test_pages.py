@@ -23,12 +23,13 @@ WEB = Path(__file__).resolve().parents[2] / "app" / "web"
 JSON = {"content-type": "application/json"}
 
 
-async def submit(http: httpx.AsyncClient, **params: object) -> str:
-    """A toy job through the API (Bearer key); its id."""
+async def submit(http: httpx.AsyncClient, headers: dict[str, str] | None = None, **params: object) -> str:
+    """A toy job through the API (Bearer key, or the cookie with `headers=XRW`); its id."""
     answer = await http.post(
         "/jobs",
         files={"image": ("a.png", png_bytes(), "image/png")},
         data={"model": "toy", "params": json.dumps(params)},
+        headers=headers,
     )
     assert answer.status_code == 201, answer.text
     return str(answer.json()["id"])
@@ -81,6 +82,22 @@ async def test_the_cookie_is_secure_behind_https(settings, make_key):
             "/ui/session", json={"key": alice}, headers={**XRW, "X-Forwarded-Proto": "https"}
         )
         assert answer.status_code == 200 and "secure" in answer.headers["set-cookie"].lower()
+
+
+async def test_signing_out_clears_what_the_browser_kept_of_the_callers_jobs(settings, make_key):
+    """A job's input image (the job page's <img>) may be kept by the browser for a day without asking
+    again (`private, max-age=86400`). Signing out deleted only the cookie, so on a shared computer
+    the next person opening /jobs/<id>/input (the id is in the history) saw the image, no key
+    needed. Signing out now also tells the browser to drop what it cached of this site."""
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        await signed_in(browser, alice)
+        job_id = await submit(browser, headers=XRW)
+        kept = await browser.get(f"/jobs/{job_id}/input")
+        assert kept.status_code == 200 and "max-age=86400" in kept.headers["cache-control"]
+        gone = await browser.delete("/ui/session", headers=XRW)
+        assert gone.status_code == 204 and "Max-Age=0" in gone.headers["set-cookie"]
+        assert '"cache"' in gone.headers.get("clear-site-data", ""), gone.headers
 
 
 async def test_two_session_cookies_sign_the_browser_out_not_in_as_either(settings, make_key):
