@@ -133,8 +133,7 @@ class JobStream:
 
     async def catch_up(self, after: int | None) -> list[str]:
         """From the database: the current state (after=None), or every event after `after`."""
-        job = await self._manager.get(self._job_id, owner=self._owner)
-        events = await self._manager.events(self._job_id, owner=self._owner)
+        job, events = await self._manager.job_and_events(self._job_id, owner=self._owner)
         replayed = list(zip(events, _replayed(events), strict=True))
         if after is None:
             replayed = replayed[-1:]

@@ -348,13 +348,17 @@ class JobManager:
 
     async def get(self, job_id: uuid.UUID, *, owner: str | None = None) -> Job:
         """One job; JobNotFound if it does not exist or belongs to someone else."""
+        async with self._auto.connect() as conn:
+            return await self._get(conn, job_id, owner)
+
+    @staticmethod
+    async def _get(conn: AsyncConnection, job_id: uuid.UUID, owner: str | None) -> Job:
         from app import tables  # late, as the note at the imports says
 
         query = select(tables.JobRow.__table__).where(tables.JobRow.id == job_id)
         if owner is not None:
             query = query.where(tables.JobRow.owner == owner)
-        async with self._auto.connect() as conn:
-            row = (await conn.execute(query)).first()
+        row = (await conn.execute(query)).first()
         if row is None:
             raise errors.JobNotFound(f"no job {job_id}")
         return Job.from_row(row)
@@ -424,6 +428,16 @@ class JobManager:
         if not rows:
             await self.get(job_id, owner=owner)  # 404 if not visible; every job has events
         return [Event(r.id, r.at, r.kind, r.attempt, r.worker_id, r.detail) for r in rows]
+
+    async def job_and_events(self, job_id: uuid.UUID, *, owner: str | None = None) -> tuple[Job, list[Event]]:
+        """The job and its history as they were at one moment (one snapshot): read apart, a job
+        that ended in between was read running with its final event already in its history."""
+        async with self._engine.connect() as conn:
+            await conn.execution_options(isolation_level="REPEATABLE READ")
+            async with conn.begin():
+                job = await self._get(conn, job_id, owner)
+                rows = (await conn.execute(sql.EVENTS, {"id": job_id, "owner": owner})).all()
+        return job, [Event(r.id, r.at, r.kind, r.attempt, r.worker_id, r.detail) for r in rows]
 
     # -- the worker's side ----------------------------------------------------------------
 

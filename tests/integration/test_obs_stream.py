@@ -201,3 +201,37 @@ async def test_a_last_event_id_of_other_than_ascii_digits_is_ignored(settings, v
             assert response.status_code == 200
             first = await anext(events(response))
         assert first["id"] == newest and first["data"]["state"] == "queued"
+
+
+async def test_a_stream_opened_as_its_job_ends_tells_the_end_and_closes(manager, engine, settings):
+    """A stream read the job, then its history, in two statements: a job that ended in between
+    was read running, with its final event the newest of the history. The stream sent that event
+    with the state `running`, took the job for one still going, and then dropped the live note of
+    the end as one already sent: it never closed, and `submit --wait` waited for ever. Here the
+    history's read waits (a lock) while the job's success is committed."""
+    job_id = await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
+    success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
+    waiting = text(  # the stream's read of the history (sql.EVENTS), waiting for the lock
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
+    )
+    seen: list[dict[str, Any]] = []
+    async with api_client(settings) as http, engine.connect() as conn:
+        await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+        async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
+            for _ in range(200):  # until the stream has read the job and waits to read its history
+                async with engine.connect() as probe:
+                    if await probe.scalar(waiting):
+                        break
+                await asyncio.sleep(0.02)
+            else:
+                pytest.fail("the stream never read the history")
+            await conn.execute(sql.SUCCEED, success)
+            await conn.commit()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    async for event in events(response):  # ends when the server closes the stream
+                        seen.append(event)
+    assert seen and seen[-1]["data"]["state"] == "succeeded", seen
+    assert seen[-1]["data"]["kind"] == "succeeded", seen
