@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from app.queue.jobs import Job, ResultFile
 
 LOG_NAME = re.compile(r"attempt-([1-9][0-9]{0,5})\.log\Z")  # as links name logs (\Z: no final line break)
 LOG_FILE = re.compile(r"^([0-9a-f-]{36})\.attempt-[1-9][0-9]{0,5}\.log$")  # as logs are stored
+PROBE_BYTES = 1 << 20  # what `probe` asks of the disk: room for a small job's input and outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +177,16 @@ class ResultStore:
             _rmtree(self.root / "scratch" / _safe_name(owner))
         self._made = {p for p in self._made if not p.is_relative_to(self.root / "scratch")}
         self._inputs.clear()
+
+    def probe(self, owner: str) -> None:
+        """OSError unless `owner`'s scratch folder takes a file of PROBE_BYTES and the results
+        folder a new folder: a full disk, a folder gone read-only or removed fails it."""
+        lanes = self.root / "scratch" / _safe_name(owner)
+        lanes.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=lanes) as f:  # nameless (O_TMPFILE): a crash leaves nothing
+            os.posix_fallocate(f.fileno(), 0, PROBE_BYTES)
+        with tempfile.TemporaryDirectory(prefix=".probe-", dir=self.root / "results"):
+            pass
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
         """The working folder of a warm runner (its HOME and its own log)."""

@@ -109,6 +109,7 @@ class Attempt:
         slot: asyncio.Semaphore | None = None,
         room: asyncio.Event | None = None,
         on_model_end: Callable[[Attempt], None] | None = None,
+        on_storage_trouble: Callable[[Attempt], None] | None = None,
     ) -> None:
         self.job = job
         # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
@@ -118,9 +119,13 @@ class Attempt:
         # from then on only the outcome is written, and the worker may hand the GPU slot on.
         self.model_ended = False
         self.model_started_s: float | None = None  # when it took its GPU slot and its model started
+        # Why the job's files could not be written (a full disk, a read-only folder), if they could
+        # not: the worker then claims nothing until its storage folder takes a file again.
+        self.storage_trouble: str | None = None
         self._slot = slot  # its GPU's slots under max_jobs_per_gpu: a job claimed ahead waits for one
         self._room = room  # set once the worker has evicted the idle runners whose memory it needs
         self._on_model_end = on_model_end
+        self._on_storage_trouble = on_storage_trouble
         self.spec = spec
         self._manager = manager
         self._store = store
@@ -246,7 +251,7 @@ class Attempt:
             log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
         except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
             # take for the database's (then nothing is written and the job waits out its lease)
-            return self._failure(f"could not prepare the scratch folder: {exc}", retryable=True)
+            return self._storage_failed(f"could not prepare the scratch folder: {exc}")
         del data
         input_path = scratch / input_name
         if spec.persistent and self._pool is not None:
@@ -540,6 +545,13 @@ class Attempt:
                 self.peak_mb = total
             await asyncio.sleep(self._config.sample_interval_s)
 
+    def _storage_failed(self, error: str) -> Callable[[], Awaitable[Any]]:
+        """A retryable failure for files that could not be written, which the worker is told of."""
+        self.storage_trouble = error
+        if self._on_storage_trouble is not None:
+            self._on_storage_trouble(self)
+        return self._failure(error, retryable=True)
+
     def _failure(self, error: str, *, retryable: bool, **detail: Any) -> Callable[[], Awaitable[Any]]:
         delay = retry_delay_s(self.job.attempt, self._config.retry_base_s, self._config.retry_max_s)
         abnormal, error = bool(detail.pop("abnormal", False)), storable(error)
@@ -582,8 +594,7 @@ class Attempt:
                 try:  # in a thread: its fsyncs may take a while on a busy disk
                     await asyncio.to_thread(self._store.publish, job.id, job.attempt, out_dir, files)
                 except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
-                    cause = exc.__cause__ or exc
-                    await self._failure(f"could not store the results: {cause}", retryable=True)()
+                    await self._storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
                     return
             published = True
             try:

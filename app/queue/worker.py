@@ -40,6 +40,9 @@ log = logging.getLogger("gpujobs.worker")
 CARRY_MARGIN_S = 0.005
 # The weight of a model's latest run in the moving average of its runs' length (claim ahead).
 RUN_S_WEIGHT = 0.2
+# The longest pause of claims after jobs whose files could not be written (it doubles from the poll
+# interval while they go on failing so).
+STORAGE_PAUSE_MAX_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,11 @@ class Worker:
         # Held while claiming and starting what was claimed, and while handing back what a lost
         # claim took: that compares the jobs running under this worker's name with `_running`.
         self._claiming = asyncio.Lock()
+        # Set when a job's files could not be written (a full disk, a folder gone read-only): claims
+        # pause until a probe of the storage folder passes, or every job would spend its attempts here.
+        self._storage_trouble: str | None = None
+        self._storage_pause_s = 0.0  # how long claims pause before the next probe (doubles)
+        self._next_probe_s = 0.0
 
     @property
     def id(self) -> str:
@@ -346,7 +354,7 @@ class Worker:
         if self._claim_unsure:
             await self._release_unknown()
         started = 0
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and await self._storage_usable():
             batch = await self.planner.claim(
                 self.in_hand(),
                 worker_id=self.id,
@@ -368,6 +376,40 @@ class Worker:
                 room.set()
             started += len(batch)
         return started
+
+    async def _storage_usable(self) -> bool:
+        """Whether the storage folder may take jobs: after a job's files could not be written, not
+        until the pause has passed and a probe (storage.ResultStore.probe) shows it takes a file."""
+        if self._storage_trouble is None:
+            return True
+        if time.monotonic() < self._next_probe_s:
+            return False
+        try:
+            await asyncio.to_thread(self._store.probe, self.id)
+        except OSError as exc:
+            self._next_probe_s = time.monotonic() + self._storage_pause_s
+            log.debug("storage folder still unusable: %s", exc, extra={"action": "storage_probe_failed"})
+            return False
+        self._storage_trouble = None
+        log.info("storage folder usable again; claiming", extra={"action": "storage_usable_again"})
+        return True
+
+    def _storage_failed(self, run: attempt_.Attempt) -> None:
+        """A job's files could not be written: claims pause, longer each time in a row (a disk with
+        room for the probe but not for a job's files would otherwise spend an attempt of each job
+        it claims, one pause after another)."""
+        if self._storage_trouble is not None:
+            return
+        self._storage_trouble = run.storage_trouble
+        pause = 2 * self._storage_pause_s or self._config.poll_interval_s
+        self._storage_pause_s = min(pause, STORAGE_PAUSE_MAX_S)
+        self._next_probe_s = time.monotonic() + self._storage_pause_s
+        log.warning(
+            "%s; claiming nothing until the storage folder takes a file again (checked in %g s)",
+            run.storage_trouble,
+            self._storage_pause_s,
+            extra={"action": "storage_unusable", "job_id": str(run.job.id)},
+        )
 
     async def _try_release_unknown(self) -> bool:
         """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
@@ -414,6 +456,7 @@ class Worker:
             slot=self._slot(job.gpu),
             room=room,
             on_model_end=self._model_ended,
+            on_storage_trouble=self._storage_failed,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         older = self._running.get(job.id)
@@ -483,6 +526,8 @@ class Worker:
 
     def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
         job_id = run.job.id
+        if run.model_ended and run.storage_trouble is None and self._storage_trouble is None:
+            self._storage_pause_s = 0.0  # its files were written: a new trouble pauses briefly again
         if run.lane_clean:
             self._free_lanes.append(run.lane)
         if self._owns(run):  # else a newer attempt of its job (claimed again) holds its place

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -591,6 +592,30 @@ async def test_a_scratch_folder_that_cannot_be_made_fails_the_attempt(manager, m
         job = await until(manager, job_id, lambda j: j.state.final, timeout_s=15)
     assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
     assert job.error is not None and job.error.startswith("could not prepare the scratch folder"), job.error
+
+
+async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(
+    manager, make_worker, store, caplog
+):
+    """A full disk (here the worker's lanes folder is a file) failed each job the worker claimed,
+    and it went on claiming: within seconds every queued job had spent all its attempts on this
+    host's trouble, which another worker could have run. Now it claims nothing more until its
+    storage folder takes a file again, then runs them."""
+    caplog.set_level(logging.INFO, logger="gpujobs")
+    worker = make_worker(burst=False)
+    blocker = store.lane_dir(worker.id, 0).parent
+    blocker.write_bytes(b"in the way")  # survives the start's cleanup
+    ids = [await enqueue(manager, max_attempts=3) for _ in range(3)]
+    async with running(worker):
+        await asyncio.sleep(2)  # ten retry delays and more (0.05 to 0.2 s)
+        jobs = [await manager.get(job_id) for job_id in ids]
+        assert [j.state for j in jobs if j.state is JobState.failed] == []
+        assert max(j.attempt for j in jobs) == 1
+        blocker.unlink()
+        done = [await until(manager, job_id, lambda j: j.state.final, timeout_s=15) for job_id in ids]
+    assert [(j.state, j.attempt) for j in done] == [(JobState.succeeded, 2)] * 3
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert (actions.count("storage_unusable"), actions.count("storage_usable_again")) == (1, 1)
 
 
 async def test_a_job_handed_back_with_a_cancel_pending_ends_canceled(manager, make_worker, engine):
