@@ -122,6 +122,16 @@ class ResultStore:
         each freed inode made later creations slower, as ext4 skips recently freed inodes one by
         one, and that showed as most of a no-op job's CPU.
         """
+        try:
+            self._put_input(lane, input_name, data)
+        except FileNotFoundError:  # the lane was removed since it was made (storage/ cleaned by hand)
+            self._made.discard(lane)
+            self._put_input(lane, input_name, data)
+        self._inputs[lane] = input_name
+        return log_file(self.root, job_id, attempt)
+
+    def _put_input(self, lane: Path, input_name: str, data: bytes) -> None:
+        """Write the input into the lane (made if it was not), over the input the last job kept."""
         if lane not in self._made:
             (lane / "out").mkdir(parents=True, exist_ok=True)
             self._made.add(lane)
@@ -137,8 +147,6 @@ class ResultStore:
                 os.ftruncate(fd, at)
         finally:
             os.close(fd)
-        self._inputs[lane] = input_name
-        return log_file(self.root, job_id, attempt)
 
     def clear_lane(self, lane: Path) -> bool:
         """Empty a lane for the next job, keeping its `out/` folder (emptied too) and its input

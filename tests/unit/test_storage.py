@@ -60,6 +60,19 @@ def test_jobs_in_a_lane_reuse_one_input_file(tmp_path: Path):
         os.close(fd)
 
 
+@pytest.mark.parametrize("name", ["input.png", "input.jpg"])
+def test_a_lane_removed_since_it_was_made_is_made_again(tmp_path: Path, name: str):
+    """The storage folder cleaned by hand while the worker ran: each lane it had made failed its
+    next job ("could not prepare the scratch folder: No such file or directory"), an attempt spent."""
+    store = storage.ResultStore(tmp_path / "storage")
+    lane = store.lane_dir("w", 0)
+    store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
+    assert store.clear_lane(lane)
+    shutil.rmtree(tmp_path / "storage")
+    store.prepare(lane, name, b"second", uuid.uuid4(), 1)
+    assert sorted(os.listdir(lane)) == [name, "out"] and (lane / name).read_bytes() == b"second"
+
+
 def test_an_input_the_model_made_read_only_is_made_anew(tmp_path: Path):
     store = storage.ResultStore(tmp_path)
     lane = store.lane_dir("w", 0)
