@@ -12,8 +12,8 @@ Layout (all below one root):
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
 into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
-when it starts again (`reset_lanes`), or an unreferenced attempt folder. A worker that stops
-removes its lanes too.
+when it starts again (`reset_lanes`), or an unreferenced attempt folder, which a later attempt's
+success removes (`drop_other_attempts`). A worker that stops removes its lanes too.
 """
 
 from __future__ import annotations
@@ -258,6 +258,16 @@ class ResultStore:
     def unpublish(self, job_id: uuid.UUID, attempt: int) -> None:
         """Remove an attempt's published results (its completion lost to fencing)."""
         shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
+
+    def drop_other_attempts(self, job_id: uuid.UUID, attempt: int) -> None:
+        """Remove what earlier attempts of a job that succeeded left in its results folder: a
+        worker that died while storing them left them there, whole or hidden (`.<n>.partial`)."""
+        folder = self.root / "results" / str(job_id)
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name != str(attempt):
+                    with contextlib.suppress(OSError):
+                        _rmtree(entry.path)
 
     def resolve(self, job: Job, name: str) -> tuple[Path | None, str, str | None]:
         """The file a link names: (path, media type, sha256 or None). Names come from the job row.

@@ -608,6 +608,8 @@ class Attempt:
                 if not (unsure and isinstance(exc, errors.LeaseLost) and await self._succeeded_already()):
                     self._store.unpublish(job.id, job.attempt)
                     raise
+            if job.attempt > 1:  # an earlier attempt's worker may have died storing its results
+                await asyncio.to_thread(self._store.drop_other_attempts, job.id, job.attempt)
             log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
 
         return write

@@ -277,6 +277,24 @@ async def test_retry_succeeds_after_transient_failures(manager, make_worker):
     assert job.state is JobState.succeeded and job.attempt == 3
 
 
+async def test_a_job_that_succeeds_keeps_no_files_of_the_attempts_before(manager, make_worker, store):
+    """A worker killed while it stored a job's results (between its model's end and the success)
+    leaves that attempt's folder, whole or still hidden; the job is run again and succeeds. The
+    dead attempt's files, as large as the job's outputs, stayed on disk until retention (never,
+    with GPUJOBS_RETENTION_DAYS=0): only the attempt that wins is to keep its files."""
+    job_id = await enqueue(manager, fail_attempts=1, max_attempts=3)
+    folder = store.root / "results" / str(job_id)
+    for left in ("1", ".1.partial"):  # as a crash leaves them, before and after the rename
+        (folder / left).mkdir(parents=True)
+        (folder / left / "out.txt").write_text("a dead attempt's")
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert (job.state, job.attempt) == (JobState.succeeded, 2)
+    assert sorted(os.listdir(folder)) == ["2"]
+    path, _, _ = store.resolve(job, "out.txt")
+    assert path.read_text() == f"done {job_id}:2\n"
+
+
 async def test_bad_input_exit_code_fails_at_once(manager, make_worker):
     job_id = await enqueue(manager, exit_code=65, max_attempts=3)
     await make_worker().run()
