@@ -26,7 +26,7 @@ MIN_SECRET_CHARS = 16
 def load_or_create_secret(storage_dir: Path) -> bytes:
     """The link secret kept in `storage_dir/link_secret`, created (0600) on first use.
 
-    The secret is written to a file of its own first and linked into place whole, so a process
+    The secret is written to a file of its own first, flushed, and linked into place whole, so a process
     starting beside another never reads the file created but not yet written."""
     path = storage_dir / "link_secret"
     try:
@@ -49,10 +49,17 @@ def _read_or_create(storage_dir: Path, path: Path) -> bytes:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_urlsafe(48).encode())
+                f.flush()
+                os.fsync(f.fileno())  # on disk before its name: a power cut leaves no empty secret
             with contextlib.suppress(FileExistsError):  # another process was first: its secret holds
                 os.link(draft, path)
         finally:
             os.unlink(draft)
+        folder = os.open(storage_dir, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the new name too
+        finally:
+            os.close(folder)
     return path.read_bytes().strip()
 
 

@@ -304,3 +304,27 @@ def test_a_folder_in_the_way_of_the_link_secret_names_the_setting(tmp_path: Path
     with pytest.raises(errors.ConfigError) as refused:
         links.load_or_create_secret(tmp_path)
     assert refused.value.message.startswith(f"GPUJOBS_STORAGE_DIR: cannot use {tmp_path / 'link_secret'}: ")
+
+
+def test_a_new_link_secret_is_on_disk_before_it_is_linked_into_place(tmp_path: Path, monkeypatch):
+    """The secret was linked into place unflushed: a host that lost power soon after could come
+    back with `link_secret` empty, and the service refused to start until it was deleted (and a
+    new secret broke the links signed since)."""
+    from app import links
+
+    steps: list[str] = []
+    fsync, link = os.fsync, os.link
+
+    def syncing(fd: int) -> None:
+        steps.append("fsync file" if os.path.isfile(f"/proc/self/fd/{fd}") else "fsync folder")
+        fsync(fd)
+
+    def linking(src: Any, dst: Any) -> None:
+        steps.append("link")
+        link(src, dst)
+
+    monkeypatch.setattr(os, "fsync", syncing)
+    monkeypatch.setattr(os, "link", linking)
+    secret = links.load_or_create_secret(tmp_path)
+    assert steps == ["fsync file", "link", "fsync folder"]
+    assert (tmp_path / "link_secret").read_bytes() == secret
