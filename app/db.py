@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-from sqlalchemy import MetaData, TextClause, exc
+from sqlalchemy import MetaData, TextClause, event, exc
 from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 # Stable constraint names, so autogenerate and downgrades agree with the migrations.
@@ -42,18 +43,31 @@ def create_engine(
     server_settings = {"application_name": name, "jit": "off"}
     if fixed_plans:
         server_settings.update(plan_cache_mode="force_generic_plan", enable_seqscan="off")
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
         # No pre-ping: it costs three round trips per checkout. A dead connection fails its
         # statement instead; SQLAlchemy then drops the pool and callers retry (db.is_unavailable).
+        # One the server closed (a restart, pg_terminate_backend) is known closed without asking:
+        # `_drop_closed` replaces it, and the rest of the pool, at checkout.
         pool_recycle=1800,
         # JIT off: every statement here is short, and JIT compiled the claim whenever its estimated
         # cost passed jit_above_cost (a worker of several models, or the generic plan of its
         # prepared statement): 30-40 ms of LLVM per claim, for a statement that runs in 1-2 ms.
         connect_args={"server_settings": server_settings},
     )
+    event.listen(engine.sync_engine, "checkout", _drop_closed)
+    return engine
+
+
+def _drop_closed(_dbapi: Any, _record: ConnectionPoolEntry, pooled: PoolProxiedConnection) -> None:
+    """Refuse a pooled connection that asyncpg already saw closed, and every connection pooled
+    before it: the pool connects afresh. After PostgreSQL restarted, each connection left in the
+    pool failed the statement that took it, one 503 (or one failed claim) each."""
+    driver = pooled.driver_connection
+    if driver is not None and driver.is_closed():
+        raise exc.InvalidatePoolError("the server closed this pooled connection")
 
 
 def create_queue_engine(url: str, *, pool_size: int = 2) -> AsyncEngine:

@@ -1,4 +1,5 @@
-"""The API while PostgreSQL is slow: every connection of the pool is taken and none comes free."""
+"""The API while PostgreSQL is slow (every connection of the pool is taken and none comes free),
+and once it is back after a restart."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app import auth
 from app.queue.manager import JobManager
+from tests import dbadmin
 from tests.conftest import api_client
 from tests.integration.test_retention_races import until_waiting
 from tests.integration.test_worker import enqueue
@@ -58,3 +61,21 @@ async def test_a_route_that_finds_no_free_connection_is_503(settings, engine, ma
         await holder.rollback()
         assert (await cancel).json()["state"] == "canceled"
     await small.dispose()
+
+
+async def test_pooled_connections_the_server_closed_fail_no_request(settings, server_url, manager):
+    """PostgreSQL restarted (here: every connection to the test database ended, as a restart ends
+    them): each connection left in the pool failed the request that took it, a 503 for a database
+    that was back, until every one had been used. The pool now connects afresh at once."""
+    job_id = await enqueue(manager)
+    async with api_client(settings) as http:
+        await asyncio.gather(*(http.get(f"/jobs/{job_id}") for _ in range(8)))  # 8 connections pooled
+        name = make_url(settings.database_url).database
+        await dbadmin.admin(
+            server_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            f" WHERE datname = '{name}' AND pid <> pg_backend_pid()",
+        )
+        await asyncio.sleep(0.2)  # the API's connections see the server close them
+        answers = [(await http.get(f"/jobs/{job_id}")).status_code for _ in range(10)]
+    assert answers == [200] * 10
