@@ -310,7 +310,8 @@ def store(settings: Settings) -> storage.ResultStore:
 
 @pytest.fixture
 def make_worker(manager: JobManager, store: storage.ResultStore, settings: Settings) -> Callable[..., Worker]:
-    """Build a worker on fake GPUs (default: one 24 GB GPU), burst mode unless told otherwise."""
+    """Build a worker on fake GPUs (default: one 24 GB GPU), burst mode unless told otherwise; a
+    worker that is not in burst mode LISTENs at `listen_url` (default: the test database's)."""
 
     def build(
         gpus_mb: list[int] | None = None,
@@ -319,6 +320,7 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         name: str = "w1",
         inventory: FakeInventory | None = None,
         manager_: JobManager | None = None,
+        listen_url: str | None = None,
         **config: Any,
     ) -> Worker:
         # Keyword arguments go to WorkerConfig or, for scheduling, to its PlannerConfig.
@@ -348,7 +350,7 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
             models=registry.load_registry(settings.models_file),
             inventory=inventory or FakeInventory(gpus_mb or [24_576]),
             config=WorkerConfig(**values),
-            listen_dsn=None if burst else db.asyncpg_dsn(settings.database_url),
+            listen_dsn=None if burst else db.asyncpg_dsn(listen_url or settings.database_url),
         )
 
     return build

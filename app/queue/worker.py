@@ -43,6 +43,8 @@ RUN_S_WEIGHT = 0.2
 # The longest pause of claims after jobs whose files could not be written (it doubles from the poll
 # interval while they go on failing so).
 STORAGE_PAUSE_MAX_S = 300.0
+# The first wait before the listener connects again; it doubles, up to the poll interval.
+LISTEN_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -653,7 +655,11 @@ class Worker:
         """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""
         if self._listen_dsn is None:
             await asyncio.Event().wait()
-        delay = 0.5
+        # The backoff stops at the poll interval: the reconnect wakes the claims, whose own backoff
+        # grows further. Up to 30 s, as before, an idle worker left the jobs queued once the
+        # database was back waiting that long.
+        most_s = max(LISTEN_RETRY_S, self._config.poll_interval_s)
+        delay = LISTEN_RETRY_S
         while True:
             try:
                 conn = await asyncpg.connect(self._listen_dsn)
@@ -661,9 +667,9 @@ class Worker:
                 if not db.is_unavailable(exc):
                     raise
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, most_s)
                 continue
-            delay = 0.5
+            delay = LISTEN_RETRY_S
             await self._listen_on(conn)
 
     async def _listen_on(self, conn: asyncpg.Connection) -> None:

@@ -4,6 +4,7 @@ writes once the link is back."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from app import db
 from app.queue.jobs import JobState
@@ -44,3 +45,31 @@ async def test_a_run_that_ends_while_the_database_is_away_keeps_its_result_and_i
         await link.close()
     assert (done.state, done.attempt, done.abnormal_runs) == (JobState.succeeded, 1, 0)
     assert done.vram_peak_mb == 1500
+
+
+async def test_an_idle_worker_claims_soon_after_the_database_is_back(
+    manager, make_worker, settings, tmp_path
+):
+    """An idle worker claims a new job within milliseconds (LISTEN), else within its poll interval
+    (0.5 s here). While the database was away, its listener tried to reconnect ever more rarely
+    (doubling to 30 s), as did its claims: a job queued once the database was back waited until
+    the next of either (here 7 s; up to 30 s after a longer outage). The listener now tries again
+    at least every poll interval, and wakes the claims as it reconnects."""
+    assert settings.database_url
+    link = CuttableLink(settings.database_url, tmp_path / "link")
+    url = await link.start()
+    engine = db.create_engine(url, pool_size=2)
+    try:
+        async with running(make_worker(burst=False, manager_=JobManager(engine), listen_url=url)):
+            await asyncio.sleep(0.5)  # listening
+            link.cut()
+            await asyncio.sleep(8)  # the retries spread out: 0.5, 1, 2, 4, 8 s apart
+            link.mend()
+            started = time.monotonic()
+            job_id = await enqueue(manager)  # its NOTIFY finds no listener: the reconnect must wake
+            await until(manager, job_id, lambda j: j.state is not JobState.queued)
+            waited_s = time.monotonic() - started
+    finally:
+        await engine.dispose()
+        await link.close()
+    assert waited_s < 3, waited_s
