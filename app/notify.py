@@ -93,7 +93,9 @@ class Subscription:
 class JobFeed:
     """The process's LISTEN connection on the job channel and its subscribers."""
 
-    def __init__(self, dsn: str | None, *, max_backoff_s: float = 30.0) -> None:
+    # The reconnect backoff stops at 2 s: its streams show nothing of their jobs until it is back
+    # (up to 30 s after the database's return, when it stopped at 30 s).
+    def __init__(self, dsn: str | None, *, max_backoff_s: float = 2.0) -> None:
         self._dsn = dsn
         self._max_backoff_s = max_backoff_s
         self._subscribers: defaultdict[uuid.UUID, set[Subscription]] = defaultdict(set)
