@@ -133,8 +133,7 @@ async def job_row(job_id: str, services: ServicesDep, caller: CallerDep) -> Resp
 async def _job_context(services: ServicesDep, caller: Caller, text: str) -> dict[str, Any]:
     """What the job page and its live fragment show."""
     job_id = job_id_of(text)
-    job = await services.manager.get(job_id, owner=caller.owner_filter)
-    events = await services.manager.events(job_id, owner=caller.owner_filter)
+    job, events = await services.manager.job_and_events(job_id, owner=caller.owner_filter)
     log = await asyncio.to_thread(log_tail, services.store, job)
     mesh = next((r for r in job.results if Path(r.name).suffix.lower() in MESH_FORMATS), None)
     return {

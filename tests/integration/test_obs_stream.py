@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlalchemy import text
 from app import db
 from app.queue import sql
 from app.queue.jobs import JobState
-from tests.conftest import api_client, script_model, toy_model
+from tests.conftest import api_client, client_for, script_model, signed_in, toy_model
 from tests.integration.test_batching import CLAIM
 from tests.integration.test_stream import events, kill_listeners, submit_toy
 from tests.integration.test_worker import enqueue
@@ -235,3 +236,34 @@ async def test_a_stream_opened_as_its_job_ends_tells_the_end_and_closes(manager,
                         seen.append(event)
     assert seen and seen[-1]["data"]["state"] == "succeeded", seen
     assert seen[-1]["data"]["kind"] == "succeeded", seen
+
+
+async def test_a_job_page_read_as_its_job_ends_shows_one_moment(manager, engine, settings, make_key):
+    """The job page read the job, then its history, in two statements: a job that ended in between
+    showed `running` (with its cancel button) above a history ending in `succeeded`. Here the
+    history's read waits (a lock) while the job's success is committed."""
+    job_id = await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
+    success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
+    waiting = text(  # the page's read of the history (sql.EVENTS), waiting for the lock
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
+    )
+    async with api_client(settings) as api, client_for(api, None) as browser, engine.connect() as conn:
+        await signed_in(browser, await make_key("admin", admin=True))
+        await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+        page = asyncio.create_task(browser.get(f"/ui/jobs/{job_id}/live"))
+        for _ in range(200):  # until the page has read the job and waits to read its history
+            async with engine.connect() as probe:
+                if await probe.scalar(waiting):
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the page never read the history")
+        await conn.execute(sql.SUCCEED, success)
+        await conn.commit()
+        html = (await page).text
+    state = re.search(r'data-state="([a-z_]+)"', html)
+    kinds = re.findall(r'class="event e-([a-z_]+)"', html)
+    assert state and kinds, html
+    assert (state.group(1) == "succeeded") == ("succeeded" in kinds), (state.group(1), kinds)
