@@ -13,13 +13,15 @@ nothing is repeated or skipped. It closes after a final state. Live events come 
 one LISTEN connection (`notify.JobFeed`); the database is read only on connect and after the feed
 lost notifications (RESYNC), never polled. A client that reconnects to a finished job having seen
 its last event gets 204, which tells a browser's EventSource to stop reconnecting. When the server
-is told to exit, the stream ends its body at once (the client reconnects with Last-Event-ID).
+is told to exit, or a read of the database fails, the stream ends its body at once (the client
+reconnects with Last-Event-ID).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -28,11 +30,13 @@ import prometheus_client
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
-from app import notify
+from app import db, notify
 from app.api.deps import CallerDep, ServicesDep
 from app.api.schemas import ErrorPublic
 from app.queue import manager as manager_
 from app.queue.jobs import Job, JobState
+
+log = logging.getLogger("gpujobs.api")
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -183,7 +187,10 @@ class JobStream:
         exiting = asyncio.create_task(self._exiting.wait(), name=f"stream-exit:{self._job_id}")
         try:
             yield f"retry: {RETRY_MS}\n\n"
-            for chunk in await self.catch_up(after):
+            caught_up = await self._read(after)
+            if caught_up is None:
+                return
+            for chunk in caught_up:
                 yield chunk
             stale = subscription.pending  # notes that came before (or while) the database was read
             while not self.done:
@@ -199,13 +206,30 @@ class JobStream:
                     if live is not None:
                         yield live
                 else:  # RESYNC: notes may have been lost; the history has them
-                    for chunk in await self.catch_up(self.last_id):
+                    caught_up = await self._read(self.last_id)
+                    if caught_up is None:
+                        return
+                    for chunk in caught_up:
                         yield chunk
                     stale = subscription.pending
         finally:
             exiting.cancel()
             self._feed.unsubscribe(subscription)
             self._open_streams.dec()
+
+    async def _read(self, after: int | None) -> list[str] | None:
+        """`catch_up`, or None when the database failed the read: the stream then ends its body,
+        and the client reconnects with Last-Event-ID. An error let out of the body cut the response
+        mid-chunk, with an ERROR and its traceback in the log, for an outage the client rides out."""
+        try:
+            return await self.catch_up(after)
+        except db.ERRORS as exc:
+            log.warning(
+                "event stream ended: its read of the database failed: %s",
+                exc,
+                extra={"action": "stream_db_error", "job_id": str(self._job_id)},
+            )
+            return None
 
     async def _next(
         self, subscription: notify.Subscription, exiting: asyncio.Task[Any]

@@ -267,3 +267,40 @@ async def test_a_job_page_read_as_its_job_ends_shows_one_moment(manager, engine,
     kinds = re.findall(r'class="event e-([a-z_]+)"', html)
     assert state and kinds, html
     assert (state.group(1) == "succeeded") == ("succeeded" in kinds), (state.group(1), kinds)
+
+
+async def test_a_stream_whose_reread_meets_a_database_error_ends_its_body_cleanly(settings, engine, caplog):
+    """After the job feed reconnected, a stream re-read the history (RESYNC); a database error then
+    (the server restarting, its connection cut) escaped the body: the response was cut mid-chunk,
+    with an ERROR "Exception in ASGI application" in the log. It ends its body as it does when the
+    server exits, so the client reconnects with Last-Event-ID, and logs a warning."""
+    waiting = text(  # the stream's re-read of the history, waiting for the lock
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
+    )
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        feed = http.app.state.feed  # type: ignore[attr-defined]
+        async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
+            stream = events(response)
+            assert (await anext(stream))["data"]["state"] == "queued"
+            async with engine.connect() as conn:
+                await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+                await kill_listeners(settings.database_url)  # the feed reconnects: RESYNC
+                for _ in range(300):
+                    async with engine.connect() as probe:
+                        reader = await probe.scalar(waiting)
+                    if reader is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    pytest.fail("the stream never re-read the history")
+                async with engine.connect() as probe:  # its connection goes, as in a restart
+                    await probe.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": reader})
+                await conn.rollback()
+            async with asyncio.timeout(10):
+                rest = [e async for e in stream]  # the body ends: no RemoteProtocolError
+        assert rest == []
+        assert feed.subscribers == 0
+    warned = [r for r in caplog.records if getattr(r, "action", None) == "stream_db_error"]
+    assert [r.levelname for r in warned] == ["WARNING"], caplog.records
