@@ -49,12 +49,7 @@ async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep)
     if job.expired_at is not None:
         raise _expired(job_id)
     attempts = services.models.get(job.model).max_attempts
-    try:
-        await services.manager.retry(job_id, by=caller.principal, attempts=attempts)
-    except errors.Conflict:  # retention may have expired it since it was read: the retry skips those
-        if (await services.manager.get(job_id)).expired_at is not None:
-            raise _expired(job_id) from None
-        raise
+    await services.manager.retry(job_id, by=caller.principal, attempts=attempts)  # 410 if expired since
     return JobPublic.of(await services.manager.get(job_id), services.signer)
 
 

@@ -704,9 +704,10 @@ class JobManager:
         async with self._auto.connect() as conn:
             row = (await conn.execute(sql.CANCEL, {"id": job_id, "owner": owner, "by": by})).first()
         if row is None:
-            job = await self.get(job_id, owner=owner)
+            raise errors.JobNotFound(f"no job {job_id}")
+        if row.state is None:  # worded from the state that refused it (sql.CANCEL says why)
             raise errors.Conflict(
-                f"job {job_id} is {job.state}; only queued, scheduled or running jobs can be canceled"
+                f"job {job_id} is {row.seen_state}; only queued, scheduled or running jobs can be canceled"
             )
         return JobState(row.state)
 
@@ -715,9 +716,12 @@ class JobManager:
         async with self._auto.connect() as conn:
             row = (await conn.execute(sql.RETRY_ONE, {"id": job_id, "by": by, "attempts": attempts})).first()
         if row is None:
-            job = await self.get(job_id)
+            raise errors.JobNotFound(f"no job {job_id}")
+        if row.expired:
+            raise errors.Gone(f"job {job_id} expired: retention deleted its input and files")
+        if row.id is None:  # worded from the state that refused it (sql.RETRY_ONE)
             raise errors.Conflict(
-                f"job {job_id} is {job.state}; only failed, canceled or quarantined jobs can be retried"
+                f"job {job_id} is {row.seen_state}; only failed, canceled or quarantined jobs can be retried"
             )
 
     async def retry_matching(

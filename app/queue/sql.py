@@ -618,13 +618,18 @@ SET_WORKER_STATE = text("UPDATE workers SET state = :state, heartbeat_at = now()
 # -- user and admin actions -------------------------------------------------------------------
 
 # A queued job is canceled at once; a running one is flagged and its worker told to kill it.
+# One row when the job exists for :owner: `seen_state` is the state the cancel found (it locks the
+# row, so it is the newest), `state` the job's after it, NULL when that state refused the cancel.
+# A refusal is worded from `seen_state`: the job read again afterwards may have moved on (an admin
+# retry), and the 409 contradicted itself ("is queued; only queued ... can be canceled").
 CANCEL = text(
     f"""
-    WITH target AS (
-        SELECT id, state AS old_state FROM jobs
+    WITH seen AS (
+        SELECT id, state FROM jobs
         WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
-          AND state IN ('queued', 'scheduled', 'running')
         FOR UPDATE
+    ), target AS (
+        SELECT id, state AS old_state FROM seen WHERE state IN ('queued', 'scheduled', 'running')
     ), changed AS (
         UPDATE jobs AS j
         SET cancel_requested = true,
@@ -643,22 +648,28 @@ CANCEL = text(
         SELECT pg_notify('{CANCEL_CHANNEL}', id::text) FROM changed WHERE state = 'running'
     ), told AS ({_tell("changed")}
     )
-    SELECT changed.state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
-    FROM changed
+    SELECT seen.state AS seen_state, changed.state,
+           (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM seen LEFT JOIN changed ON changed.id = seen.id
     """
 )
 
 # Admin retry: a failed or canceled job is queued again with a fresh budget of attempts.
 # `attempt` keeps counting (fencing needs it to only grow); `max_attempts` moves up instead.
+# {picked}: the jobs to retry, (id, state, expired_at), each locked; only those that can be are.
 _RETRY = f"""
-    WITH retried AS (
+    WITH picked AS ({{picked}}
+        FOR UPDATE
+    ), retried AS (
         UPDATE jobs
         SET state = 'queued', max_attempts = attempt + :attempts, run_after = now(),
             error = NULL, cancel_requested = false, started_at = NULL, finished_at = NULL, progress = 0,
             progress_message = NULL, results = '[]'::jsonb, lease_expires_at = NULL, pid = NULL,
             abnormal_runs = 0, oom_retries = 0
-        WHERE state IN ('failed', 'canceled', 'quarantined') AND expired_at IS NULL AND {{where}}
-        RETURNING id, attempt, model, state, progress
+        FROM picked
+        WHERE jobs.id = picked.id
+          AND picked.state IN ('failed', 'canceled', 'quarantined') AND picked.expired_at IS NULL
+        RETURNING jobs.id, jobs.attempt, jobs.model, jobs.state, jobs.progress
     ), event AS (
         INSERT INTO job_events (job_id, kind, attempt, detail)
         SELECT id, 'retried', attempt, jsonb_build_object('by', CAST(:by AS text)) FROM retried
@@ -667,20 +678,31 @@ _RETRY = f"""
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM (SELECT DISTINCT model FROM retried) AS m
     ), told AS ({_tell("retried")}
     )
-    SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM retried
 """
 
-RETRY_ONE = text(_RETRY.format(where="id = :id"))
+# One job, by id. One row when it exists: `seen_state` and `expired` as the retry found them (the
+# row locked: the newest), `id` NULL when they refused it (worded from them, as CANCEL says why).
+RETRY_ONE = text(
+    _RETRY.format(picked="SELECT id, state, expired_at FROM jobs WHERE id = :id")
+    + """
+    SELECT picked.state AS seen_state, picked.expired_at IS NOT NULL AS expired, retried.id,
+           (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM picked LEFT JOIN retried ON retried.id = picked.id
+    """
+)
 
 RETRY_MATCHING = text(
     _RETRY.format(
-        where="""state IN ('failed', 'quarantined')
+        picked="""
+        SELECT id, state, expired_at FROM jobs
+        WHERE state IN ('failed', 'quarantined') AND expired_at IS NULL
           AND (CAST(:model AS text) IS NULL OR model = :model)
           AND (CAST(:error_contains AS text) IS NULL
                OR strpos(coalesce(error, ''), :error_contains) > 0)
           AND (CAST(:since AS timestamptz) IS NULL OR finished_at >= :since)
           AND (CAST(:until AS timestamptz) IS NULL OR finished_at < :until)"""
     )
+    + "SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM retried"
 )
 
 JOB_STATE = text("SELECT state FROM jobs WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)")

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from app import errors
 from app.queue import leftovers
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -359,6 +360,47 @@ async def test_admin_retry(manager, make_worker, api):
     # The states it names are all the ones a retry takes (quarantined too).
     assert again.json()["detail"].endswith("only failed, canceled or quarantined jobs can be retried")
     assert (await api.post(f"/admin/jobs/{uuid.uuid4()}/retry")).status_code == 404
+
+
+def change_before_next_read(manager: JobManager, change: Any) -> None:
+    """Run `change` (another request) just before the manager's next read of a job."""
+    read = manager.get
+
+    async def changed_then_read(job_id: uuid.UUID, **kwargs: Any) -> Any:
+        manager.get = read  # type: ignore[method-assign]
+        await change()
+        return await read(job_id, **kwargs)
+
+    manager.get = changed_then_read  # type: ignore[method-assign]
+
+
+async def test_a_refused_cancel_or_retry_names_the_state_that_refused_it(manager):
+    """A cancel or an admin retry that its statement refused read the job again to word the 409:
+    a job that another request changed in between gave a message that contradicted itself ("job
+    ... is queued; only queued, scheduled or running jobs can be canceled"). The message names the
+    state the refusing statement found."""
+    canceled = await enqueue(manager, vram_mb=40_000)
+    await manager.cancel(canceled, owner=None, by="alice")
+    change_before_next_read(manager, lambda: manager.retry(canceled, by="admin", attempts=3))
+    with pytest.raises(errors.Conflict) as refused:
+        await manager.cancel(canceled, owner=None, by="alice")
+    assert refused.value.message == (
+        f"job {canceled} is canceled; only queued, scheduled or running jobs can be canceled"
+    )
+
+    queued = await enqueue(manager, vram_mb=40_000)
+    change_before_next_read(manager, lambda: manager.cancel(queued, owner=None, by="alice"))
+    with pytest.raises(errors.Conflict) as refused:
+        await manager.retry(queued, by="admin", attempts=3)
+    assert refused.value.message == (
+        f"job {queued} is queued; only failed, canceled or quarantined jobs can be retried"
+    )
+    with pytest.raises(errors.JobNotFound):
+        await manager.cancel(uuid.uuid4(), owner=None, by="alice")
+    with pytest.raises(errors.JobNotFound):
+        await manager.cancel(queued, owner="someone-else", by="someone-else")
+    with pytest.raises(errors.JobNotFound):
+        await manager.retry(uuid.uuid4(), by="admin", attempts=3)
 
 
 async def test_a_retried_job_canceled_before_it_runs_again_has_no_run_time(manager, make_worker, api, engine):
