@@ -12,8 +12,9 @@ Layout (all below one root):
 
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
 into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
-when it starts again (`reset_lanes`), or an unreferenced attempt folder, which a later attempt's
-success removes (`drop_other_attempts`). A worker that stops removes its lanes too.
+when it starts again (`reset_lanes`), or an unreferenced attempt folder, which the job's end
+removes: a later attempt's success (`drop_other_attempts`), or its failure, cancel or quarantine
+(`drop_attempts`). A worker that stops removes its lanes too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from app import errors
 from app.queue.jobs import Job, ResultFile
 
 LOG_NAME = re.compile(r"attempt-([1-9][0-9]{0,5})\.log\Z")  # as links name logs (\Z: no final line break)
+ATTEMPT_DIR = re.compile(r"([1-9][0-9]{0,8})\Z|\.([1-9][0-9]{0,8})\.partial\Z")  # results/<job>/ entries
 LOG_FILE = re.compile(r"^([0-9a-f-]{36})\.attempt-[1-9][0-9]{0,5}\.log$")  # as logs are stored
 PROBE_BYTES = 1 << 20  # what `probe` asks of the disk: room for a small job's input and outputs
 
@@ -266,6 +268,19 @@ class ResultStore:
         with contextlib.suppress(OSError), os.scandir(folder) as entries:
             for entry in entries:
                 if entry.name != str(attempt):
+                    with contextlib.suppress(OSError):
+                        _rmtree(entry.path)
+
+    def drop_attempts(self, job_id: uuid.UUID, *, upto: int) -> None:
+        """Remove the result folders, whole or hidden, of attempts 1 to `upto` of a job that ended
+        at attempt `upto` without success: a worker that died while storing them left them. None of
+        those attempts can ever win the fenced success; a later one (after an admin retry) may be
+        storing its results now, and is left alone."""
+        folder = self.root / "results" / str(job_id)
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                found = ATTEMPT_DIR.match(entry.name)
+                if found and int(found.group(1) or found.group(2)) <= upto:
                     with contextlib.suppress(OSError):
                         _rmtree(entry.path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter
 from typing import Annotated, Any
@@ -151,5 +152,7 @@ async def get_events(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep
 )
 async def cancel_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> CancelPublic:
     """Cancel a job: queued ones at once, running ones within a heartbeat."""
-    state = await services.manager.cancel(job_id, owner=caller.owner_filter, by=caller.principal)
+    state, attempt = await services.manager.cancel(job_id, owner=caller.owner_filter, by=caller.principal)
+    if state is JobState.canceled and attempt > 0:  # ended while it waited: its lost attempts' files go
+        await asyncio.to_thread(services.store.drop_attempts, job_id, upto=attempt)
     return CancelPublic(id=job_id, state=state)

@@ -561,6 +561,8 @@ class Attempt:
             state = await self._manager.fail(
                 self.job, error=error, retryable=retryable, delay_s=delay, detail=detail, abnormal=abnormal
             )
+            if state.final and self.job.attempt > 1:  # an earlier attempt's worker may have died storing
+                await asyncio.to_thread(self._store.drop_attempts, self.job.id, upto=self.job.attempt)
             log.info("job %s", state, extra={"action": f"job_{state}", "job_id": str(self.job.id)})
 
         return write

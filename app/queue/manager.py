@@ -699,8 +699,9 @@ class JobManager:
 
     # -- user and admin actions -----------------------------------------------------------
 
-    async def cancel(self, job_id: uuid.UUID, *, owner: str | None, by: str) -> JobState:
-        """Cancel a queued job now, or ask the worker to kill a running one."""
+    async def cancel(self, job_id: uuid.UUID, *, owner: str | None, by: str) -> tuple[JobState, int]:
+        """Cancel a queued job now, or ask the worker to kill a running one; the job's state after
+        it, and its attempt."""
         async with self._auto.connect() as conn:
             row = (await conn.execute(sql.CANCEL, {"id": job_id, "owner": owner, "by": by})).first()
         if row is None:
@@ -709,7 +710,7 @@ class JobManager:
             raise errors.Conflict(
                 f"job {job_id} is {row.seen_state}; only queued, scheduled or running jobs can be canceled"
             )
-        return JobState(row.state)
+        return JobState(row.state), row.attempt
 
     async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
         """Queue a failed, canceled or quarantined job again with a fresh budget of attempts."""

@@ -648,7 +648,7 @@ CANCEL = text(
         SELECT pg_notify('{CANCEL_CHANNEL}', id::text) FROM changed WHERE state = 'running'
     ), told AS ({_tell("changed")}
     )
-    SELECT seen.state AS seen_state, changed.state,
+    SELECT seen.state AS seen_state, changed.state, changed.attempt,
            (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
     FROM seen LEFT JOIN changed ON changed.id = seen.id
     """

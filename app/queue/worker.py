@@ -246,11 +246,13 @@ class Worker:
         await self._kill_leftovers(worker_id=self.id)
         # Runs of a previous life whose jobs were meanwhile taken back, maybe by another host.
         await leftovers.kill_worker_models(self.id, grace_s=self._config.kill_grace_s)
-        for taken in await self._manager.requeue_own(worker_id=self.id):
+        taken_back = await self._manager.requeue_own(worker_id=self.id)
+        for taken in taken_back:
             log.warning(
                 "took back a job from this worker's previous run",
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
             )
+        await self._drop_dead_attempts(taken_back)
         self._store.reset_lanes(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
@@ -613,10 +615,19 @@ class Worker:
                     "state": t.state,
                 },
             )
+        await self._drop_dead_attempts(taken)
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
         for worker_id in await self._manager.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
+
+    async def _drop_dead_attempts(self, taken: list[manager_.TakenBack]) -> None:
+        """Remove the result folders that jobs taken back into a final state (failed, quarantined,
+        canceled) have from their lost attempts: a worker killed while storing them left them. A
+        job queued again keeps them until it ends."""
+        for job in taken:
+            if job.state.final:
+                await asyncio.to_thread(self._store.drop_attempts, job.id, upto=job.attempt)
 
     async def _age_queued(self) -> None:
         """Raise the age boost of waiting jobs whose next boost is due (a boost lands at most one

@@ -26,7 +26,7 @@ from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
 from app.web import views
-from tests.conftest import api_client, free_port, worker_env, worker_name
+from tests.conftest import api_client, free_port, worker_env, worker_id, worker_name
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -294,6 +294,59 @@ async def test_a_job_that_succeeds_keeps_no_files_of_the_attempts_before(manager
     assert sorted(os.listdir(folder)) == ["2"]
     path, _, _ = store.resolve(job, "out.txt")
     assert path.read_text() == f"done {job_id}:2\n"
+
+
+def leave_dead_attempt(store: Any, job_id: uuid.UUID, attempt: int) -> Any:
+    """What a worker killed while it stored attempt `attempt`'s results leaves: that attempt's
+    folder, whole or still hidden (before and after the rename); the job's results folder."""
+    folder = store.root / "results" / str(job_id)
+    for left in (str(attempt), f".{attempt}.partial"):
+        (folder / left).mkdir(parents=True)
+        (folder / left / "out.txt").write_text("a dead attempt's")
+    return folder
+
+
+async def test_a_job_that_ends_without_success_keeps_no_files_of_dead_attempts(
+    manager, make_worker, store, api, engine
+):
+    """The files a worker killed while storing a job's results left stayed on disk until retention
+    (for ever with GPUJOBS_RETENTION_DAYS=0) when the job then ended failed, canceled or
+    quarantined: only a success removed them. Each way a job so ends removes them: its last
+    attempt's failure, the take-back of a lost worker's job, the cancel of a job waiting again."""
+    failed = await enqueue(manager, fail_attempts=2, max_attempts=2)
+    folder = leave_dead_attempt(store, failed, 1)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, failed, lambda j: j.state.final)
+    assert (job.state, job.attempt) == (JobState.failed, 2)
+    assert os.listdir(folder) == []
+
+    lost = await enqueue(manager, max_attempts=1)  # its worker dies storing its only attempt
+    claim = {"models": ["toy"], "budgets": {0: 24_576}, "lease_s": 60}
+    await manager.claim(worker_id="test:dead", host="elsewhere", **claim)
+    folder = leave_dead_attempt(store, lost, 1)
+    async with engine.begin() as conn:
+        await conn.execute(EXPIRE_LEASE, {"id": lost})
+    # (a lease of its own too short to wait for the database's start, as a worker's reaper does)
+    assert await make_worker(burst=False, lease_s=0.001).reap() == 1
+    assert (await manager.get(lost)).state is JobState.failed
+    assert os.listdir(folder) == []
+
+    restarted = await enqueue(manager, max_attempts=1)  # its worker's next life takes it back
+    await manager.claim(worker_id=worker_id("again"), host="elsewhere", **claim)
+    folder = leave_dead_attempt(store, restarted, 1)
+    await make_worker(name="again").run()
+    assert (await manager.get(restarted)).state is JobState.failed
+    assert os.listdir(folder) == []
+
+    waiting = await enqueue(manager)  # taken back from a dead worker, then canceled while queued
+    await manager.claim(worker_id="test:dead", host="elsewhere", **claim)
+    async with engine.begin() as conn:
+        await conn.execute(EXPIRE_LEASE, {"id": waiting})
+    assert [t.state for t in await manager.recover_expired(by_worker="test:elsewhere")] == [JobState.queued]
+    folder = leave_dead_attempt(store, waiting, 1)
+    answer = await api.post(f"/jobs/{waiting}/cancel")
+    assert answer.status_code == 200 and answer.json()["state"] == "canceled"
+    assert os.listdir(folder) == []
 
 
 async def test_bad_input_exit_code_fails_at_once(manager, make_worker):

@@ -142,7 +142,7 @@ async def test_a_progress_milestone_and_a_cancel_at_once_are_told_in_the_order_o
             if await listener.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"):
                 break
             await asyncio.sleep(0.01)
-        assert await manager.cancel(job_id, owner=None, by="tester") is JobState.running
+        assert (await manager.cancel(job_id, owner=None, by="tester"))[0] is JobState.running
         await milestone
         for _ in range(50):  # notes come after their commits
             if len(heard) >= 2:

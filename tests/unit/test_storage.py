@@ -328,3 +328,17 @@ def test_a_new_link_secret_is_on_disk_before_it_is_linked_into_place(tmp_path: P
     secret = links.load_or_create_secret(tmp_path)
     assert steps == ["fsync file", "link", "fsync folder"]
     assert (tmp_path / "link_secret").read_bytes() == secret
+
+
+def test_dropping_a_failed_jobs_attempts_spares_later_ones_and_other_files(tmp_path: Path):
+    """A job that ended without success at attempt 2: its attempts' folders, whole or hidden, go;
+    a later attempt's (an admin retried it meanwhile) and anything not an attempt's stay."""
+    store, job = storage.ResultStore(tmp_path), uuid.uuid4()
+    folder = tmp_path / "results" / str(job)
+    names = ["1", ".1.partial", "2", ".2.partial", "3", ".3.partial", "10", "other", ".x.partial"]
+    for name in names:
+        (folder / name).mkdir(parents=True)
+        (folder / name / "out.txt").write_text(name)
+    store.drop_attempts(job, upto=2)
+    assert sorted(os.listdir(folder)) == sorted(["3", ".3.partial", "10", "other", ".x.partial"])
+    store.drop_attempts(uuid.uuid4(), upto=5)  # a job with no results folder: nothing to do
