@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,32 +206,44 @@ async def test_a_last_event_id_of_other_than_ascii_digits_is_ignored(settings, v
         assert first["id"] == newest and first["data"]["state"] == "queued"
 
 
+@contextlib.asynccontextmanager
+async def history_held(manager, engine) -> AsyncIterator[tuple[uuid.UUID, Callable[[], Awaitable[None]]]]:
+    """A running job whose history (job_events) is locked. `end()` waits until a reader waits on
+    that lock (it has read the job by then), then commits the job's success and lets it go on."""
+    job_id = await enqueue(manager)
+    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
+    success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
+    waiting = text(  # a read of the history (sql.EVENTS), waiting for the lock
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
+    )
+    async with engine.connect() as conn:
+        await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+
+        async def end() -> None:
+            for _ in range(200):
+                async with engine.connect() as probe:
+                    if await probe.scalar(waiting):
+                        break
+                await asyncio.sleep(0.02)
+            else:
+                pytest.fail("nothing read the history")
+            await conn.execute(sql.SUCCEED, success)
+            await conn.commit()
+
+        yield job_id, end
+
+
 async def test_a_stream_opened_as_its_job_ends_tells_the_end_and_closes(manager, engine, settings):
     """A stream read the job, then its history, in two statements: a job that ended in between
     was read running, with its final event the newest of the history. The stream sent that event
     with the state `running`, took the job for one still going, and then dropped the live note of
     the end as one already sent: it never closed, and `submit --wait` waited for ever. Here the
     history's read waits (a lock) while the job's success is committed."""
-    job_id = await enqueue(manager)
-    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
-    success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
-    waiting = text(  # the stream's read of the history (sql.EVENTS), waiting for the lock
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
-    )
     seen: list[dict[str, Any]] = []
-    async with api_client(settings) as http, engine.connect() as conn:
-        await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
+    async with api_client(settings) as http, history_held(manager, engine) as (job_id, end):
         async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
-            for _ in range(200):  # until the stream has read the job and waits to read its history
-                async with engine.connect() as probe:
-                    if await probe.scalar(waiting):
-                        break
-                await asyncio.sleep(0.02)
-            else:
-                pytest.fail("the stream never read the history")
-            await conn.execute(sql.SUCCEED, success)
-            await conn.commit()
+            await end()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     async for event in events(response):  # ends when the server closes the stream
@@ -242,27 +256,12 @@ async def test_a_job_page_read_as_its_job_ends_shows_one_moment(manager, engine,
     """The job page read the job, then its history, in two statements: a job that ended in between
     showed `running` (with its cancel button) above a history ending in `succeeded`. Here the
     history's read waits (a lock) while the job's success is committed."""
-    job_id = await enqueue(manager)
-    [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
-    success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
-    waiting = text(  # the page's read of the history (sql.EVENTS), waiting for the lock
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
-    )
-    async with api_client(settings) as api, client_for(api, None) as browser, engine.connect() as conn:
+    async with api_client(settings) as api, client_for(api, None) as browser:
         await signed_in(browser, await make_key("admin", admin=True))
-        await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
-        page = asyncio.create_task(browser.get(f"/ui/jobs/{job_id}/live"))
-        for _ in range(200):  # until the page has read the job and waits to read its history
-            async with engine.connect() as probe:
-                if await probe.scalar(waiting):
-                    break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the page never read the history")
-        await conn.execute(sql.SUCCEED, success)
-        await conn.commit()
-        html = (await page).text
+        async with history_held(manager, engine) as (job_id, end):
+            page = asyncio.create_task(browser.get(f"/ui/jobs/{job_id}/live"))
+            await end()
+            html = (await page).text
     state = re.search(r'data-state="([a-z_]+)"', html)
     kinds = re.findall(r'class="event e-([a-z_]+)"', html)
     assert state and kinds, html
