@@ -287,18 +287,24 @@ RUN_EVENT = text(
 # each fenced on its own; the ids that were still owned come back. The rows are read by key
 # (`j.id = ANY(:ids)`): joined to the unnest alone, whose size the generic plan guesses at 100, the
 # update read every running job through ix_jobs_worker (1,008 rows, 0.26 ms, for one success
-# beside 1,000 running jobs), fleet-wide, on every finish.
+# beside 1,000 running jobs), fleet-wide, on every finish. They are locked first, in id order, as
+# HEARTBEAT locks its rows (updated in the order of `:ids`, the two statements deadlocked).
 _SUCCEED_STEPS = f"""
     finished AS (
         SELECT *
         FROM unnest(CAST(:ids AS uuid[]), CAST(:attempts AS int[]), CAST(:results AS text[]),
                     CAST(:details AS text[])) AS f(id, attempt, results, detail)
+    ), held AS (
+        SELECT id FROM jobs
+        WHERE id = ANY(CAST(:ids AS uuid[])) AND state = 'running'
+        ORDER BY id
+        FOR NO KEY UPDATE
     ), done AS (
         UPDATE jobs AS j
         SET state = 'succeeded', progress = 1, results = CAST(f.results AS jsonb), error = NULL,
             finished_at = now(), lease_expires_at = NULL
         FROM finished AS f
-        WHERE j.id = ANY(CAST(:ids AS uuid[])) AND j.id = f.id AND j.attempt = f.attempt
+        WHERE j.id = ANY(ARRAY(SELECT id FROM held)) AND j.id = f.id AND j.attempt = f.attempt
           AND j.state = 'running'
         RETURNING j.id, j.attempt, j.worker_id, j.state, j.progress, CAST(f.detail AS jsonb) AS detail
     ), done_event AS (
@@ -507,12 +513,18 @@ _LEASE_RAN_OUT = f"lease_expires_at < now() AND {_server_up_for('lease_s')}"
 # those it still owns. A lease that ran out (`_LEASE_RAN_OUT`) is not renewed, even if no reaper
 # took the job yet: another worker may be killing its process and taking it back. A job
 # whose attempt died inside the worker is left to expire.
+# Its rows are locked in id order first, as SUCCEED locks its own: each locking several of the same
+# rows in an order of its own, the two deadlocked, and PostgreSQL failed one (the worker stopped).
 HEARTBEAT = text(
     f"""
-    WITH renewed AS (
-        UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_s)
+    WITH held AS (
+        SELECT id FROM jobs
         WHERE worker_id = :worker_id AND state = 'running' AND id = ANY(CAST(:ids AS uuid[]))
-          AND NOT ({_LEASE_RAN_OUT})
+        ORDER BY id
+        FOR NO KEY UPDATE
+    ), renewed AS (
+        UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_s)
+        WHERE id = ANY(ARRAY(SELECT id FROM held)) AND NOT ({_LEASE_RAN_OUT})
         RETURNING id, attempt, cancel_requested
     ), me AS (
         UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state

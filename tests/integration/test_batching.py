@@ -481,6 +481,34 @@ async def test_one_heartbeat_renews_every_lease_the_worker_holds(manager: JobMan
     assert leases == {**{j.id: True for j in mine}, other.id: False}
 
 
+async def test_heartbeats_and_successes_of_the_same_jobs_do_not_deadlock(manager: JobManager):
+    """A heartbeat and a batch of successes each lock several of the worker's running jobs. In
+    orders of their own they deadlocked within seconds under load: PostgreSQL failed one of
+    them, and the worker stopped (a deadlock is no outage to ride out). Both lock in id order."""
+    await enqueue(manager, vram_mb=1)
+    async with manager._engine.begin() as conn:
+        await conn.execute(plans.QUEUED_BESIDE, {"count": 299})
+    jobs: list[Any] = []
+    while batch := await manager.claim(**CLAIM, budgets={0: 10**6}, limit=100):
+        jobs += [c.job for c in batch]
+    assert len(jobs) == 300
+    ids = [j.id for j in jobs]
+    ended = asyncio.Event()
+
+    async def beat() -> None:
+        while not ended.is_set():
+            await manager.heartbeat(worker_id="test:w", job_ids=ids, lease_s=60, gpus=[])
+
+    async def finish() -> None:
+        try:  # successes reported in another order than the jobs' ids (batches of 64)
+            await asyncio.gather(*(manager.succeed(j, [], {}) for j in reversed(jobs)))
+        finally:
+            ended.set()
+
+    await asyncio.gather(beat(), beat(), finish())
+    assert {(await manager.get(i)).state for i in ids} == {JobState.succeeded}
+
+
 async def test_slots_freed_close_together_are_filled_by_one_claim(manager: JobManager, make_worker):
     async def run(gather_s: float) -> tuple[Any, Any]:
         # Three slots: the priority-5 jobs start first; two end 0.6 s apart while the third
