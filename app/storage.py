@@ -172,6 +172,23 @@ class ResultStore:
             return False
         return True
 
+    def lane_is_clear(self, lane: Path) -> bool:
+        """Whether `clear_lane` would find nothing to remove: the lane holds its input file as
+        written and an empty `out/` folder, nothing else (as after most jobs). Cheap enough for
+        the event loop, where removing what a model left (thousands of files, say) is not."""
+        name = self._inputs.get(lane)
+        out = lane / "out"
+        try:
+            if (name is not None and not _plain_file(lane / name)) or out.is_symlink() or not out.is_dir():
+                return False
+            with os.scandir(lane) as entries:
+                if any(entry.name not in ("out", name) for entry in entries):
+                    return False
+            with os.scandir(out) as entries:
+                return next(entries, None) is None
+        except OSError:
+            return False
+
     def drop_input(self, lane: Path) -> None:
         """Remove the input a free lane kept for reuse: a user's image is not to stay on disk while
         the worker idles (nor after retention deleted it from the database)."""

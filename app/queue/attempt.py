@@ -191,9 +191,17 @@ class Attempt:
                 self._on_model_end(self)
         if outcome is not None:
             await asyncio.shield(self._persist_or_fail(outcome))
-        self.lane_clean = self._store.clear_lane(self.lane)  # ready for the worker's next job
+        self.lane_clean = await self._clear_lane()  # ready for the worker's next job
         # The outcome's own line (job_succeeded, job_failed, lease_lost...) said how it ended.
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
+
+    async def _clear_lane(self) -> bool:
+        """Empty the lane for the next job (storage.ResultStore.clear_lane); whether it was. In a
+        thread when the model left something there: tens of thousands of files took the event loop
+        (heartbeats, the other jobs' pipes) for half a second."""
+        if self._store.lane_is_clear(self.lane):
+            return True
+        return await asyncio.to_thread(self._store.clear_lane, self.lane)
 
     async def _run_in_slot(self) -> Callable[[], Awaitable[Any]] | None:
         """Wait for its room (idle runners evicted) and a slot on the GPU (a job claimed ahead

@@ -1,14 +1,17 @@
 """What a one-shot run leaves behind: a process it started outside its process group (in a
 session of its own, which the group's kill misses) dies with the run, and writes nothing into
-the next job's scratch lane."""
+the next job's scratch lane; the files it left in its lane are removed off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +53,18 @@ STRAY = textwrap.dedent(
     """
 )
 
+# Leaves a folder of argv[2] empty files in its scratch lane (a cache in its HOME), writes out.txt.
+LITTER = textwrap.dedent(
+    """
+    import os, sys
+    os.mkdir("cache")
+    for i in range(int(sys.argv[2])):
+        open(os.path.join("cache", str(i)), "w").close()
+    with open(os.path.join(sys.argv[1], "out.txt"), "w") as f:
+        f.write("done")
+    """
+)
+
 
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
@@ -77,6 +92,7 @@ def models_file(tmp_path: Path) -> Path:
         + script_model("silent", ["{python}", "-c", "import time; time.sleep(2)"])
         + script_model("stray_timeout", stray).replace("timeout_s = 10", "timeout_s = 1")
         + params.replace("models.stray.", "models.stray_timeout.")
+        + script_model("litter", ["{python}", "-c", LITTER, "{output_dir}", "100"])
     )
     return path
 
@@ -134,3 +150,29 @@ async def test_a_quiet_stray_of_a_run_that_ended_well_is_killed_within_a_reap_ro
     async with running(make_worker(burst=False, reap_interval_s=0.3)):
         await until(manager, job_id, lambda j: j.state.final)
         assert await _gone(_stray_pid(tmp_path), within_s=3)
+
+
+# Folders shutil.rmtree was asked to remove, with the thread that asked (see `_on_audit`).
+_REMOVED: list[tuple[str, int]] = []
+_WATCHING: list[bool] = []
+
+
+def _on_audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "shutil.rmtree" and _WATCHING:
+        _REMOVED.append((str(args[0]), threading.get_ident()))
+
+
+async def test_a_lane_full_of_what_the_model_left_is_emptied_off_the_event_loop(manager, make_worker):
+    """The lane was emptied on the worker's event loop: 40,000 files a model left in its HOME
+    stopped the loop for 0.45 s (its heartbeats, the other jobs' pipes, the API under `serve`),
+    a few million for longer than a lease. A lane holding more than its input and an empty out/
+    is emptied in a thread."""
+    if not _WATCHING:
+        sys.addaudithook(_on_audit)  # hooks stay for the process: this one records while watched
+        _WATCHING.append(True)
+    _REMOVED.clear()
+    job_id = await enqueue(manager, model="litter")
+    await make_worker().run()
+    assert (await manager.get(job_id)).state is JobState.succeeded
+    threads = {thread for path, thread in _REMOVED if path.endswith(f"{os.sep}cache")}
+    assert threads and threading.get_ident() not in threads, _REMOVED
