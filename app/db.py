@@ -121,7 +121,7 @@ async def fetch_rows(engine: AsyncEngine, statement: TextClause, values: Mapping
         cut_off = not isinstance(exc, Exception)  # cancelled mid-statement
         if cut_off:  # closed at once: a polite close can fail while the statement is in flight
             driver.terminate()
-        if cut_off or is_unavailable(exc):
+        if cut_off or _is_connection_error(exc):  # a statement rolled back leaves its connection fine
             await greenlet_spawn(pooled.invalidate, exc)
         raise
     finally:
@@ -167,6 +167,8 @@ _CONNECTION_ERRORS = (
     asyncpg.TooManyConnectionsError,
     asyncpg.InternalClientError,  # a connection asyncpg finds mid-operation (after a restart): unusable
 )
+# Statements PostgreSQL failed to break a deadlock (40P01) or a serialization conflict (40001).
+_ROLLED_BACK = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
 # Other OSErrors count only with one of these numbers and no file name: a socket that could not
 # connect (ENOENT: the server's unix socket is gone). A full disk, an I/O error or a missing file
 # (which carries its name) is this host's trouble: taken for an outage, it left jobs running, their
@@ -204,12 +206,19 @@ def is_unavailable(error: BaseException) -> bool:
     own DBAPI error with asyncpg's as its cause. So does a new pooled connection refused by a server
     still starting up (57P03), straight out of `engine.raw_connection()`, unwrapped by SQLAlchemy.
     A pool with no connection free within its timeout (a server that hangs, a lock held) counts too:
-    the statement never reached PostgreSQL, and waiting is what helps."""
+    the statement never reached PostgreSQL, and waiting is what helps; so does a statement PostgreSQL
+    failed to break a deadlock, which wrote nothing."""
     if isinstance(error, exc.TimeoutError):  # the pool's wait (sqlalchemy.exc), not a statement's
         return True
     if isinstance(error, exc.DBAPIError):
-        return error.connection_invalidated or _is_connection_error(error.orig)
-    return isinstance(error, exc.InterfaceError) or _is_connection_error(error)
+        return error.connection_invalidated or _is_connection_error(error.orig) or _rolled_back(error.orig)
+    return isinstance(error, exc.InterfaceError) or _is_connection_error(error) or _rolled_back(error)
+
+
+def _rolled_back(error: BaseException | None) -> bool:
+    """`error`, or what caused it, is PostgreSQL failing a statement to break a deadlock or a
+    serialization conflict: it wrote nothing, and sent again it goes through (waiting helps)."""
+    return isinstance(error, _ROLLED_BACK) or isinstance(getattr(error, "__cause__", None), _ROLLED_BACK)
 
 
 def _is_connection_error(error: BaseException | None) -> bool:

@@ -115,3 +115,46 @@ async def test_a_server_in_trouble_for_a_while_counts_as_unavailable(
         await engine.dispose()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("path", ["fetch_rows", "sqlalchemy"])
+async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_trouble(engine, path):
+    """PostgreSQL ends a deadlock by failing one of its statements (40P01), which wrote nothing and
+    succeeds when sent again. It was taken for a bad statement: a worker whose heartbeat lost such
+    a draw stopped (its side task died), and an attempt whose final write lost it failed the job
+    instead of writing its outcome again."""
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE pair (id int PRIMARY KEY)"))
+        await conn.execute(text("INSERT INTO pair VALUES (1), (2)"))
+    both = text("SELECT id FROM pair ORDER BY id DESC FOR UPDATE")  # 2, then waits for 1
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE wait_event_type = 'Lock' AND query LIKE '%DESC FOR UPDATE'"
+    )
+
+    async def take_both() -> None:
+        if path == "fetch_rows":
+            await db.fetch_rows(engine, both, {})
+        else:
+            async with engine.begin() as conn:
+                await conn.execute(both)
+
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT id FROM pair WHERE id = 1 FOR UPDATE"))
+        taker = asyncio.create_task(take_both())
+        for _ in range(200):
+            async with engine.connect() as probe:
+                if await probe.scalar(waiting):
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the second statement never waited")
+        # Closes the cycle; the taker waited first, so its deadlock check runs first and fails it.
+        await holder.execute(text("SELECT id FROM pair WHERE id = 2 FOR UPDATE"))
+        await holder.rollback()
+    with pytest.raises(Exception, match="deadlock") as failed:
+        await taker
+    assert db.is_unavailable(failed.value)
+    assert [dict(r) for r in await db.fetch_rows(engine, text("SELECT count(*) AS n FROM pair"), {})] == [
+        {"n": 2}
+    ]
