@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -17,6 +18,7 @@ import typer
 from app import cli_keys, client, errors, logs, pgserver, registry
 
 if TYPE_CHECKING:
+    from app.queue.worker import Worker
     from app.settings import Settings
 
 # The settings (pydantic-settings) and SQLAlchemy with what stands on it (app.db, app.migrate, the
@@ -89,6 +91,9 @@ def database(settings: Settings) -> Iterator[Settings]:
         finally:
             server.stop()
 
+
+# How long a worker stopped at once waits for its connections to close.
+DISPOSE_NOW_S = 2.0
 
 # SQLSTATE classes of a connection PostgreSQL turned away: 28 (authentication), 3D (no such database).
 _REFUSED_CLASSES = ("28", "3D")
@@ -213,6 +218,8 @@ def worker(
             ended = asyncio.run(_run_worker(ready, burst=burst))
     except errors.AppError as exc:
         raise _fail(exc) from exc
+    if ended == "now":  # said in the log: what it killed, and which jobs it left
+        raise typer.Exit(1)
     if ended == "failed" or (ended == "by itself" and not burst):
         # Only a failure (logged above: a side task died, or the worker raised) ends a worker nobody
         # asked to stop; exit non-zero, so a supervisor that restarts on failure starts it again.
@@ -220,9 +227,10 @@ def worker(
         raise typer.Exit(1)
 
 
-async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "by itself", "failed"]:
-    """Run a worker until it stops: asked to (SIGTERM, SIGINT), by itself (burst mode's end, or a
-    side task that died), or failed (it raised, logged here). A worker that cannot start raises."""
+async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "now", "by itself", "failed"]:
+    """Run a worker until it stops: asked to (SIGTERM, SIGINT), asked again (stopped at once), by
+    itself (burst mode's end, or a side task that died), or failed (it raised, logged here). A
+    worker that cannot start raises."""
     from app import db, storage
     from app.queue.factory import build_worker
     from app.queue.manager import JobManager
@@ -230,6 +238,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "b
     url = settings.database_url or ""
     await _check_schema(url)
     engine, queue_engine = db.create_engine(url), db.create_queue_engine(url)
+    stopped_now = False
     try:
         w = build_worker(
             settings,
@@ -239,25 +248,45 @@ async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "b
             listen_dsn=db.asyncpg_dsn(url),
             burst=burst,
         )
-        asked = asyncio.Event()
-
-        def stop() -> None:
-            asked.set()
-            w.stop()
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop)
+        asked = _stop_on_signals(w, settings.shutdown_grace_s)
         await w.start()
         try:
             await w.run()
         except Exception:  # said in the log, in its format, as serve's worker's is (not as a traceback)
             log.exception("the worker stopped after an error", extra={"action": "worker_ended"})
             return "failed"
-        return "asked" if asked.is_set() else "by itself"
+        finally:
+            stopped_now = w.stopped_now
+        return "now" if stopped_now else "asked" if asked else "by itself"
     finally:
-        await queue_engine.dispose()
-        await engine.dispose()
+        # Stopped at once, the connections are let go of however the database answers their close.
+        for pool in (queue_engine, engine):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.dispose(), timeout=DISPOSE_NOW_S if stopped_now else None)
+
+
+def _stop_on_signals(w: Worker, grace_s: float) -> list[float]:
+    """Have SIGTERM and SIGINT stop the worker gracefully, and a second one (REPEAT_S or more after
+    the first: sooner, it is the first delivered twice) stop it at once; when each was asked."""
+    from app import serve as serve_
+
+    asked: list[float] = []
+
+    def stop(sig: signal.Signals) -> None:
+        now = time.monotonic()
+        if not asked:
+            log.info(
+                "%s: stopping; running jobs have %g s to finish (again: stop at once)", sig.name, grace_s
+            )
+            w.stop()
+        elif now - asked[0] >= serve_.REPEAT_S:
+            w.stop_now()
+        asked.append(now)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    return asked
 
 
 @cli.command(name="migrate")

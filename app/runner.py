@@ -374,6 +374,11 @@ class ModelProcess:
         if self._popen is not None and not self._stopped.done():
             self._stopped.set_result(None)
 
+    def kill(self) -> None:
+        """SIGKILL the whole group now, with no grace (the worker stops at once); `wait()` reaps it."""
+        if self._popen is not None:
+            _signal_group(self._group, signal.SIGKILL)
+
     async def wait(self) -> RunResult:
         """Run until exit, timeout or stop; kill and reap the whole group; safe to cancel."""
         if self._result is not None:

@@ -131,13 +131,24 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
 def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
     """uvicorn's server, but that a signal to exit tells the app at once (`app.state.on_exit`:
     its worker stops claiming, its event streams end), not once open connections have closed or
-    timeout_graceful_shutdown has passed."""
+    timeout_graceful_shutdown has passed. A second signal (REPEAT_S or more after the first), a
+    SIGTERM as well as uvicorn's second Ctrl-C, stops at once: the worker kills its models and
+    leaves its jobs to their leases (`app.state.on_exit_now`), and open connections are not
+    waited for."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        asked_at: float | None = None
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            now = time.monotonic()
+            again = self.asked_at is not None and now - self.asked_at >= REPEAT_S
+            self.asked_at = self.asked_at or now
             super().handle_exit(sig, frame)
-            on_exit: Callable[[], None] | None = getattr(app.state, "on_exit", None)
+            if again:
+                self.force_exit = True
+            hook = "on_exit_now" if again else "on_exit"
+            on_exit: Callable[[], None] | None = getattr(app.state, hook, None)
             if on_exit is not None:  # None while the app starts: it has no worker or stream yet
                 on_exit()
 

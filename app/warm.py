@@ -225,6 +225,11 @@ class WarmRunner:
         self._stop_reason = None
         self._stop.clear()
 
+    def kill(self) -> None:
+        """SIGKILL the runner's group now, with no grace (the worker stops at once); close() reaps it."""
+        if self._proc is not None and self._proc.returncode is None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+
     def close(self, reason: str = "closed") -> asyncio.Task[None]:
         """End the runner (stdin closed, it should exit; its group killed after the grace); await it."""
         return self._end(reason, gentle=True)

@@ -353,6 +353,13 @@ class WarmPool:
         alive = [runner for runner in self._held if runner.state is not warm.RunnerState.DEAD]
         return await self._close(alive, reason)
 
+    def kill_all(self) -> int:
+        """SIGKILL every live runner now (the worker stops at once; close_all() then reaps them); how many."""
+        live = [runner for runner in self._held if runner.state is not warm.RunnerState.DEAD]
+        for runner in live:
+            runner.kill()
+        return len(live)
+
     async def _close(self, runners: list[warm.WarmRunner], reason: str) -> list[Closed]:
         """Close runners (each is marked closing at once) and forget them once they are gone."""
         closed = [Closed(self._held[r].key, r.pid, self._held[r].hold_mb, reason) for r in runners]

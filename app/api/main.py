@@ -106,6 +106,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.worker = worker
         # Called by `serve`'s server from its signal handler: only the loop's thread-safe call there.
         app.state.on_exit = functools.partial(_call_soon, asyncio.get_running_loop(), _exit_asked, app)
+        app.state.on_exit_now = functools.partial(_call_soon, asyncio.get_running_loop(), _exit_now, app)
         yield
     finally:
         app.state.stopping = True
@@ -161,6 +162,15 @@ def _exit_asked(app: FastAPI) -> None:
     worker: worker_.Worker | None = getattr(app.state, "worker", None)
     if worker is not None:
         worker.stop()
+
+
+def _exit_now(app: FastAPI) -> None:
+    """The server was told to exit again: as `_exit_asked`, and the worker stops at once (its
+    models killed, its jobs left to their leases), not after its grace and final writes."""
+    _exit_asked(app)
+    worker: worker_.Worker | None = getattr(app.state, "worker", None)
+    if worker is not None:
+        worker.stop_now()
 
 
 def _worker_ended(app: FastAPI, task: asyncio.Task[None]) -> None:

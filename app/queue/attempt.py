@@ -144,6 +144,8 @@ class Attempt:
         self._stop_reason: str | None = None
         self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
         self._waiting: asyncio.Future[Any] | None = None  # the wait for its room or slot, if any
+        self._abandoned = False  # the worker stops at once: nothing more is written
+        self._final: asyncio.Future[None] | None = None  # the final write, once under way
         self._last_progress = 0.0
         self._milestone = 0
 
@@ -164,6 +166,17 @@ class Attempt:
             self._process.stop(reason)
         if self._runner is not None:
             self._runner.stop(reason)
+
+    def abandon(self) -> None:
+        """The worker stops at once: the model is killed now (SIGKILL to its group; its warm runner
+        is the pool's to kill) and nothing is written, a final write under way cancelled. The job
+        stays running in the database, for the worker's restart or its lease to take back."""
+        self._abandoned = True
+        self.stop(SHUTDOWN)
+        if self._process is not None:
+            self._process.kill()
+        if self._final is not None:
+            self._final.cancel()
 
     async def run(self) -> None:
         """Prepare, run the model, and write the outcome (the final write survives cancellation)."""
@@ -189,8 +202,9 @@ class Attempt:
             self.model_ended = True
             if self._on_model_end is not None:
                 self._on_model_end(self)
-        if outcome is not None:
-            await asyncio.shield(self._persist_or_fail(outcome))
+        if outcome is not None and not self._abandoned:
+            self._final = asyncio.ensure_future(self._persist_or_fail(outcome))
+            await asyncio.shield(self._final)  # cancelled only by abandon()
         self.lane_clean = await self._clear_lane()  # ready for the worker's next job
         # The outcome's own line (job_succeeded, job_failed, lease_lost...) said how it ended.
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})

@@ -122,6 +122,8 @@ class Worker:
         self._lanes_made = 0
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
+        self.stopped_now = False  # stop_now() was called: nothing more is written
+        self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
         self.claimed = 0
         # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.
         self._slots: dict[int, asyncio.Semaphore] = {}
@@ -148,6 +150,31 @@ class Worker:
         """Stop claiming; `run()` then winds down running jobs and returns."""
         self._stopping.set()
         self._wake.set()
+
+    def stop_now(self) -> None:
+        """Stop at once (an operator who asks again while the worker stops): every model and warm
+        runner is killed now (SIGKILL to its process group), nothing more is written, and the jobs
+        in hand are left running under this worker's name: its restart takes them back at once,
+        another worker's reaper once their leases run out. `run()` returns within moments, whatever
+        the database does (the graceful stop waits for it to write what each job became)."""
+        if self.stopped_now:
+            return
+        self.stopped_now = True
+        self.stop()
+        left = sorted(str(job_id) for job_id in self._running)
+        for run, _ in self._running.values():
+            run.abandon()
+        runners = self.pool.kill_all()
+        log.warning(
+            "stopped at once, its models and warm runners (%d) killed; %d jobs left running under its "
+            "name, for its restart to take back at once, else another worker after their leases: %s",
+            runners,
+            len(left),
+            ", ".join(left) or "none",
+            extra={"action": "worker_stopped_now", "worker": self.id},
+        )
+        if self._serving is not None:
+            self._serving.cancel()
 
     def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
         """The GPU snapshot stored on each heartbeat: NVML's reading, what this worker reserved, and
@@ -198,13 +225,21 @@ class Worker:
         self._started = True
 
     async def run(self) -> None:
-        """Start up (unless `start()` did), claim and run jobs until stopped, then shut down."""
+        """Start up (unless `start()` did), claim and run jobs until stopped, then shut down (at
+        once after `stop_now()`)."""
         if not self._started:
             await self.start()
+        self._serving = serving = asyncio.create_task(self._serve(), name=f"serve:{self.id}")
         try:
-            await self._serve()
+            await asyncio.wait([serving])
+        except asyncio.CancelledError:  # run() itself was cancelled: so is its work
+            serving.cancel()
+            await asyncio.wait([serving])
+            raise
         finally:
             self._let_go_of_identity()
+        if not (serving.cancelled() and self.stopped_now):
+            serving.result()  # what it raised
 
     def _let_go_of_identity(self) -> None:
         if self._identity is not None:
@@ -230,7 +265,12 @@ class Worker:
             self.stop()
             await main
         finally:
-            await self._shutdown(side, renewing=not heartbeat.done())
+            try:
+                if not self.stopped_now:
+                    await self._shutdown(side, renewing=not heartbeat.done())
+            finally:  # stop_now() came before the shutdown, or cancelled it midway
+                if self.stopped_now:
+                    await self._abandon([main, *side])
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
@@ -294,6 +334,18 @@ class Worker:
         self._store.reset_lanes(self.id)  # the last inputs are not left on disk
         with contextlib.suppress(Exception):
             await self._manager.set_worker_state(self.id, "stopped")
+        log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
+
+    async def _abandon(self, tasks: list[asyncio.Task[None]]) -> None:
+        """After stop_now(): cancel what is left (the attempts' writes included), kill what escaped
+        the killed groups, reap the runners and empty the lanes; with no statement to wait on."""
+        attempts = [t for _, t in self._running.values()]
+        for task in (*tasks, *attempts):
+            task.cancel()
+        await leftovers.kill_strays(self.id, set)  # first: an escaped helper may hold a run's pipes
+        await asyncio.gather(*tasks, *attempts, return_exceptions=True)
+        await self.pool.close_all(attempt_.SHUTDOWN)
+        self._store.reset_lanes(self.id)
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
 
     # -- claiming -------------------------------------------------------------------------

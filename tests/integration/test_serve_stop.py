@@ -6,8 +6,10 @@ Real `gpujobs serve` processes (tests/integration/test_serve_processes.py's `ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +21,8 @@ from tests.integration.test_durability import kinds, until
 from tests.integration.test_serve_processes import serving
 from tests.integration.test_serve_processes import until as wait_for
 from tests.integration.test_worker import enqueue
+from tests.integration.test_worker_stop import left_line, marked, two_running
+from tests.netcut import CuttableLink
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 
@@ -96,3 +100,55 @@ async def test_a_connection_after_sigterm_is_refused_with_several_processes(sett
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
         assert await asyncio.to_thread(serve.wait, 30) == 0
+
+
+@contextlib.asynccontextmanager
+async def serving_beside(  # type: ignore[no-untyped-def]
+    settings, tmp_path: Path, *args: str, **env: str
+) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """`serving`, entered and left in a thread: this loop runs the link to the database meanwhile."""
+    within = serving(settings, tmp_path, *args, **env)
+    serve, _ = await asyncio.to_thread(within.__enter__)
+    try:
+        yield serve
+    finally:
+        await asyncio.to_thread(within.__exit__, None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("processes", "cut", "again"),
+    [("1", True, signal.SIGINT), ("1", False, signal.SIGTERM)],
+    ids=["database away, Ctrl-C", "in the grace"],
+)
+async def test_a_second_signal_stops_serve_at_once(settings, manager, tmp_path, processes, cut, again):
+    """As `gpujobs worker` (test_worker_stop.py): asked again while it stops, `serve` kills its
+    worker's models and warm runner and exits, leaving the jobs to their leases. Before, a second
+    SIGTERM did nothing and a second Ctrl-C did not reach the worker, which waited out its grace,
+    then for the database, forever."""
+    assert settings.database_url
+    link = CuttableLink(settings.database_url, tmp_path / "link")
+    url = await link.start()
+    env = {"shutdown_grace_s": "1" if cut else "60", "database_url": url}
+    try:
+        async with serving_beside(settings, tmp_path, "--processes", processes, **env) as serve:
+            jobs = await two_running(manager)
+            if cut:
+                link.cut()
+            serve.send_signal(signal.SIGTERM)
+            await asyncio.sleep(3 if cut else 1.5)  # the grace passed, or goes on
+            assert serve.poll() is None
+            assert cut or len(marked("serve")) == 2
+            serve.send_signal(again)
+            started = time.monotonic()
+            code = await asyncio.to_thread(serve.wait, 30)
+            stopped_s = time.monotonic() - started
+    finally:
+        await link.close()
+    log = tmp_path / "serve.log"
+    assert stopped_s < 8, (stopped_s, log.read_text()[-3000:])
+    assert code == (1 if processes == "2" else 143), (code, log.read_text()[-3000:])  # as on any SIGTERM
+    assert marked("serve") == set()
+    line = left_line(log)
+    assert all(str(job_id) in line for job_id in jobs), line
+    for job_id in jobs:
+        assert (await manager.get(job_id)).state.value == "running"

@@ -1,0 +1,110 @@
+"""`gpujobs worker` asked to stop twice: the first SIGTERM shuts down gracefully, waiting for the
+database to write what its jobs became; a second SIGTERM or Ctrl-C stops it now, killing its models
+and warm runners and leaving its jobs to their leases.
+
+Real worker processes (conftest's `spawn_worker`), their database reached through a link the test
+cuts (tests/netcut.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from app.queue import leftovers
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.conftest import worker_name
+from tests.integration.test_durability import alive, kinds, until
+from tests.integration.test_worker import enqueue
+from tests.netcut import CuttableLink
+
+
+def marked(name: str) -> set[int]:
+    """The live process groups of the models and warm runners worker `name` started."""
+    worker = f"{socket.gethostname()}:{worker_name(name)}"
+    return {pgid for pgid in leftovers.find_worker_models(worker) if alive(pgid)}
+
+
+async def two_running(manager: JobManager) -> list[uuid.UUID]:
+    """A one-shot job and a warm runner's job, each for 30 s, both started."""
+    jobs = [
+        await enqueue(manager, sleep=30, steps=30),
+        await enqueue(manager, model="warm_b", sleep=30, steps=30),
+    ]
+    for job_id in jobs:
+        await until(manager, job_id, lambda j: j.state is JobState.running and j.pid is not None)
+    return jobs
+
+
+def left_line(log: Path) -> str:
+    """The one line saying what the stop left."""
+    [line] = [line for line in log.read_text().splitlines() if "stopped at once" in line]
+    return line
+
+
+async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
+    manager, spawn_worker, settings, tmp_path
+):
+    """SIGTERM while the database is away: the worker stops its models after the grace and keeps
+    trying to hand the jobs back, so nothing is lost (and stays so). A second SIGTERM or Ctrl-C did
+    nothing: the worker waited for the database forever. Now it exits at once (exit code 1), its
+    jobs left running in the database, to be taken back by its restart (or after their leases)."""
+    assert settings.database_url
+    link = CuttableLink(settings.database_url, tmp_path / "link")
+    url = await link.start()
+    try:
+        worker = spawn_worker("outage", database_url=url, shutdown_grace_s=1)
+        jobs = await two_running(manager)
+        link.cut()
+        worker.send_signal(signal.SIGTERM)
+        await asyncio.sleep(3)  # the grace passed; the models were stopped; the hand-backs wait
+        assert worker.poll() is None  # the first signal still waits for the database
+        worker.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        code = await asyncio.to_thread(worker.wait, 20)
+        stopped_s = time.monotonic() - started
+    finally:
+        await link.close()
+    assert code == 1, code
+    assert stopped_s < 5, stopped_s
+    assert marked("outage") == set()
+    [log] = tmp_path.glob("worker-outage-*.log")
+    line = left_line(log)
+    assert all(str(job_id) in line for job_id in jobs), line
+    for job_id in jobs:  # not handed back, not failed: still the stopped worker's
+        job = await manager.get(job_id)
+        assert (job.state, job.attempt) == (JobState.running, 1)
+    spawn_worker("outage")  # its restart takes them back at once, no attempt lost
+    for job_id in jobs:
+        await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
+        assert "recovered" in await kinds(manager, job_id)
+
+
+async def test_a_second_signal_during_the_grace_kills_models_and_runners(manager, spawn_worker, tmp_path):
+    """The database is up, the running jobs in their grace: a second SIGTERM ended nothing before
+    the grace had passed. It now kills the models and the warm runner at once and exits (code 1)."""
+    worker = spawn_worker("grace", shutdown_grace_s=60)
+    jobs = await two_running(manager)
+    assert len(marked("grace")) == 2
+    worker.send_signal(signal.SIGTERM)
+    await asyncio.sleep(1.5)  # a second signal within a second is the first delivered twice
+    assert worker.poll() is None and len(marked("grace")) == 2
+    worker.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = await asyncio.to_thread(worker.wait, 20)
+    stopped_s = time.monotonic() - started
+    assert code == 1, code
+    assert stopped_s < 5, stopped_s
+    assert marked("grace") == set()
+    [log] = tmp_path.glob("worker-grace-*.log")
+    line = left_line(log)
+    assert all(str(job_id) in line for job_id in jobs), line
+    for job_id in jobs:  # left to their leases: taken back by the reaper of another worker
+        assert (await manager.get(job_id)).state is JobState.running
+    spawn_worker("other")
+    for job_id in jobs:
+        await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
