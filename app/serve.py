@@ -53,6 +53,8 @@ PAUSE_MAX_S: Final = 30.0
 # A signal this soon after the first is that one delivered twice (`timeout` signals its child, then
 # its process group, the child included), not an operator asking again.
 REPEAT_S: Final = 1.0
+# After the children were told to stop at once, how long they have before SIGKILL.
+KILL_AFTER_S: Final = 5.0
 
 
 def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uvicorn.Config:
@@ -234,12 +236,12 @@ class Supervisor:
         self._children: dict[int, _Child] = {}
         self._restart_at: dict[int, tuple[float, float]] = {}  # index -> (when, pause used)
         self._stop = threading.Event()
-        self._force = threading.Event()  # asked to stop again while stopping: kill
+        self._force = threading.Event()  # asked to stop again while stopping: at once
         self._asked_at: float | None = None  # when stop() was first called
         self.exit_code = 0
 
     def stop(self) -> None:
-        """Stop the children gracefully; asked again while they stop (REPEAT_S or more later), kill them."""
+        """Stop the children gracefully; asked again while they stop (REPEAT_S or more later), at once."""
         now = time.monotonic()
         if self._asked_at is None:
             self._asked_at = now
@@ -310,26 +312,36 @@ class Supervisor:
                 self._start(index, first=False, pause_s=pause_s)
 
     def _stop_all(self) -> None:
-        """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait.
+        """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait;
+        asked again meanwhile, a second SIGTERM (each stops at once: its worker kills its models and
+        leaves its jobs to their leases), and SIGKILL to those still there KILL_AFTER_S later.
 
         The port is let go of first: each child closes its copy as it begins to stop, and with
         this one kept open until the last had exited, the kernel went on accepting connections
         that nobody would serve (they hung, then were reset); now they are refused at once."""
         self._sock.close()
-        for child in self._children.values():
-            with contextlib.suppress(OSError):
-                child.process.terminate()
+        self._signal_children(signal.SIGTERM)
+        first = time.monotonic()
+        again: float | None = None  # when the children were told again
         killed = False
         while self._children:
-            if self._force.is_set() and not killed:
-                log.warning(
-                    "asked again: killing the API processes still stopping (their jobs are recovered)"
-                )
-                for child in self._children.values():
-                    with contextlib.suppress(OSError):
-                        child.process.kill()
-                killed, self.exit_code = True, self.exit_code or 1
+            now = time.monotonic()
+            # Told no sooner than REPEAT_S after the first: a child takes a sooner one for the first.
+            if self._force.is_set() and again is None and now - first >= REPEAT_S:
+                log.warning("asked again: the API processes stop at once (their worker's models killed)")
+                self._signal_children(signal.SIGTERM)
+                again, self.exit_code = now, self.exit_code or 1
+            if again is not None and not killed and now - again >= KILL_AFTER_S:
+                log.warning("killing the API processes still stopping")
+                self._signal_children(signal.SIGKILL)
+                killed = True
             self._reap(timeout_s=0.2)
+
+    def _signal_children(self, sig: signal.Signals) -> None:
+        for child in self._children.values():
+            if child.process.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(child.process.pid, sig)
 
 
 def _exit_text(code: int | None) -> str:
@@ -360,7 +372,7 @@ def _metrics_dir() -> Iterator[None]:
 @contextlib.contextmanager
 def _signals_stop(supervisor: Supervisor) -> Iterator[None]:
     def stop(signum: int, _frame: Any) -> None:
-        log.info("%s: stopping the API processes (again: killing them)", signal.Signals(signum).name)
+        log.info("%s: stopping the API processes (again: at once)", signal.Signals(signum).name)
         supervisor.stop()
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

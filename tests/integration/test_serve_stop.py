@@ -117,14 +117,15 @@ async def serving_beside(  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("processes", "cut", "again"),
-    [("1", True, signal.SIGINT), ("1", False, signal.SIGTERM)],
-    ids=["database away, Ctrl-C", "in the grace"],
+    [("1", True, signal.SIGINT), ("1", False, signal.SIGTERM), ("2", False, signal.SIGTERM)],
+    ids=["database away, Ctrl-C", "in the grace", "several processes"],
 )
 async def test_a_second_signal_stops_serve_at_once(settings, manager, tmp_path, processes, cut, again):
     """As `gpujobs worker` (test_worker_stop.py): asked again while it stops, `serve` kills its
     worker's models and warm runner and exits, leaving the jobs to their leases. Before, a second
     SIGTERM did nothing and a second Ctrl-C did not reach the worker, which waited out its grace,
-    then for the database, forever."""
+    then for the database, forever; with several processes, the parent killed the children, whose
+    models and warm runner lived on."""
     assert settings.database_url
     link = CuttableLink(settings.database_url, tmp_path / "link")
     url = await link.start()
