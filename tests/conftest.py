@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy
 import uvicorn
 from PIL import Image
 
@@ -575,3 +576,20 @@ def spawn_worker(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., A
         for group in leftovers.find_worker_models(f"{socket.gethostname()}:{worker_name(name)}"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
+
+
+async def lock_waiter(engine: Any, query_like: str, *, timeout_s: float = 10.0) -> int:
+    """The pid of a session of this database that waits for a lock in a statement LIKE
+    `query_like`, once there is one (the test fails after `timeout_s`)."""
+    waiting = sqlalchemy.text(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE :like LIMIT 1"
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with engine.connect() as probe:
+            pid = await probe.scalar(waiting, {"like": query_like})
+        if pid is not None:
+            return int(pid)
+        await asyncio.sleep(0.02)
+    pytest.fail(f"no statement like {query_like!r} waited for a lock")

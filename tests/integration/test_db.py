@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import text
 
 from app import db
+from tests.conftest import lock_waiter
 
 NEXT = text("SELECT CAST(:n AS integer) + 1 AS next")
 PID = text("SELECT pg_backend_pid() AS pid")
@@ -127,10 +128,6 @@ async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_tro
         await conn.execute(text("CREATE TABLE pair (id int PRIMARY KEY)"))
         await conn.execute(text("INSERT INTO pair VALUES (1), (2)"))
     both = text("SELECT id FROM pair ORDER BY id DESC FOR UPDATE")  # 2, then waits for 1
-    waiting = text(
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE wait_event_type = 'Lock' AND query LIKE '%DESC FOR UPDATE'"
-    )
 
     async def take_both() -> None:
         if path == "fetch_rows":
@@ -142,13 +139,7 @@ async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_tro
     async with engine.connect() as holder:
         await holder.execute(text("SELECT id FROM pair WHERE id = 1 FOR UPDATE"))
         taker = asyncio.create_task(take_both())
-        for _ in range(200):
-            async with engine.connect() as probe:
-                if await probe.scalar(waiting):
-                    break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the second statement never waited")
+        await lock_waiter(engine, "%DESC FOR UPDATE")
         # Closes the cycle; the taker waited first, so its deadlock check runs first and fails it.
         await holder.execute(text("SELECT id FROM pair WHERE id = 2 FOR UPDATE"))
         await holder.rollback()

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from app import db
 from app.queue import sql
 from app.queue.jobs import JobState
-from tests.conftest import api_client, client_for, script_model, signed_in, toy_model
+from tests.conftest import api_client, client_for, lock_waiter, script_model, signed_in, toy_model
 from tests.integration.test_batching import CLAIM
 from tests.integration.test_stream import events, kill_listeners, submit_toy
 from tests.integration.test_worker import enqueue
@@ -206,6 +206,9 @@ async def test_a_last_event_id_of_other_than_ascii_digits_is_ignored(settings, v
         assert first["id"] == newest and first["data"]["state"] == "queued"
 
 
+HISTORY_READ = "%FROM job_events AS e JOIN jobs AS j%"  # sql.EVENTS, as pg_stat_activity shows it
+
+
 @contextlib.asynccontextmanager
 async def history_held(manager, engine) -> AsyncIterator[tuple[uuid.UUID, Callable[[], Awaitable[None]]]]:
     """A running job whose history (job_events) is locked. `end()` waits until a reader waits on
@@ -213,21 +216,11 @@ async def history_held(manager, engine) -> AsyncIterator[tuple[uuid.UUID, Callab
     job_id = await enqueue(manager)
     [claimed] = await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)
     success = {"ids": [job_id], "attempts": [claimed.job.attempt], "results": ["[]"], "details": ["{}"]}
-    waiting = text(  # a read of the history (sql.EVENTS), waiting for the lock
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
-    )
     async with engine.connect() as conn:
         await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
 
         async def end() -> None:
-            for _ in range(200):
-                async with engine.connect() as probe:
-                    if await probe.scalar(waiting):
-                        break
-                await asyncio.sleep(0.02)
-            else:
-                pytest.fail("nothing read the history")
+            await lock_waiter(engine, HISTORY_READ)
             await conn.execute(sql.SUCCEED, success)
             await conn.commit()
 
@@ -273,10 +266,6 @@ async def test_a_stream_whose_reread_meets_a_database_error_ends_its_body_cleanl
     (the server restarting, its connection cut) escaped the body: the response was cut mid-chunk,
     with an ERROR "Exception in ASGI application" in the log. It ends its body as it does when the
     server exits, so the client reconnects with Last-Event-ID, and logs a warning."""
-    waiting = text(  # the stream's re-read of the history, waiting for the lock
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND query LIKE '%FROM job_events AS e JOIN jobs AS j%'"
-    )
     async with api_client(settings) as http:
         job_id = await submit_toy(http)
         feed = http.app.state.feed  # type: ignore[attr-defined]
@@ -286,14 +275,7 @@ async def test_a_stream_whose_reread_meets_a_database_error_ends_its_body_cleanl
             async with engine.connect() as conn:
                 await conn.execute(text("LOCK TABLE job_events IN ACCESS EXCLUSIVE MODE"))
                 await kill_listeners(settings.database_url)  # the feed reconnects: RESYNC
-                for _ in range(300):
-                    async with engine.connect() as probe:
-                        reader = await probe.scalar(waiting)
-                    if reader is not None:
-                        break
-                    await asyncio.sleep(0.05)
-                else:
-                    pytest.fail("the stream never re-read the history")
+                reader = await lock_waiter(engine, HISTORY_READ, timeout_s=15)  # the stream's re-read
                 async with engine.connect() as probe:  # its connection goes, as in a restart
                     await probe.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": reader})
                 await conn.rollback()

@@ -21,7 +21,7 @@ from tests.integration.test_durability import kinds, until
 from tests.integration.test_serve_processes import serving
 from tests.integration.test_serve_processes import until as wait_for
 from tests.integration.test_worker import enqueue
-from tests.integration.test_worker_stop import left_line, marked, two_running
+from tests.integration.test_worker_stop import left_no_model, marked, two_running
 from tests.netcut import CuttableLink
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
@@ -148,8 +148,6 @@ async def test_a_second_signal_stops_serve_at_once(settings, manager, tmp_path, 
     log = tmp_path / "serve.log"
     assert stopped_s < 8, (stopped_s, log.read_text()[-3000:])
     assert code == (1 if processes == "2" else 143), (code, log.read_text()[-3000:])  # as on any SIGTERM
-    assert marked("serve") == set()
-    line = left_line(log)
-    assert all(str(job_id) in line for job_id in jobs), line
+    left_no_model("serve", log, jobs)
     for job_id in jobs:
         assert (await manager.get(job_id)).state.value == "running"

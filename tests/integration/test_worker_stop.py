@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from app.queue import leftovers
 from app.queue.jobs import JobState
@@ -40,10 +41,19 @@ async def two_running(manager: JobManager) -> list[uuid.UUID]:
     return jobs
 
 
-def left_line(log: Path) -> str:
-    """The one line saying what the stop left."""
+async def stopped_at_once(worker: Any, sig: signal.Signals) -> tuple[int, float]:
+    """Send `sig` (the second) to a stopping worker: its exit code, and the seconds it took."""
+    worker.send_signal(sig)
+    started = time.monotonic()
+    code = await asyncio.to_thread(worker.wait, 20)
+    return code, time.monotonic() - started
+
+
+def left_no_model(name: str, log: Path, jobs: list[uuid.UUID]) -> None:
+    """Worker `name` killed its models and runners, and one line of its `log` names every job left."""
+    assert marked(name) == set()
     [line] = [line for line in log.read_text().splitlines() if "stopped at once" in line]
-    return line
+    assert all(str(job_id) in line for job_id in jobs), line
 
 
 async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
@@ -63,18 +73,11 @@ async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
         worker.send_signal(signal.SIGTERM)
         await asyncio.sleep(3)  # the grace passed; the models were stopped; the hand-backs wait
         assert worker.poll() is None  # the first signal still waits for the database
-        worker.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        code = await asyncio.to_thread(worker.wait, 20)
-        stopped_s = time.monotonic() - started
+        code, stopped_s = await stopped_at_once(worker, signal.SIGINT)
     finally:
         await link.close()
-    assert code == 1, code
-    assert stopped_s < 5, stopped_s
-    assert marked("outage") == set()
-    [log] = tmp_path.glob("worker-outage-*.log")
-    line = left_line(log)
-    assert all(str(job_id) in line for job_id in jobs), line
+    assert (code, stopped_s < 5) == (1, True), (code, stopped_s)
+    left_no_model("outage", next(tmp_path.glob("worker-outage-*.log")), jobs)
     for job_id in jobs:  # not handed back, not failed: still the stopped worker's
         job = await manager.get(job_id)
         assert (job.state, job.attempt) == (JobState.running, 1)
@@ -93,16 +96,9 @@ async def test_a_second_signal_during_the_grace_kills_models_and_runners(manager
     worker.send_signal(signal.SIGTERM)
     await asyncio.sleep(1.5)  # a second signal within a second is the first delivered twice
     assert worker.poll() is None and len(marked("grace")) == 2
-    worker.send_signal(signal.SIGTERM)
-    started = time.monotonic()
-    code = await asyncio.to_thread(worker.wait, 20)
-    stopped_s = time.monotonic() - started
-    assert code == 1, code
-    assert stopped_s < 5, stopped_s
-    assert marked("grace") == set()
-    [log] = tmp_path.glob("worker-grace-*.log")
-    line = left_line(log)
-    assert all(str(job_id) in line for job_id in jobs), line
+    code, stopped_s = await stopped_at_once(worker, signal.SIGTERM)
+    assert (code, stopped_s < 5) == (1, True), (code, stopped_s)
+    left_no_model("grace", next(tmp_path.glob("worker-grace-*.log")), jobs)
     for job_id in jobs:  # left to their leases: taken back by the reaper of another worker
         assert (await manager.get(job_id)).state is JobState.running
     spawn_worker("other")
