@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections import Counter
 
 from fastapi import APIRouter, Depends, Request
 
@@ -113,8 +114,13 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     workers = [_worker_public(w, dead_after) for w in await manager.workers(recent_s=0)]
     done = await manager.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
     judged = done.succeeded + done.failed
+    # A model dropped from the registry, or served only by workers that are down: its jobs wait.
+    serving = Counter(model for w in workers if w.live for model in set(w.models))
     return StatsPublic(
-        queue=[QueueDepthPublic(state=s, model=m, priority=p, jobs=n) for s, m, p, n in depth],
+        queue=[
+            QueueDepthPublic(state=s, model=m, priority=p, jobs=n, live_workers=serving[m])
+            for s, m, p, n in depth
+        ],
         live_workers=sum(w.live for w in workers),
         window_s=STATS_WINDOW_S,
         finished=done.finished,

@@ -279,6 +279,7 @@ class QueueDepthPublic(BaseModel):
     model: str
     priority: int
     jobs: int
+    live_workers: int = Field(description="Live workers that serve the model (0: none will take these jobs)")
 
 
 class PercentilesPublic(BaseModel):

@@ -216,11 +216,13 @@ async def failed_jobs(manager: manager_.JobManager) -> list[Job]:
 
 
 def queue_by_model(queue: list[Any]) -> list[tuple[str, dict[str, int]]]:
-    """Unfinished jobs per model and state (summed over priorities), models by name."""
+    """Unfinished jobs per model and state (summed over priorities), and the live workers that
+    serve the model, models by name."""
     table: dict[str, dict[str, int]] = {}
     for row in queue:
         counts = table.setdefault(row.model, {"queued": 0, "scheduled": 0, "running": 0})
         counts[row.state] = counts.get(row.state, 0) + row.jobs
+        counts["live_workers"] = row.live_workers
     return sorted(table.items())
 
 

@@ -1,0 +1,36 @@
+"""A registry that changes over time, and fleets whose workers do not all serve the same models."""
+
+from __future__ import annotations
+
+from app.queue.manager import JobManager
+from tests.conftest import api_client, signed_in
+from tests.integration.test_worker import enqueue
+
+GPUS = [{"index": 0, "name": "fake-0", "total_mb": 24_576, "free_mb": 24_576}]
+
+
+async def serving(manager: JobManager, worker: str, models: list[str], *, live: bool = True) -> None:
+    """Register a worker serving `models` as workers do at their start (stopped unless `live`)."""
+    await manager.register_worker(worker_id=worker, host="h", pid=1, models=models, gpus=GPUS)
+    if not live:
+        await manager.set_worker_state(worker, "stopped")
+
+
+async def test_a_queue_no_live_worker_serves_is_marked(settings, manager, make_key):
+    """Jobs of a model dropped from the registry (or served only by workers that are down) wait
+    for ever: the admin stats and page listed them as an ordinary queue, nothing said no worker
+    would take them. Each queue row now says how many live workers serve its model."""
+    await enqueue(manager, model="toy")
+    await enqueue(manager, model="gone", priority=2)  # queued before `gone` left the registry
+    await serving(manager, "old:worker", ["toy", "gone"], live=False)
+    await serving(manager, "new:worker", ["toy"])
+    async with api_client(settings) as http:
+        stats = (await http.get("/admin/stats")).json()
+        assert sorted((q["model"], q["live_workers"]) for q in stats["queue"]) == [("gone", 0), ("toy", 1)]
+        await signed_in(http, await make_key("root", admin=True))
+        page = (await http.get("/ui/admin")).text
+    rows = page[page.index('id="admin-queue"') :].split("<tr>")
+    [gone] = [row for row in rows if 'scope="row">gone' in row]
+    [toy] = [row for row in rows if 'scope="row">toy' in row]
+    assert "no live worker serves this model" in gone, gone
+    assert "no live worker" not in toy, toy
