@@ -276,6 +276,7 @@ class Worker:
         """Check the GPUs can run something, register, take back what a previous life left."""
         self._gpus = gpus = self._inventory.snapshot()
         self._refuse_if_nothing_fits(gpus)
+        self._warn_of_models_too_large(gpus)
         await self._manager.register_worker(
             worker_id=self.id,
             host=self.host,
@@ -309,6 +310,21 @@ class Worker:
             )
             raise errors.ConfigError(
                 f"no GPU can ever run a job: the smallest model needs {smallest} MB, {offers} ({sizes})"
+            )
+
+    def _warn_of_models_too_large(self, gpus: list[gpu.Gpu]) -> None:
+        """Name the models whose declared VRAM, even for the smallest input, no GPU here offers:
+        their jobs wait for another worker, and this one would never say why."""
+        offered = max((g.total_mb for g in gpus), default=0) - self._config.scheduling.vram_buffer_mb
+        needs = {name: spec.estimate_vram_mb(0.0) for name, spec in self._models.models.items()}
+        large = [f"{name} ({mb} MB)" for name, mb in sorted(needs.items()) if mb > offered]
+        if large:
+            log.warning(
+                "models this worker never runs: their declared VRAM is more than its largest GPU "
+                "offers (%d MB after the buffer): %s",
+                offered,
+                ", ".join(large),
+                extra={"action": "models_too_large", "worker": self.id},
             )
 
     async def _shutdown(self, side: list[asyncio.Task[None]], *, renewing: bool) -> None:

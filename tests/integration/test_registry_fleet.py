@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
+from app.queue.jobs import JobState
 from app.queue.manager import JobManager
-from tests.conftest import api_client, signed_in
+from tests.conftest import api_client, signed_in, toy_model
 from tests.integration.test_worker import enqueue
 
 GPUS = [{"index": 0, "name": "fake-0", "total_mb": 24_576, "free_mb": 24_576}]
@@ -34,3 +37,19 @@ async def test_a_queue_no_live_worker_serves_is_marked(settings, manager, make_k
     [toy] = [row for row in rows if 'scope="row">toy' in row]
     assert "no live worker serves this model" in gone, gone
     assert "no live worker" not in toy, toy
+
+
+async def test_a_worker_says_which_models_fit_none_of_its_gpus(manager, make_worker, models_file, caplog):
+    """A model whose declared VRAM outgrew every GPU (a registry edit, or a worker on smaller
+    cards) left its jobs queued with nothing said: the worker started, claimed the others, and
+    never mentioned it. It now names such models at its start, with what they need."""
+    big = toy_model("big").replace("base_mb = 1000", "base_mb = 30000")
+    models_file.write_text(models_file.read_text() + big)
+    job_id = await enqueue(manager, model="big", vram_mb=30_000)
+    caplog.set_level(logging.WARNING, logger="gpujobs")
+    await make_worker([24_576, 16_384]).run()
+    assert (await manager.get(job_id)).state is JobState.queued
+    [said] = [r for r in caplog.records if getattr(r, "action", None) == "models_too_large"]
+    message = said.getMessage()
+    assert "big (30000 MB)" in message and "24576 MB" in message, message
+    assert "toy" not in message.replace("big", ""), message
