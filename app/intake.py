@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import decimal
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,12 +86,22 @@ async def submit(
 ) -> tuple[Job, bool]:
     """Check everything, store the image, queue the job; (job, created). Nothing is stored on error.
 
-    A repeated idempotency key gives back its job if the request is the same, else Conflict.
+    A repeated idempotency key gives back its job if the request is the same (check_repeat), else
+    Conflict; a repeat refused now (the registry changed since) gets its job if sent the same.
     `gate`, if given, is held while the job is written to the database.
     """
-    spec = models.get(model)
-    values = spec.validate_params(params)
-    check_priority(priority, limits)
+    sent = None if idempotency_key is None else fingerprint(model, params, priority)
+    try:
+        spec = models.get(model)
+        values = spec.validate_params(params)
+        check_priority(priority, limits)
+    except errors.InvalidRequest as refused:
+        if idempotency_key is None:
+            raise
+        job = await refused_repeat(
+            manager, refused, owner=owner, key=idempotency_key, sent=sent, image=image, limits=limits
+        )
+        return job, False
     checked = await check_image(image, limits)
     declared = spec.estimate_vram_mb(checked.megapixels)
     vram_mb = declared if learner is None else (await learner.estimate(spec, checked.megapixels))[0]
@@ -103,6 +114,7 @@ async def submit(
         declared_vram_mb=declared,
         max_attempts=spec.max_attempts,
         idempotency_key=idempotency_key,
+        request_sha256=sent,
     )
     async with gate or contextlib.nullcontext():
         job, created = await manager.enqueue(
@@ -111,6 +123,54 @@ async def submit(
     if not created:
         await check_repeat(manager, job, new, checked)
     return job, created
+
+
+async def refused_repeat(
+    manager: manager_.JobManager,
+    refused: errors.InvalidRequest,
+    *,
+    owner: str,
+    key: str,
+    sent: str | None,
+    image: BinaryIO,
+    limits: Limits,
+) -> Job:
+    """The job of this idempotency key if this request, `refused` now, is the one that made it, as
+    sent then: a retry during a restart that removed its model, or checks its params more strictly,
+    gets its job. Else `refused` (also for a job queued before requests were recorded as sent)."""
+    job = await manager.find_idempotent(owner, key)
+    if job is None or job.request_sha256 != sent:  # NULL: queued before requests were recorded
+        raise refused
+    try:
+        checked = await check_image(image, limits)
+    except errors.AppError:
+        raise refused from None
+    if await _other_image(manager, job, checked):
+        raise refused
+    return job
+
+
+def fingerprint(model: str, params: Mapping[str, Any], priority: int) -> str:
+    """SHA-256 of a request as the client sent it (model, params, priority), in a canonical JSON."""
+    try:
+        text = _canonical({"model": model, "params": dict(params), "priority": priority})
+    except RecursionError as exc:
+        raise errors.InvalidParams("params: nested too deeply", field="params") from exc
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical(value: Any) -> str:
+    """`value` as JSON written one way: keys sorted, ASCII, each number by its decimal value (80 and
+    80.0 are one number to JSON, and to the comparison of params with defaults filled in)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(k)}:{_canonical(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_canonical, value)) + "]"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        written = repr(value)  # exact: a precision of as many digits as it has rounds nothing
+        number = decimal.Context(prec=len(written)).normalize(decimal.Decimal(written))
+        return "0" if number.is_zero() else str(number)
+    return json.dumps(value)
 
 
 def _same_json(stored: Any, sent: Any) -> bool:
@@ -132,25 +192,37 @@ async def check_repeat(
 ) -> None:
     """Conflict unless `job`, the earlier job of this idempotency key, was asked for with the same
     image, model, params and priority as `new`: a key names one request, and answering another
-    with its job would hand back a mesh of the wrong image. Runs only for repeats."""
-    differs = [
-        name
-        for name, same in (
-            ("model", job.model == new.model),
-            ("params", _same_json(job.params, dict(new.params))),
-            ("priority", job.priority == new.priority),
-        )
-        if not same
-    ]
-    if job.input_id is not None:  # else retention deleted the image: nothing to compare with
-        stored = await manager.input_sha256(job.input_id)
-        if stored is not None and stored != image.sha256:
-            differs.insert(0, "image")
+    with its job would hand back a mesh of the wrong image. Runs only for repeats.
+
+    The same model, params and priority as sent then; else (sent otherwise, or a job queued before
+    requests were recorded as sent) the same once the defaults are filled in. Compared only so,
+    a repeat after a restart that changed a default was another request."""
+    differs = []
+    if new.request_sha256 is None or new.request_sha256 != job.request_sha256:
+        differs = [
+            name
+            for name, same in (
+                ("model", job.model == new.model),
+                ("params", _same_json(job.params, dict(new.params))),
+                ("priority", job.priority == new.priority),
+            )
+            if not same
+        ]
+    if await _other_image(manager, job, image):
+        differs.insert(0, "image")
     if differs:
         raise errors.Conflict(
             f"Idempotency-Key {new.idempotency_key!r} was already used for job {job.id}, with a "
             f"different {', '.join(differs)}; send a new key to queue a new job"
         )
+
+
+async def _other_image(manager: manager_.JobManager, job: Job, image: manager_.NewInput) -> bool:
+    """Whether `job` was made from another image (not known once retention deleted its image)."""
+    if job.input_id is None:
+        return False
+    stored = await manager.input_sha256(job.input_id)
+    return stored is not None and stored != image.sha256
 
 
 async def check_image(image: BinaryIO, limits: Limits) -> manager_.NewInput:

@@ -98,6 +98,9 @@ class JobRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     idempotency_key: Mapped[str | None] = mapped_column(Text)
+    # With an idempotency key: SHA-256 of the model, params and priority as the client sent them
+    # (intake.fingerprint), so a repeat is known after the registry changed; NULL before 0008.
+    request_sha256: Mapped[str | None] = mapped_column(Text)
     results: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
     created_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(TIMESTAMP)

@@ -109,6 +109,7 @@ class Job:
     finished_at: datetime | None
     results: tuple[ResultFile, ...] = field(default=())
     expired_at: datetime | None = None
+    request_sha256: str | None = None  # the request as sent, with an idempotency key (intake.fingerprint)
 
     @classmethod
     def from_row(cls, row: Any) -> Job:

@@ -75,6 +75,7 @@ class NewJob:
     max_attempts: int
     idempotency_key: str | None = None
     declared_vram_mb: int | None = None  # the registry's estimate, when vram_mb was learned
+    request_sha256: str | None = None  # the request as sent, with an idempotency key (intake.fingerprint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +306,7 @@ class JobManager:
                 if row["stored_input"] is not None:  # the image it stored is nobody's
                     with contextlib.suppress(sa_exc.IntegrityError):  # a job took it meanwhile
                         await conn.execute(sql.DROP_UNUSED_INPUT, {"id": row["stored_input"]})
-                existing = await self._idempotent(conn, job)
+                existing = await self._idempotent(conn, job.owner, job.idempotency_key)
             assert existing is not None
             return existing, False
         stored = Job.from_row(row)
@@ -320,11 +321,14 @@ class JobManager:
         self.teller.tell(sql.JOB_CHANNEL, json.dumps(note))
         self.teller.tell(sql.QUEUED_CHANNEL, job.model)
 
+    async def find_idempotent(self, owner: str, key: str) -> Job | None:
+        """The owner's job queued with this idempotency key, if any."""
+        async with self._auto.connect() as conn:
+            return await self._idempotent(conn, owner, key)
+
     @staticmethod
-    async def _idempotent(conn: AsyncConnection, job: NewJob) -> Job | None:
-        row = (
-            await conn.execute(sql.FIND_IDEMPOTENT, {"owner": job.owner, "key": job.idempotency_key})
-        ).first()
+    async def _idempotent(conn: AsyncConnection, owner: str, key: str | None) -> Job | None:
+        row = (await conn.execute(sql.FIND_IDEMPOTENT, {"owner": owner, "key": key})).first()
         return None if row is None else Job.from_row(row)
 
     @staticmethod
@@ -339,6 +343,7 @@ class JobManager:
             "declared_vram_mb": job.vram_mb if job.declared_vram_mb is None else job.declared_vram_mb,
             "max_attempts": job.max_attempts,
             "idempotency_key": job.idempotency_key,
+            "request_sha256": job.request_sha256,
             "queue_limit": queue_limit,
             "owner_limit": max(owner_limit, 0),
             **image.row_values(),

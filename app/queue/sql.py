@@ -29,7 +29,8 @@ def _tell(jobs: str, event: str | None = "event", *, message: bool = False) -> s
 
 # -- intake -----------------------------------------------------------------------------------
 
-# A waiting job of this owner with this idempotency key (one that lost a race re-reads it).
+# The job of this owner with this idempotency key: one that lost a race re-reads it, and a repeat
+# refused now (its model gone, its params checked more strictly since) looks for it.
 FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_key = :key")
 
 # Queue a job, in one statement (run in autocommit: no BEGIN / COMMIT round trips). In order:
@@ -85,11 +86,11 @@ ENQUEUE = text(
         RETURNING id
     ), job AS (
         INSERT INTO jobs (owner, model, params, input_id, megapixels, priority, vram_mb,
-                          declared_vram_mb, max_attempts, idempotency_key)
+                          declared_vram_mb, max_attempts, idempotency_key, request_sha256)
         SELECT :owner, :model, CAST(:params AS jsonb), i.id, CAST(:megapixels AS real),
                CAST(:priority AS integer), CAST(:vram_mb AS integer),
                CAST(:declared_vram_mb AS integer), CAST(:max_attempts AS integer),
-               CAST(:idempotency_key AS text)
+               CAST(:idempotency_key AS text), CAST(:request_sha256 AS text)
         FROM verdict, (SELECT id FROM found UNION ALL SELECT id FROM stored) AS i
         WHERE verdict.outcome = 'queued'
         ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
