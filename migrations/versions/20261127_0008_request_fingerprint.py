@@ -8,7 +8,7 @@ are compared as before.
 
 Revision ID: 0008
 Revises: 0007
-Create Date: 2026-11-27 05:00:00
+Create Date: 2026-11-27 08:00:00
 """
 
 from __future__ import annotations
