@@ -61,10 +61,14 @@ def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uv
     """The server's settings, the same in one process and in each of several."""
     import uvicorn
 
+    from app.api import connections
+
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        # A request's head bounded in size and time (uvicorn's own waits for it for ever).
+        http=connections.protocol(settings.client_timeout_s),
         # The default asyncio loop: subprocess start is several times slower under uvloop.
         loop="asyncio",
         log_level=settings.log_level.lower(),

@@ -209,6 +209,12 @@ class Settings(BaseSettings):
         description="/readyz answers 503 while fewer live workers heartbeat (0 = never)",
     )
     stream_keepalive_s: Seconds = Field(15, gt=0, description="Comment line sent on an idle job stream")
+    client_timeout_s: Seconds = Field(
+        30,
+        gt=0,
+        description="How long a client may take to send a request's line and headers (from its "
+        "connection or its previous answer); then 408 and the connection is closed",
+    )
     retention_days: float = Field(
         30,
         ge=0,

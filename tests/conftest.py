@@ -358,14 +358,17 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    """Run `app` under uvicorn on a free loopback port; yields its base URL.
+async def serving(app: Any, *, http: Any = "auto") -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free loopback port, with uvicorn's `http` protocol; yields its
+    base URL.
 
     Started and stopped step by step rather than with `Server.serve()`, whose stop waits out its
     0.1 s tick and then a fixed 0.1 s pause: about 0.2 s a test, for hundreds of tests. The steps
     are serve()'s own, in its order; only the waits are shorter.
     """
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="none", lifespan="on", log_level="warning")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, loop="none", lifespan="on", log_level="warning", http=http
+    )
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)

@@ -1,0 +1,123 @@
+"""Slow and misbehaving clients: a request's head and body are bounded in size and in time, so a
+client (with a key or without one) cannot hold the API's memory or connections for as long as it
+likes. Each test speaks raw HTTP/1.1 to a real server, as such a client does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import pytest
+
+from app import serve
+from app.api.main import create_app
+from app.settings import Settings
+from tests.conftest import create_key, http_client, serving
+
+
+@pytest.fixture
+async def server(settings: Settings) -> AsyncIterator[tuple[str, int]]:
+    """The API served as `gpujobs serve` serves it (its uvicorn settings), with 1 s for a client's
+    request head and body pauses; yields (host, port)."""
+    quick = settings.model_copy(update={"client_timeout_s": 1.0, "stream_keepalive_s": 0.3})
+    app = create_app(quick)
+    async with serving(app, http=serve.uvicorn_config(app, quick, "127.0.0.1", 0).http) as base:
+        host, port = base.removeprefix("http://").split(":")
+        yield host, int(port)
+
+
+async def exchange(
+    where: tuple[str, int], pieces: Iterable[bytes], *, wait_s: float = 5.0
+) -> tuple[bytes, float]:
+    """Send `pieces`, stop sending (the connection stays open), and read until the server closes it
+    or `wait_s` passes; (what it sent, seconds from the last piece sent to its close, or inf)."""
+    reader, writer = await asyncio.open_connection(*where)
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            try:
+                await writer.drain()
+            except ConnectionError:  # it closed while we sent: its answer may still be there
+                break
+        sent_at, received = time.monotonic(), b""
+        deadline = sent_at + wait_s
+        while (left_s := deadline - time.monotonic()) > 0:
+            try:
+                piece = await asyncio.wait_for(reader.read(1 << 16), left_s)
+            except TimeoutError:
+                return received, float("inf")
+            except ConnectionError:
+                break
+            if not piece:
+                break
+            received += piece
+        return received, time.monotonic() - sent_at
+    finally:
+        writer.close()
+
+
+def endless_header(mb: int) -> list[bytes]:
+    return [b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ", *([b"a" * (1 << 20)] * mb)]
+
+
+HEADS: dict[str, list[bytes]] = {
+    "an endless header line": endless_header(8),
+    "one large head, whole": [b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"],
+    "many headers": [b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-1: y\r\n" * 30_000 + b"\r\n"],
+    "an endless URL": [b"GET /healthz?" + b"a" * (4 << 20)],
+}
+
+
+@pytest.mark.parametrize("pieces", HEADS.values(), ids=HEADS.keys())
+async def test_a_request_head_over_the_limit_is_refused_at_once(server, pieces):
+    """uvicorn (httptools) kept a request's head in memory however long it grew: a client without a
+    key sent a 64 MB header and the API's memory grew by 64 MB (and it waited for more), and a head
+    of 30,000 headers was served."""
+    received, closed_s = await exchange(server, pieces)
+    assert received.startswith(b"HTTP/1.1 431 "), received[:200]
+    assert b'"detail":' in received and b"connection: close" in received.lower(), received
+    assert closed_s < 1.0, closed_s
+
+
+async def test_a_request_head_at_the_limit_is_served(server):
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * (30 << 10) + b"\r\n\r\n"
+    received, _ = await exchange(server, [head, head], wait_s=0.5)  # two, one connection
+    assert received.count(b"HTTP/1.1 200 OK") == 2, received[:300]
+
+
+async def test_a_request_head_that_does_not_arrive_in_time_is_dropped(server):
+    """A head sent slowly, or not at all, held its connection (an open socket, a descriptor) for
+    ever: nothing timed out before the head was whole (slowloris)."""
+    started = time.monotonic()
+    answers = await asyncio.gather(
+        exchange(server, [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"]),  # a head that stops
+        exchange(server, []),  # a connection that says nothing
+        exchange(server, [b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /healthz HTTP/1.1\r\n"]),
+    )
+    (partial, partial_s), (silent, silent_s), (second, second_s) = answers
+    assert partial.startswith(b"HTTP/1.1 408 ") and b"connection: close" in partial.lower(), partial
+    assert silent == b"", silent
+    assert second.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in second, second
+    assert max(partial_s, silent_s, second_s) < 3.0, answers
+    assert time.monotonic() - started < 4.0
+
+
+async def test_a_long_response_is_not_cut_by_the_head_timeout(server, settings, png):
+    """The deadline is the head's: a stream that runs longer than it goes on."""
+    assert settings.database_url
+    key = await create_key(settings.database_url, "alice")
+    async with http_client(f"http://{server[0]}:{server[1]}", key) as http:
+        job = await http.post("/jobs", files={"image": ("a.png", png(), "image/png")}, data={"model": "toy"})
+        assert job.status_code == 201, job.text
+        lines: list[str] = []
+        started = time.monotonic()
+        async with http.stream("GET", f"/jobs/{job.json()['id']}/stream") as stream:
+            async for line in stream.aiter_lines():  # a keepalive every 0.3 s
+                lines.append(line)
+                if time.monotonic() - started > 2.5:
+                    break
+        assert time.monotonic() - started > 2.5, lines
+        cancel = await http.post(f"/jobs/{job.json()['id']}/cancel")
+    assert cancel.status_code == 200, cancel.text
+    assert any(line.startswith("data:") for line in lines), lines
