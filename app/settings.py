@@ -213,7 +213,8 @@ class Settings(BaseSettings):
         30,
         gt=0,
         description="How long a client may take to send a request's line and headers (from its "
-        "connection or its previous answer); then 408 and the connection is closed",
+        "connection or its previous answer), or pause while sending a body; then 408 and the "
+        "connection is closed",
     )
     retention_days: float = Field(
         30,

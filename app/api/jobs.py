@@ -34,6 +34,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     200: {"model": JobPublic, "description": "Same Idempotency-Key as an earlier request: that job"},
     400: {"model": ErrorPublic, "description": "Not a well-formed form, or too many or too large fields"},
+    408: {"model": ErrorPublic, "description": "The upload stopped arriving (GPUJOBS_CLIENT_TIMEOUT_S)"},
     409: {"model": ErrorPublic, "description": "The Idempotency-Key was used for a different request"},
     413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
     415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},

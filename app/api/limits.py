@@ -4,8 +4,10 @@ A declared `Content-Length` over the limit is refused before a byte is read. Oth
 counted as it arrives; past the limit the request is cut off and answered 413, whatever the form
 parser was doing with it, so a huge upload never fills memory or disk. Routes that take no upload
 but must take a body from anyone (the web page's sign-in) get their own small limit (`per_path`),
-enforced the same way, so their body is never parsed past a few kB. `refuse` sends these answers,
-and the other refusals made before the body is read (401, 403: app/api/security.py), at once.
+enforced the same way, so their body is never parsed past a few kB. A body that stops arriving for
+`idle_s` (a client gone without closing, or one holding what it sent in the API's memory) is
+answered 408, and its connection closed. `refuse` sends these answers, and the other refusals made
+before the body is read (401, 403: app/api/security.py), at once.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
 memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In
@@ -43,6 +45,10 @@ class BodyTooLarge(Exception):
     """The body passed the limit while streaming."""
 
 
+class BodyStalled(Exception):
+    """The body stopped arriving."""
+
+
 @dataclass(frozen=True, slots=True)
 class SizeLimit:
     """A limit on a request body's bytes, and what its 413 says."""
@@ -62,8 +68,10 @@ class BodyLimit:
         max_bytes: int,
         per_path: Mapping[str, SizeLimit] | None = None,
         methods: frozenset[str] = frozenset({"POST"}),
+        idle_s: float = 30.0,
     ) -> None:
         self.app = app
+        self.idle_s = idle_s
         limit_mb = max_bytes / 1024 / 1024
         self.upload = SizeLimit(
             max_bytes + FORM_OVERHEAD_BYTES, f"the upload is larger than the {limit_mb:g} MB limit"
@@ -80,29 +88,37 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > limit.max_bytes:
             await refuse(scope, receive, send, 413, limit.detail)
             return
-        state: dict[str, Any] = {"seen": 0, "over": False, "started": False}
+        state: dict[str, Any] = {"seen": 0, "whole": False, "refusal": None, "started": False}
 
         async def counting_receive() -> Message:
-            message = await receive()
+            if state["whole"]:  # after the body: a wait for the client's disconnect, not timed
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    message = await receive()
+            except TimeoutError:
+                state["refusal"] = (408, f"the client stopped sending the body ({self.idle_s:g} s)")
+                raise BodyStalled from None
             if message["type"] == "http.request":
                 state["seen"] += len(message.get("body", b""))
+                state["whole"] = not message.get("more_body", False)
                 if state["seen"] > limit.max_bytes:
-                    state["over"] = True
+                    state["refusal"] = (413, limit.detail)
                     raise BodyTooLarge
             return message
 
         async def guarded_send(message: Message) -> None:
-            if state["over"]:
+            if state["refusal"] is not None:
                 return  # the app's own answer to the cut-off body is replaced by ours
             state["started"] = True
             await send(message)
 
         try:
             await self.app(scope, counting_receive, guarded_send)
-        except BodyTooLarge:
+        except (BodyTooLarge, BodyStalled):
             pass
-        if state["over"] and not state["started"]:
-            await refuse(scope, receive, send, 413, limit.detail)
+        if state["refusal"] is not None and not state["started"]:
+            await refuse(scope, receive, send, *state["refusal"])
 
 
 def has_body(scope: Scope) -> bool:

@@ -288,7 +288,12 @@ def create_app(settings: Settings) -> FastAPI:
         asyncpg.InterfaceError,
     ):
         app.add_exception_handler(kind, _database_error)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, per_path=web_pages.BODY_LIMITS)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_upload_bytes,
+        per_path=web_pages.BODY_LIMITS,
+        idle_s=settings.client_timeout_s,
+    )
     security.install(app, settings)
     app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line
     return app
