@@ -29,6 +29,8 @@ cli = typer.Typer(help="gpujobs: a durable job service for GPU models.", no_args
 cli.add_typer(cli_keys.keys, name="keys")
 client.register(cli)  # submit, jobs list|show|cancel|retry, prune: the HTTP client
 log = logging.getLogger("gpujobs.cli")
+# Linux refuses a limit on open files above fs.nr_open (1048576 by default), "unlimited" included.
+MAX_OPEN_FILES = 1 << 20
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -45,6 +47,21 @@ def _settings() -> Settings:
         raise typer.Exit(2) from exc
     _setup_logging(settings)
     return settings
+
+
+def _more_open_files() -> None:
+    """Raise this process's soft limit on open files to its hard limit (as Go's runtime does).
+
+    Every connection holds a descriptor, and the soft limit is often 1024 (systemd's services,
+    Docker's containers) where the hard one allows far more: a thousand event streams, or slow
+    clients, left the API unable to accept another connection. Nothing here uses select()."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def _usable_storage(settings: Settings, *, folders: bool = False) -> None:
@@ -184,6 +201,7 @@ def serve(
     from app.api.main import check_settings
 
     settings = _settings()
+    _more_open_files()
     if worker is not None:  # the flag overrides GPUJOBS_RUN_WORKER; without it, the setting holds
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes

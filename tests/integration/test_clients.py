@@ -5,8 +5,12 @@ likes. Each test speaks raw HTTP/1.1 to a real server, as such a client does."""
 from __future__ import annotations
 
 import asyncio
+import resource
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +18,14 @@ from app import serve
 from app.api import limits
 from app.api.main import create_app
 from app.settings import Settings
-from tests.conftest import create_key, http_client, serving
+from tests.conftest import (
+    create_key,
+    free_port,
+    http_client,
+    serving,
+    wait_until_serving,
+    worker_env,
+)
 
 
 @pytest.fixture
@@ -175,3 +186,47 @@ async def test_a_slow_upload_that_keeps_sending_is_not_cut(server, settings, png
     finally:
         writer.close()
     assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+
+
+def _few_open_files() -> None:
+    """A soft limit of 1024 open files, as systemd gives a service (and Docker a container)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))
+
+
+@pytest.fixture
+def few_files_server(settings: Settings, tmp_path: Path) -> Iterator[int]:
+    """`gpujobs serve --no-worker` started under a soft limit of 1024 open files; yields its port."""
+    port = free_port()
+    env = worker_env(settings, "serve", link_secret=settings.link_secret, log_level="WARNING")
+    with (tmp_path / "serve.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", "--no-worker", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_few_open_files,
+        )
+    try:
+        wait_until_serving(process, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def test_serve_uses_the_open_files_its_hard_limit_allows(few_files_server):
+    """Under the usual soft limit of 1024 open files, a thousand connections (event streams of one
+    key, or heads sent slowly by anyone) left the API unable to accept another: every request
+    hung, /healthz included, though the hard limit allowed more."""
+    held = []
+    try:
+        for _ in range(1100):  # each holds a descriptor until its head's time is up (30 s)
+            _, writer = await asyncio.open_connection("127.0.0.1", few_files_server)
+            writer.write(b"GET /healthz HTTP/1.1\r\n")
+            held.append(writer)
+        async with http_client(f"http://127.0.0.1:{few_files_server}") as http:
+            answer = await asyncio.wait_for(http.get("/healthz"), 10)
+        assert answer.status_code == 200, answer.text
+    finally:
+        for writer in held:
+            writer.close()
