@@ -119,7 +119,7 @@ async def test_a_server_in_trouble_for_a_while_counts_as_unavailable(
 
 
 @pytest.mark.parametrize("path", ["fetch_rows", "sqlalchemy"])
-async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_trouble(engine, path):
+async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_trouble(engine, settings, path):
     """PostgreSQL ends a deadlock by failing one of its statements (40P01), which wrote nothing and
     succeeds when sent again. It was taken for a bad statement: a worker whose heartbeat lost such
     a draw stopped (its side task died), and an attempt whose final write lost it failed the job
@@ -127,25 +127,33 @@ async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_tro
     async with engine.begin() as conn:
         await conn.execute(text("CREATE TABLE pair (id int PRIMARY KEY)"))
         await conn.execute(text("INSERT INTO pair VALUES (1), (2)"))
+        # A waiting session looks for a deadlock once, deadlock_timeout into its wait: the taker 3 s
+        # in (time for the holder to close the cycle on a busy machine), the holder a minute in. So
+        # the taker is the one PostgreSQL fails.
+        name = await conn.scalar(text("SELECT current_database()"))
+        await conn.execute(text(f"ALTER DATABASE \"{name}\" SET deadlock_timeout = '3s'"))
     both = text("SELECT id FROM pair ORDER BY id DESC FOR UPDATE")  # 2, then waits for 1
+    taking = db.create_engine(settings.database_url, pool_size=1)  # new sessions: the 3 s
 
     async def take_both() -> None:
         if path == "fetch_rows":
-            await db.fetch_rows(engine, both, {})
+            await db.fetch_rows(taking, both, {})
         else:
-            async with engine.begin() as conn:
+            async with taking.begin() as conn:
                 await conn.execute(both)
 
-    async with engine.connect() as holder:
-        await holder.execute(text("SELECT id FROM pair WHERE id = 1 FOR UPDATE"))
-        taker = asyncio.create_task(take_both())
-        await lock_waiter(engine, "%DESC FOR UPDATE")
-        # Closes the cycle; the taker waited first, so its deadlock check runs first and fails it.
-        await holder.execute(text("SELECT id FROM pair WHERE id = 2 FOR UPDATE"))
-        await holder.rollback()
-    with pytest.raises(Exception, match="deadlock") as failed:
-        await taker
-    assert db.is_unavailable(failed.value)
-    assert [dict(r) for r in await db.fetch_rows(engine, text("SELECT count(*) AS n FROM pair"), {})] == [
-        {"n": 2}
-    ]
+    try:
+        async with engine.connect() as holder:
+            await holder.execute(text("SET deadlock_timeout = '60s'"))
+            await holder.execute(text("SELECT id FROM pair WHERE id = 1 FOR UPDATE"))
+            taker = asyncio.create_task(take_both())
+            await lock_waiter(engine, "%DESC FOR UPDATE")
+            await holder.execute(text("SELECT id FROM pair WHERE id = 2 FOR UPDATE"))  # the cycle
+            await holder.rollback()
+        with pytest.raises(Exception, match="deadlock") as failed:
+            await taker
+        assert db.is_unavailable(failed.value)
+        [row] = await db.fetch_rows(taking, text("SELECT count(*) AS n FROM pair"), {})  # sent again, it goes
+        assert row["n"] == 2
+    finally:
+        await taking.dispose()
