@@ -1,16 +1,19 @@
-"""Admin routes: retry failed or canceled jobs; workers, stats and retention on demand."""
+"""Admin routes: retry failed or canceled jobs, cancel in bulk; workers, stats and retention on demand."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections import Counter
 
 from fastapi import APIRouter, Depends, Request
 
-from app import errors, retention
+from app import errors, retention, storage
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, require_admin
 from app.api.schemas import (
+    CancelCount,
+    CancelFilter,
     ErrorPublic,
     JobPublic,
     PercentilesPublic,
@@ -24,6 +27,7 @@ from app.api.schemas import (
     WorkerPublic,
 )
 from app.queue import records
+from app.queue.jobs import JobState
 from app.settings import Settings
 
 # Admin keys only: 401 without a key, 403 with a user's (also enforced by `security.Authenticate`).
@@ -74,6 +78,25 @@ async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep
             until=body.until,
         )
     return RetryCount(retried=total)
+
+
+@router.post("/jobs/cancel", response_model=CancelCount)
+async def cancel_jobs(body: CancelFilter, services: ServicesDep, caller: CallerDep) -> CancelCount:
+    """Cancel every job of the filter's states (queued and scheduled unless told) that matches it."""
+    done = await services.manager.cancel_matching(
+        by=caller.principal,
+        states={JobState(s) for s in body.states},
+        model=body.model,
+        owner=body.owner,
+    )
+    if done.ended_waiting:  # their lost attempts' files go, as a single cancel's do
+        await asyncio.to_thread(_drop_attempts, services.store, done.ended_waiting)
+    return CancelCount(canceled=done.canceled, stopping=done.stopping)
+
+
+def _drop_attempts(store: storage.ResultStore, jobs: list[tuple[uuid.UUID, int]]) -> None:
+    for job_id, attempt in jobs:
+        store.drop_attempts(job_id, upto=attempt)
 
 
 # -- observability ------------------------------------------------------------------------------

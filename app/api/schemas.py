@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -191,6 +191,42 @@ class RetryCount(BaseModel):
     """How many jobs were queued again."""
 
     retried: int
+
+
+# The states a cancel takes, and those a bulk cancel takes unless told.
+Cancelable = Literal["queued", "scheduled", "running"]
+WAITING: tuple[Cancelable, ...] = ("queued", "scheduled")
+
+
+class CancelFilter(BaseModel):
+    """Which unfinished jobs to cancel: those of a model, of an owner, or with `all`, every one."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt filter must not widen to every job
+
+    model: Text | None = Field(None, description="Also a model no longer in the registry")
+    owner: Text | None = Field(None, description="The principal of the key that submitted them")
+    states: list[Cancelable] = Field(
+        default_factory=lambda: list(WAITING),
+        min_length=1,
+        description="Running jobs are asked to stop: their workers, told at once, kill them",
+    )
+    all: bool = Field(False, description="Without model or owner: every job in those states")
+
+    @model_validator(mode="after")
+    def _all_only_alone(self) -> CancelFilter:
+        given = self.model is not None or self.owner is not None
+        if not given and not self.all:
+            raise ValueError("give a model or an owner, or all: true to cancel every job in those states")
+        if given and self.all:
+            raise ValueError("all: true cancels every job in those states: leave out model and owner")
+        return self
+
+
+class CancelCount(BaseModel):
+    """How many jobs a bulk cancel ended, and how many running ones it asked to stop."""
+
+    canceled: int
+    stopping: int = Field(description="Running jobs asked to stop; each ends `canceled` when killed")
 
 
 class CancelPublic(BaseModel):

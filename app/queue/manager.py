@@ -717,6 +717,53 @@ class JobManager:
             )
         return JobState(row.state), row.attempt
 
+    async def cancel_matching(
+        self,
+        *,
+        by: str,
+        states: Set[JobState],
+        model: str | None = None,
+        owner: str | None = None,
+        batch: int = 1000,
+        patience_s: float = 5.0,
+    ) -> records.Canceled:
+        """Cancel, as `cancel` does, every job in `states` (queued, scheduled, running) of `model` and
+        `owner` (None: any) submitted by now, in batches of `batch` (sql.CANCEL_MATCHING)."""
+        values = {"by": by, "model": model, "owner": owner, "before": await self.now(), "limit": batch}
+        rows: list[Any] = []
+        # In the order a job moves through them: one promoted or claimed meanwhile is met again
+        # in its next state, when that is asked for too.
+        for state in (JobState.scheduled, JobState.queued, JobState.running):
+            if state in states:
+                rows += await self._cancel_batches({**values, "state": state.value}, patience_s)
+        stopping = sum(r.state == JobState.running for r in rows)
+        waited = [(r.id, r.attempt) for r in rows if r.state == JobState.canceled and r.attempt > 0]
+        return records.Canceled(canceled=len(rows) - stopping, stopping=stopping, ended_waiting=waited)
+
+    async def _cancel_batches(self, values: Mapping[str, Any], patience_s: float) -> list[Any]:
+        """Batches of sql.CANCEL_MATCHING until no job is left, or none could be taken (others held
+        them: sql.CANCEL_MATCHING skips them) for `patience_s`."""
+        rows: list[Any] = []
+        deadline = time.monotonic() + patience_s
+        while True:
+            async with self._auto.connect() as conn:
+                taken = (await conn.execute(sql.CANCEL_MATCHING, values)).all()
+                full = len(taken) == values["limit"]
+                left = full or (await conn.execute(sql.CANCELABLE_LEFT, values)).scalar_one()
+            rows += taken
+            if not left:
+                return rows
+            if taken:
+                deadline = time.monotonic() + patience_s
+            elif time.monotonic() > deadline:
+                log.warning(
+                    "bulk cancel gave up on jobs held by other statements",
+                    extra={"action": "cancel_matching_held", "state": values["state"]},
+                )
+                return rows
+            if not full:
+                await asyncio.sleep(0.02)  # the holders are short statements
+
     async def retry(self, job_id: uuid.UUID, *, by: str, attempts: int) -> None:
         """Queue a failed, canceled or quarantined job again with a fresh budget of attempts."""
         async with self._auto.connect() as conn:

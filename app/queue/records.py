@@ -1,4 +1,4 @@
-"""What the manager's observability and retention methods return, and the advisory lock."""
+"""What the manager's observability, retention and bulk cancel methods return, and the advisory lock."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ class Expired:
     job_ids: list[uuid.UUID]
     inputs_deleted: int
     input_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Canceled:
+    """A bulk cancel: jobs ended `canceled`, running jobs asked to stop, and of the former those
+    that had run before (waiting for a retry), as (id, attempt): their attempts' files may go."""
+
+    canceled: int
+    stopping: int
+    ended_waiting: list[tuple[uuid.UUID, int]]
 
 
 @dataclass(frozen=True, slots=True)

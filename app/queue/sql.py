@@ -630,17 +630,11 @@ SET_WORKER_STATE = text("UPDATE workers SET state = :state, heartbeat_at = now()
 
 # -- user and admin actions -------------------------------------------------------------------
 
-# A queued job is canceled at once; a running one is flagged and its worker told to kill it.
-# One row when the job exists for :owner: `seen_state` is the state the cancel found (it locks the
-# row, so it is the newest), `state` the job's after it, NULL when that state refused the cancel.
-# A refusal is worded from `seen_state`: the job read again afterwards may have moved on (an admin
-# retry), and the 409 contradicted itself ("is queued; only queued ... can be canceled").
-CANCEL = text(
-    f"""
-    WITH seen AS (
-        SELECT id, state FROM jobs
-        WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
-        FOR UPDATE
+# Cancel: a queued or scheduled job ends `canceled` at once; a running one is flagged and its
+# worker told (CANCEL_CHANNEL) to kill it. {seen}: the jobs asked for, (id, state), each locked;
+# only those queued, scheduled or running change.
+_CANCEL = f"""
+    WITH seen AS ({{seen}}
     ), target AS (
         SELECT id, state AS old_state FROM seen WHERE state IN ('queued', 'scheduled', 'running')
     ), changed AS (
@@ -661,11 +655,54 @@ CANCEL = text(
         SELECT pg_notify('{CANCEL_CHANNEL}', id::text) FROM changed WHERE state = 'running'
     ), told AS ({_tell("changed")}
     )
+"""
+
+# One job, by id. One row when the job exists for :owner: `seen_state` is the state the cancel
+# found (it locks the row, so it is the newest), `state` the job's after it, NULL when that state
+# refused the cancel. A refusal is worded from `seen_state`: the job read again afterwards may have
+# moved on (an admin retry), and the 409 contradicted itself ("is queued; only queued ... can be
+# canceled").
+CANCEL = text(
+    _CANCEL.format(
+        seen="""
+        SELECT id, state FROM jobs
+        WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
+        FOR UPDATE"""
+    )
+    + """
     SELECT seen.state AS seen_state, changed.state, changed.attempt,
            (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
     FROM seen LEFT JOIN changed ON changed.id = seen.id
     """
 )
+
+# The jobs an admin's bulk cancel takes: in :state, submitted by :before (a flood still arriving
+# cannot keep it going), of :model and :owner (NULL: any), not already asked to stop (a running
+# job stays running until its worker ends it, and must not be taken again).
+_CANCELABLE = """
+        SELECT id, state FROM jobs
+        WHERE state = CAST(:state AS job_state) AND created_at <= :before
+          AND (CAST(:model AS text) IS NULL OR model = :model)
+          AND (CAST(:owner AS text) IS NULL OR owner = :owner)
+          AND NOT cancel_requested"""
+
+# One batch of a bulk cancel: at most :limit of them, a row per job changed (`state` after it).
+# Batches, not one statement: each batch is its own short transaction, so it holds at most :limit
+# row locks, for milliseconds, however many jobs match. SKIP LOCKED: a row that a claim, an aging
+# pass, a heartbeat or a finishing run holds is passed over, not waited for; waiting, this could
+# deadlock with a statement locking the same rows in another order (a heartbeat: it would stop
+# that worker). The caller takes batches until none is left (CANCELABLE_LEFT), so a row passed
+# over is taken by a later batch once its holder commits.
+CANCEL_MATCHING = text(
+    _CANCEL.format(seen=f"{_CANCELABLE}\n        LIMIT :limit\n        FOR UPDATE SKIP LOCKED")
+    + """
+    SELECT id, state, attempt, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM changed
+    """
+)
+
+# Whether any job a bulk cancel would take is left (held by another statement when last tried).
+CANCELABLE_LEFT = text(f"SELECT EXISTS ({_CANCELABLE}) AS remaining")
 
 # Admin retry: a failed or canceled job is queued again with a fresh budget of attempts.
 # `attempt` keeps counting (fencing needs it to only grow); `max_attempts` moves up instead.

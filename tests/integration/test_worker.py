@@ -28,6 +28,7 @@ async def enqueue(
     max_attempts: int = 3,
     image: bytes | None = None,
     queue_limit: int = 100_000,
+    owner: str = "tester",
     **params: Any,
 ) -> uuid.UUID:
     """Queue a job directly through the manager (the API is tested elsewhere)."""
@@ -44,7 +45,7 @@ async def enqueue(
     }
     job, _ = await manager.enqueue(
         NewJob(
-            "tester",
+            owner,
             model,
             {**(spec_defaults if model.startswith("toy") else {}), **params},
             priority,

@@ -1,0 +1,135 @@
+"""An admin cancels many jobs at once (`POST /admin/jobs/cancel`): by model, by owner, or all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from app.queue.jobs import JobState
+from app.queue.manager import JobManager
+from tests.conftest import api_client, client_for
+from tests.integration.test_durability import alive, kinds, running, until
+from tests.integration.test_worker import enqueue
+
+BIG = 40_000  # MB: fits the test GPU of no worker, so the job stays queued
+
+
+@pytest.fixture
+async def api(settings) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(settings) as http:
+        yield http
+
+
+async def states(manager: JobManager, job_ids: list[uuid.UUID]) -> list[JobState]:
+    return [(await manager.get(j)).state for j in job_ids]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"states": ["running"]}, {"all": True, "model": "toy"}, {"modle": "toy"}, {"states": []}],
+    ids=["empty", "only states", "all with a model", "misspelt", "no states"],
+)
+async def test_a_bulk_cancel_that_would_take_everyone_unasked_is_refused(manager, api, make_key, body):
+    job = await enqueue(manager, vram_mb=BIG)
+    response = await api.post("/admin/jobs/cancel", json=body)
+    assert response.status_code == 422, response.text
+    async with client_for(api, await make_key("tester")) as user:  # a user's key may not
+        assert (await user.post("/admin/jobs/cancel", json={"owner": "tester"})).status_code == 403
+    assert (await manager.get(job)).state is JobState.queued
+
+
+async def test_bulk_cancel_by_owner_and_by_a_model_gone_from_the_registry(manager, make_worker, api, store):
+    flood = [await enqueue(manager, owner="mallory", vram_mb=BIG) for _ in range(5)]
+    gone = [await enqueue(manager, model="dropped", vram_mb=BIG) for _ in range(2)]
+    kept = [await enqueue(manager, vram_mb=BIG) for _ in range(2)]
+    waiting = await enqueue(manager, owner="mallory", exit_code=3)  # fails, retryable: scheduled
+    await make_worker().run()
+    assert (await manager.get(waiting)).state is JobState.scheduled
+    (store.root / "results" / str(waiting) / ".1.partial").mkdir(parents=True)  # its attempt's leftovers
+
+    both = await api.post("/admin/jobs/cancel", json={"owner": "mallory", "model": "dropped"})
+    assert both.json() == {"canceled": 0, "stopping": 0}  # model and owner: jobs matching both
+    answer = await api.post("/admin/jobs/cancel", json={"owner": "mallory"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"canceled": 6, "stopping": 0}
+    assert await states(manager, [*flood, waiting]) == [JobState.canceled] * 6
+    assert not (store.root / "results" / str(waiting) / ".1.partial").exists()  # as a single cancel does
+    history = await manager.events(flood[0])
+    assert history[-1].kind == "canceled" and history[-1].detail == {"by": "admin"}
+
+    answer = await api.post("/admin/jobs/cancel", json={"model": "dropped"})
+    assert answer.json() == {"canceled": 2, "stopping": 0}
+    assert await states(manager, [*gone, *kept]) == [JobState.canceled] * 2 + [JobState.queued] * 2
+    again = await api.post("/admin/jobs/cancel", json={"model": "dropped"})
+    assert again.json() == {"canceled": 0, "stopping": 0}
+
+    answer = await api.post("/admin/jobs/cancel", json={"all": True})
+    assert answer.json() == {"canceled": 2, "stopping": 0}
+    assert await states(manager, kept) == [JobState.canceled] * 2
+
+
+async def test_bulk_cancel_goes_by_batches_and_leaves_jobs_submitted_since(manager, engine):
+    jobs = [await enqueue(manager, vram_mb=BIG) for _ in range(7)]
+    later = await enqueue(manager, vram_mb=BIG)
+    async with engine.begin() as conn:  # submitted after the cancel began (a flood still arriving)
+        await conn.execute(
+            text("UPDATE jobs SET created_at = now() + interval '1 hour' WHERE id = :id"), {"id": later}
+        )
+    done = await manager.cancel_matching(by="admin", states={JobState.queued}, model="toy", batch=3)
+    assert (done.canceled, done.stopping) == (7, 0)
+    assert await states(manager, [*jobs, later]) == [JobState.canceled] * 7 + [JobState.queued]
+
+
+async def test_bulk_cancel_takes_a_job_another_statement_holds_once_it_is_let_go(manager, engine):
+    """Rows are locked SKIP LOCKED (never waiting on, nor deadlocking with, a claim or a heartbeat):
+    a job held meanwhile is taken by a later batch, not left queued."""
+    free, held = await enqueue(manager, vram_mb=BIG), await enqueue(manager, vram_mb=BIG)
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": held})
+        everything = manager.cancel_matching(by="admin", states={JobState.queued}, model="toy")
+        cancel = asyncio.create_task(everything)
+        await until(manager, free, lambda j: j.state is JobState.canceled)
+        assert not cancel.done()  # it waits for the held one, polling, without blocking anyone
+        await holder.rollback()
+    done = await cancel
+    assert (done.canceled, done.stopping) == (2, 0)
+    assert await states(manager, [free, held]) == [JobState.canceled] * 2
+
+    stuck = await enqueue(manager, vram_mb=BIG)  # held past the patience: left, and the cancel ends
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": stuck})
+        done = await manager.cancel_matching(by="admin", states={JobState.queued}, patience_s=0.3)
+        await holder.rollback()
+    assert (done.canceled, done.stopping) == (0, 0)
+    assert (await manager.get(stuck)).state is JobState.queued
+
+
+async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make_worker, api):
+    slow = [await enqueue(manager, sleep=30, steps=1) for _ in range(2)]
+    queued = await enqueue(manager, vram_mb=BIG)
+    # Heartbeats 30 s apart and no progress written (one step): only the NOTIFY stops them in 2 s.
+    worker = make_worker([24_576, 24_576], burst=False, heartbeat_interval_s=30, lease_s=60)
+    async with running(worker):
+        jobs = [await until(manager, j, lambda j: j.pid is not None) for j in slow]
+        waiting = await api.post("/admin/jobs/cancel", json={"model": "toy"})  # the waiting ones only
+        assert waiting.json() == {"canceled": 1, "stopping": 0}
+        assert await states(manager, [*slow, queued]) == [JobState.running] * 2 + [JobState.canceled]
+
+        asked = time.monotonic()
+        body = {"model": "toy", "states": ["queued", "scheduled", "running"]}
+        answer = await api.post("/admin/jobs/cancel", json=body)
+        assert answer.json() == {"canceled": 0, "stopping": 2}
+        done = [await until(manager, j, lambda j: j.state.final) for j in slow]
+        assert time.monotonic() - asked < 2  # the NOTIFYs reached the worker
+        again = await api.post("/admin/jobs/cancel", json=body)  # already asked: not asked again
+        assert again.json() == {"canceled": 0, "stopping": 0}
+    assert [j.state for j in done] == [JobState.canceled] * 2
+    assert not any(alive(j.pid or 0) for j in jobs)
+    for job_id in slow:
+        assert (await kinds(manager, job_id))[-2:] == ["cancel_requested", "canceled"]
