@@ -127,6 +127,14 @@ class HeadLimits(HttpToolsProtocol):
         As `limits.refuse` does, the close waits until the client has sent what it was sending
         (at most `limits.DRAIN_BYTES` more, for at most `limits.DRAIN_S`), all of it dropped: closed
         at once, a client still sending was reset, its answer lost."""
+        log.warning("refused a request: %s", detail, extra={"action": "head_refused", "status": status})
+        self._disarm()
+        self._refusal = (status, detail)
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head behind a response still running (an event stream): an answer now
+            # would land inside that response. Its client loses the connection, and both.
+            self.transport.close()
+            return
         body = json.dumps({"detail": detail}).encode()
         head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
@@ -135,9 +143,6 @@ class HeadLimits(HttpToolsProtocol):
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
         ]
-        log.warning("refused a request: %s", detail, extra={"action": "head_refused", "status": status})
-        self._disarm()
-        self._refusal = (status, detail)
         self.transport.write(b"".join(head) + body)
         if self.transport.can_write_eof():
             self.transport.write_eof()
