@@ -403,6 +403,53 @@ def retry_job(job_id: str, url: Url = DEFAULT_URL, key: Key = None, as_json: AsJ
         show(call(http, "POST", f"/admin/jobs/{job_path(job_id)}/retry", expect=JOB_KEYS), as_json)
 
 
+@jobs.command("cancel-many")
+def cancel_many(
+    model: Annotated[
+        str | None, typer.Option(help="Jobs of this model (also one gone from the registry)")
+    ] = None,
+    owner: Annotated[str | None, typer.Option(help="Jobs submitted with keys of this principal")] = None,
+    state: Annotated[
+        list[str] | None, typer.Option(help="queued, scheduled or running (repeat it); default: the waiting")
+    ] = None,
+    every: Annotated[
+        bool, typer.Option("--all", help="Every job in those states, with no other filter")
+    ] = False,
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """Cancel every job matching the filter (admin key); running ones are asked to stop."""
+    if model is None and owner is None and not every:
+        fail("say which jobs: --model, --owner, or --all for every job in the states asked")
+    body: dict[str, Any] = {"model": model, "owner": owner, "all": every}
+    if state:
+        body["states"] = state
+    with connect(url, key) as http:
+        count = call(http, "POST", "/admin/jobs/cancel", json=body, expect=("canceled", "stopping"))
+    if as_json:
+        typer.echo(json.dumps(count))
+        return
+    typer.echo(f"canceled {count['canceled']} jobs; {count['stopping']} running jobs asked to stop")
+
+
+@jobs.command("retry-many")
+def retry_many(
+    model: Annotated[str | None, typer.Option(help="Failed jobs of this model")] = None,
+    error_contains: Annotated[str | None, typer.Option(help="Whose error holds this text")] = None,
+    since: Annotated[str | None, typer.Option(help="Finished at or after (ISO 8601)")] = None,
+    until: Annotated[str | None, typer.Option(help="Finished before (ISO 8601)")] = None,
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    as_json: AsJson = False,
+) -> None:
+    """Queue every failed or quarantined job matching the filter again (admin key)."""
+    body = {"model": model, "error_contains": error_contains, "since": since, "until": until}
+    with connect(url, key) as http:
+        count = call(http, "POST", "/admin/jobs/retry", json=body, expect=("retried",))
+    typer.echo(json.dumps(count) if as_json else f"retried {count['retried']} jobs")
+
+
 # -- prune --------------------------------------------------------------------------------------
 
 

@@ -475,3 +475,29 @@ async def test_a_stream_that_answers_204_when_followed_again_ends_the_wait(tmp_p
         server.server_close()
     assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
     assert _EndedWhileAway.streams == 2 and stdout.startswith(f"{_EndedWhileAway.job_id}  succeeded"), stdout
+
+
+async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path):
+    """The bulk cancel and the bulk retry had routes but no command: an operator clearing the jobs
+    of a model dropped from the registry wrote the JSON and the curl by hand."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    admin = await make_key("ops", admin=True)
+    async with api_client(settings) as http:  # no worker: jobs stay queued
+        ids = []
+        for _ in range(2):
+            code, stdout, _ = await gpujobs(http, admin, "submit", str(image), "-m", "toy", "--json")
+            assert code == 0
+            ids.append(json.loads(stdout)["id"])
+        code, _, stderr = await gpujobs(http, admin, "jobs", "cancel-many")
+        assert code == 2 and "--all" in stderr  # no filter: refused before any request
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--model", "toy")
+        assert code == 0, stderr
+        assert stdout.strip() == "canceled 2 jobs; 0 running jobs asked to stop"
+        states = {(await http.get(f"/jobs/{job_id}")).json()["state"] for job_id in ids}
+        assert states == {"canceled"}
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy", "--json")
+        assert code == 0, stderr
+        assert json.loads(stdout) == {"retried": 0}  # canceled jobs are retried one by one
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--all", "--json")
+        assert code == 0 and json.loads(stdout) == {"canceled": 0, "stopping": 0}, stderr
