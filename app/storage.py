@@ -13,8 +13,8 @@ Layout (all below one root):
 Results appear only complete: outputs are moved into a hidden folder, then that folder is renamed
 into place (one atomic rename). A crash leaves at most a lane's files, which the worker removes
 when it starts again (`reset_lanes`), or an unreferenced attempt folder, which the job's end
-removes: a later attempt's success (`drop_other_attempts`), or its failure, cancel or quarantine
-(`drop_attempts`). A worker that stops removes its lanes too.
+removes (`drop_attempts`): a later attempt's success, or its failure, cancel or quarantine. A
+worker that stops removes its lanes too.
 """
 
 from __future__ import annotations
@@ -278,21 +278,11 @@ class ResultStore:
         """Remove an attempt's published results (its completion lost to fencing)."""
         shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
 
-    def drop_other_attempts(self, job_id: uuid.UUID, attempt: int) -> None:
-        """Remove what earlier attempts of a job that succeeded left in its results folder: a
-        worker that died while storing them left them there, whole or hidden (`.<n>.partial`)."""
-        folder = self.root / "results" / str(job_id)
-        with contextlib.suppress(OSError), os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.name != str(attempt):
-                    with contextlib.suppress(OSError):
-                        _rmtree(entry.path)
-
     def drop_attempts(self, job_id: uuid.UUID, *, upto: int) -> None:
-        """Remove the result folders, whole or hidden, of attempts 1 to `upto` of a job that ended
-        at attempt `upto` without success: a worker that died while storing them left them. None of
-        those attempts can ever win the fenced success; a later one (after an admin retry) may be
-        storing its results now, and is left alone."""
+        """Remove the result folders, whole or hidden, of attempts 1 to `upto` of a job that ended:
+        at attempt `upto` without success, or at `upto` + 1 with it. A worker that died while
+        storing them left them. None of those attempts can ever win the fenced success; a later
+        one (after an admin retry) may be storing its results now, and is left alone."""
         folder = self.root / "results" / str(job_id)
         with contextlib.suppress(OSError), os.scandir(folder) as entries:
             for entry in entries:

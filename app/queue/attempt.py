@@ -633,7 +633,7 @@ class Attempt:
                     self._store.unpublish(job.id, job.attempt)
                     raise
             if job.attempt > 1:  # an earlier attempt's worker may have died storing its results
-                await asyncio.to_thread(self._store.drop_other_attempts, job.id, job.attempt)
+                await asyncio.to_thread(self._store.drop_attempts, job.id, upto=job.attempt - 1)
             log.info("job succeeded", extra={"action": "job_succeeded", "job_id": str(job.id)})
 
         return write
