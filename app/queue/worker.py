@@ -275,8 +275,7 @@ class Worker:
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
         self._gpus = gpus = self._inventory.snapshot()
-        self._refuse_if_nothing_fits(gpus)
-        self._warn_of_models_too_large(gpus)
+        self._check_fit(gpus)
         await self._manager.register_worker(
             worker_id=self.id,
             host=self.host,
@@ -297,27 +296,26 @@ class Worker:
         self._store.reset_lanes(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
-    def _refuse_if_nothing_fits(self, gpus: list[gpu.Gpu]) -> None:
-        smallest = self._models.smallest_vram_mb()
+    def _check_fit(self, gpus: list[gpu.Gpu]) -> None:
+        """Refuse to start when no model fits any GPU here (even for the smallest input); else name,
+        in one warning, the models that fit none: their jobs wait for another worker, and this one
+        would never say why."""
         buffer_mb = self._config.scheduling.vram_buffer_mb
         total = max((g.total_mb for g in gpus), default=0)
-        if total - buffer_mb < smallest:
+        offered = total - buffer_mb
+        needs = {name: spec.estimate_vram_mb(0.0) for name, spec in self._models.models.items()}
+        large = [f"{name} ({mb} MB)" for name, mb in sorted(needs.items()) if mb > offered]
+        if needs and len(large) == len(needs):
             sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"
             offers = (
-                f"the largest GPU offers {total - buffer_mb} MB after the {buffer_mb} MB buffer"
+                f"the largest GPU offers {offered} MB after the {buffer_mb} MB buffer"
                 if total > buffer_mb
                 else f"GPUJOBS_VRAM_BUFFER_MB ({buffer_mb} MB) leaves nothing of the largest GPU ({total} MB)"
             )
             raise errors.ConfigError(
-                f"no GPU can ever run a job: the smallest model needs {smallest} MB, {offers} ({sizes})"
+                f"no GPU can ever run a job: the smallest model needs {self._models.smallest_vram_mb()} MB,"
+                f" {offers} ({sizes})"
             )
-
-    def _warn_of_models_too_large(self, gpus: list[gpu.Gpu]) -> None:
-        """Name the models whose declared VRAM, even for the smallest input, no GPU here offers:
-        their jobs wait for another worker, and this one would never say why."""
-        offered = max((g.total_mb for g in gpus), default=0) - self._config.scheduling.vram_buffer_mb
-        needs = {name: spec.estimate_vram_mb(0.0) for name, spec in self._models.models.items()}
-        large = [f"{name} ({mb} MB)" for name, mb in sorted(needs.items()) if mb > offered]
         if large:
             log.warning(
                 "models this worker never runs: their declared VRAM is more than its largest GPU "
@@ -598,7 +596,7 @@ class Worker:
 
     def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
         job_id = run.job.id
-        if run.model_ended and run.storage_trouble is None and self._storage_trouble is None:
+        if run.model_started_s is not None and run.storage_trouble is None and self._storage_trouble is None:
             self._storage_pause_s = 0.0  # its files were written: a new trouble pauses briefly again
         if run.lane_clean:
             self._free_lanes.append(run.lane)
