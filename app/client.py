@@ -191,6 +191,7 @@ def submit(
             data={"model": model, "priority": str(priority), "params": json.dumps(parse_params(param or []))},
             expect=JOB_KEYS,
         )
+        warn_if_unserved(http, model)
         if not (wait or out):
             show(job, as_json)
             return
@@ -198,6 +199,23 @@ def submit(
         follow(http, job["id"])
         job = call(http, "GET", f"/jobs/{job['id']}", expect=JOB_KEYS)
         finish(http, job, out, as_json)
+
+
+def warn_if_unserved(http: httpx.Client, model: str) -> None:
+    """Say so when no live worker serves `model`: its job waits until one starts. Nothing is said
+    when the catalog cannot be read or does not count workers (an older server)."""
+    import httpx
+
+    try:
+        response = http.get("/models")
+        entry = next(m for m in response.json()["models"] if m.get("name") == model)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+        return
+    if entry.get("live_workers") == 0:
+        stderr().print(
+            f"warning: no live worker serves the model {model} now; the job waits until one starts",
+            highlight=False,
+        )
 
 
 def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: bool) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections import Counter
 
 from fastapi import APIRouter, Depends, Request
 
@@ -111,7 +110,7 @@ def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
         host=w.host,
         pid=w.pid,
         state=w.state,
-        live=w.state == "running" and w.heartbeat_age_s < dead_after,
+        live=w.is_live(dead_after),
         started_at=w.started_at,
         heartbeat_at=w.heartbeat_at,
         heartbeat_age_s=round(w.heartbeat_age_s, 3),
@@ -134,17 +133,17 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     manager = services.manager
     dead_after = request.app.state.settings.dead_worker_after_s
     depth = await manager.queue_depth()
-    workers = [_worker_public(w, dead_after) for w in await manager.workers(recent_s=0)]
+    seen = await manager.workers(recent_s=0)
     done = await manager.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
     judged = done.succeeded + done.failed
     # A model dropped from the registry, or served only by workers that are down: its jobs wait.
-    serving = Counter(model for w in workers if w.live for model in set(w.models))
+    serving = records.serving(seen, dead_after)
     return StatsPublic(
         queue=[
             QueueDepthPublic(state=s, model=m, priority=p, jobs=n, live_workers=serving[m])
             for s, m, p, n in depth
         ],
-        live_workers=sum(w.live for w in workers),
+        live_workers=sum(w.is_live(dead_after) for w in seen),
         window_s=STATS_WINDOW_S,
         finished=done.finished,
         succeeded=done.succeeded,

@@ -1,12 +1,13 @@
-"""The model catalog: which models can run, and their parameters."""
+"""The model catalog: which models can run, their parameters, and how many live workers serve them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from app.api.deps import ServicesDep, get_caller
+from app.queue import records
 
 router = APIRouter(
     tags=["models"],
@@ -16,11 +17,15 @@ router = APIRouter(
 
 
 @router.get("/models")
-async def list_models(services: ServicesDep) -> dict[str, Any]:
-    """Every registered model: parameters, VRAM declared and observed, timeout, outputs."""
+async def list_models(request: Request, services: ServicesDep) -> dict[str, Any]:
+    """Every registered model: parameters, VRAM declared and observed, timeout, outputs, and the
+    live workers that serve it (0: its jobs wait until one starts)."""
+    dead_after = request.app.state.settings.dead_worker_after_s
+    serving = records.serving(await services.manager.workers(recent_s=0), dead_after)
     models = []
     for spec in services.models.models.values():
         entry = spec.public()
+        entry["live_workers"] = serving[spec.name]
         if services.learner is not None:
             entry["vram_learning"] = await services.learner.report(spec)
         models.append(entry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -53,6 +54,15 @@ class WorkerInfo:
         data["heartbeat_age_s"] = float(data["heartbeat_age_s"])
         data["running_jobs"] = list(data["running_jobs"] or [])
         return cls(**data)
+
+    def is_live(self, dead_after_s: float) -> bool:
+        """Running, with a heartbeat younger than `dead_after_s` (older: its jobs will be reaped)."""
+        return self.state == "running" and self.heartbeat_age_s < dead_after_s
+
+
+def serving(workers: list[WorkerInfo], dead_after_s: float) -> Counter[str]:
+    """How many live workers serve each model (a model no live worker serves is absent: 0)."""
+    return Counter(model for w in workers if w.is_live(dead_after_s) for model in set(w.models))
 
 
 @dataclass(frozen=True, slots=True)

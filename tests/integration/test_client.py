@@ -67,12 +67,24 @@ async def test_submit_wait_out_writes_the_mesh(settings, make_key, tmp_path):
         job = (await http.get(f"/jobs/{job_id}")).json()
     assert job["state"] == "succeeded" and job["priority"] == 3 and job["params"]["resolution"] == 48
     assert f"job {job_id} queued" in stderr and "wrote" in stderr
+    assert "no live worker" not in stderr, stderr
     mesh_path = out / "mesh.glb"
     assert mesh_path.stat().st_size == job["files"][0]["bytes"]
     mesh = trimesh.load(mesh_path, force="mesh")
     assert mesh.is_watertight
     assert abs((mesh.bounds[1] - mesh.bounds[0])[0] - 60) < 0.01
     assert not list(out.glob(".*partial"))
+
+
+async def test_submit_says_when_no_live_worker_serves_the_model(settings, make_key, tmp_path):
+    """A job submitted for a model no live worker serves waits for ever, and `submit --wait` sat
+    silent with it: the submitter was never told. The client now says so, and the job stays queued."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    async with api_client(settings) as http:  # no worker
+        code, stdout, stderr = await gpujobs(http, await make_key("u"), "submit", str(image), "-m", "toy")
+    assert code == 0 and "queued" in stdout, stderr
+    assert "no live worker serves the model toy now" in stderr, stderr
 
 
 async def test_a_failed_job_exits_non_zero_with_its_error(settings, make_key, tmp_path):

@@ -53,3 +53,16 @@ async def test_a_worker_says_which_models_fit_none_of_its_gpus(manager, make_wor
     message = said.getMessage()
     assert "big (30000 MB)" in message and "24576 MB" in message, message
     assert "toy" not in message.replace("big", ""), message
+
+
+async def test_the_model_list_says_how_many_live_workers_serve_each_model(settings, manager, make_key):
+    """A user chose a model from GET /models, submitted, and waited for ever: nothing a caller
+    without an admin key can read said that no worker serves it. Each model now says how many live
+    workers serve it (0: its jobs wait until one starts)."""
+    await serving(manager, "old:worker", ["toy", "relief"], live=False)
+    await serving(manager, "new:worker", ["toy"])
+    await serving(manager, "other:worker", ["toy"])
+    async with api_client(settings, key=await make_key("user")) as http:
+        models = {m["name"]: m for m in (await http.get("/models")).json()["models"]}
+    assert models["toy"]["live_workers"] == 2
+    assert models["relief"]["live_workers"] == 0
