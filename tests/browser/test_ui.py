@@ -91,6 +91,7 @@ async def test_sign_in_submit_watch_live_preview_in_3d_and_download(make_site, p
         # The parameters come from GET /models: the relief model's schema with its defaults.
         await expect(page.get_by_label("resolution", exact=True)).to_have_value("256")
         await expect(page.get_by_label("format", exact=True)).to_have_value("glb")
+        await expect(page.locator("#model-hint")).not_to_contain_text("No live worker")  # this one serves it
         await page.set_input_files(
             "#image", files=[{"name": "ramp.png", "mimeType": "image/png", "buffer": ramp_png()}]
         )
@@ -175,6 +176,16 @@ async def test_the_form_checks_like_the_server_and_shows_its_errors_by_the_field
         await expect(page.locator("#err-priority")).to_be_empty()
         assert len(posts) == 1
         assert (await site.http.get("/jobs")).json()["jobs"] == []  # nothing was queued
+
+
+async def test_the_form_says_when_no_live_worker_serves_the_chosen_model(make_site, page):
+    """The form let a person submit to a model no worker serves, and the job then waited for ever
+    with nothing said why. The model's hint now says so (GET /models counts its live workers)."""
+    async with make_site(run_worker=False) as site:
+        await sign_in(page, site, site.user_key)
+        await expect(page.locator("#model-hint")).to_contain_text("No live worker serves this model now")
+        await page.locator("#model").select_option("toy")
+        await expect(page.locator("#model-hint")).to_contain_text("its jobs wait until one starts")
 
 
 async def test_a_lost_answer_is_sent_again_with_its_key_and_a_changed_form_with_a_new_one(make_site, page):

@@ -164,7 +164,9 @@ export function setupSubmit(onSubmitted) {
     const box = $('params');
     for (const child of [...box.children]) if (child.tagName !== 'LEGEND') child.remove();
     const model = models[$('model').value];
-    $('model-hint').textContent = model ? model.description || '' : '';
+    const unserved = model && model.live_workers === 0
+      ? ' No live worker serves this model now: its jobs wait until one starts.' : '';
+    $('model-hint').textContent = model ? (model.description || '') + unserved : '';
     if (!model) return;
     const entries = Object.entries(model.params || {});
     if (!entries.length) box.append(paragraph('hint', 'params-status', 'This model takes no parameters.'));
