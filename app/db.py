@@ -28,6 +28,24 @@ NAMING = {
 }
 
 
+# How long closing a pooled connection may wait for the server's goodbye before dropping it.
+CLOSE_TIMEOUT_S = 2.0
+
+
+class BoundedConnection(asyncpg.Connection):  # type: ignore[misc]
+    """asyncpg's connection, whose close gives up after `CLOSE_TIMEOUT_S` and drops the socket.
+    SQLAlchemy closes pooled connections (an engine's dispose at a process's exit, a pool renewed
+    after an outage) with no timeout: a database host gone silent (no answer, no reset) held the
+    exit of an API or worker process for ever, until its supervisor killed it."""
+
+    async def close(self, *, timeout: float | None = None) -> None:  # noqa: ASYNC109 (asyncpg's signature)
+        bound = CLOSE_TIMEOUT_S if timeout is None else min(timeout, CLOSE_TIMEOUT_S)
+        try:
+            await super().close(timeout=bound)
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            self.terminate()  # no goodbye came: the socket is dropped, as asyncpg does on error
+
+
 class Base(DeclarativeBase):
     """Base of every table."""
 
@@ -55,7 +73,7 @@ def create_engine(
         # JIT off: every statement here is short, and JIT compiled the claim whenever its estimated
         # cost passed jit_above_cost (a worker of several models, or the generic plan of its
         # prepared statement): 30-40 ms of LLVM per claim, for a statement that runs in 1-2 ms.
-        connect_args={"server_settings": server_settings},
+        connect_args={"server_settings": server_settings, "connection_class": BoundedConnection},
     )
     event.listen(engine.sync_engine, "checkout", _drop_closed)
     return engine

@@ -19,6 +19,8 @@ class CuttableLink:
         self._server: asyncio.AbstractServer | None = None
         self._open: set[asyncio.StreamWriter] = set()
         self.is_cut = False
+        self._flowing = asyncio.Event()  # cleared by `stall`: bytes stop in both directions
+        self._flowing.set()
 
     async def start(self) -> str:
         """Listen; the URL that reaches the server through this link."""
@@ -38,9 +40,16 @@ class CuttableLink:
 
     def mend(self) -> None:
         self.is_cut = False
+        self._flowing.set()
+
+    def stall(self) -> None:
+        """Keep every connection open and relay nothing more, either way (a host that vanished
+        without a reset: a black hole), until `mend`."""
+        self._flowing.clear()
 
     async def close(self) -> None:
         self.cut()
+        self._flowing.set()  # the relays held by a stall see their transports gone, and end
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -56,12 +65,13 @@ class CuttableLink:
         else:
             far = await asyncio.open_connection(self._target.host or "127.0.0.1", self._target.port or 5432)
         self._open.update((writer, far[1]))
-        await asyncio.gather(_pipe(reader, far[1]), _pipe(far[0], writer))
+        await asyncio.gather(_pipe(reader, far[1], self._flowing), _pipe(far[0], writer, self._flowing))
 
 
-async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, flowing: asyncio.Event) -> None:
     with contextlib.suppress(ConnectionError, OSError):
         while data := await source.read(65536):
+            await flowing.wait()
             sink.write(data)
             await sink.drain()
     sink.transport.abort()

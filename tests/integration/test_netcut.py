@@ -4,6 +4,7 @@ writes once the link is back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from app import db
@@ -97,3 +98,24 @@ async def test_event_streams_go_on_soon_after_the_database_is_back(settings, tmp
     finally:
         await link.close()
     assert waited_s < 3, waited_s
+
+
+async def test_an_api_whose_database_went_silent_still_stops(settings, tmp_path):
+    """An API process asked to stop while its database host had vanished without a reset (a black
+    hole: no answer, no error) waited at its end for its pooled connections to say goodbye, which
+    never came: the process did not exit, and its supervisor had to kill it."""
+    assert settings.database_url
+    link = CuttableLink(settings.database_url, tmp_path / "link")
+    url = await link.start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(api_client(settings, database_url=url))
+            assert (await http.get("/jobs")).status_code == 200  # a pooled connection, and the feed's
+            link.stall()
+            started = time.monotonic()
+            async with asyncio.timeout(60):  # a failure, not a test that hangs
+                await stack.aclose()
+        stopped_s = time.monotonic() - started
+    finally:
+        await link.close()
+    assert stopped_s < 15, stopped_s  # its pooled connections give up after 2 s, its NOTIFYs after 5
