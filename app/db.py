@@ -58,7 +58,9 @@ def create_engine(
     """The process's engine: asyncpg, pooled; `name` shows in pg_stat_activity. With
     `fixed_plans`, each prepared statement keeps one generic plan per connection, made without
     sequential scans (see `create_queue_engine`)."""
-    server_settings = {"application_name": name, "jit": "off"}
+    # TimeZone UTC: the times PostgreSQL writes as text (a retry's run_after in its event's JSON)
+    # came out in the server's zone, which initdb takes from its host's, unlike every other time.
+    server_settings = {"application_name": name, "jit": "off", "TimeZone": "UTC"}
     if fixed_plans:
         server_settings.update(plan_cache_mode="force_generic_plan", enable_seqscan="off")
     engine = create_async_engine(

@@ -1,0 +1,31 @@
+"""Times and clocks: what a host's time zone, or the database server's, does to the times we show."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy.engine import make_url
+
+from tests import dbadmin
+from tests.conftest import api_client
+from tests.integration.test_worker import enqueue
+
+
+async def test_a_retry_time_in_a_jobs_history_is_utc_whatever_the_servers_zone(
+    server_url, database_url, settings, manager, make_worker
+):
+    """A PostgreSQL server in another zone (initdb takes the host's: `timezone` in
+    postgresql.conf) wrote the `run_after` of a `retry_scheduled` event in that zone
+    ("...+05:30"), where every other time the API answers is in UTC."""
+    name = make_url(database_url).database
+    await dbadmin.admin(server_url, f"ALTER DATABASE {name} SET timezone = 'Asia/Kolkata'")
+    job_id = await enqueue(manager, exit_code=3, max_attempts=2)
+    await make_worker(retry_base_s=600, retry_max_s=600).run()  # scheduled in 10 minutes
+    async with api_client(settings) as http:
+        job = (await http.get(f"/jobs/{job_id}")).json()
+        events = (await http.get(f"/jobs/{job_id}/events")).json()
+    [retry] = [e for e in events if e["kind"] == "retry_scheduled"]
+    run_after = retry["detail"]["run_after"]
+    assert datetime.fromisoformat(run_after).utcoffset() == timedelta(0), run_after
+    assert datetime.fromisoformat(run_after) == datetime.fromisoformat(job["next_run_at"])
+    assert all(datetime.fromisoformat(e["at"]).utcoffset() == timedelta(0) for e in events), events
