@@ -103,13 +103,18 @@ def fields(record: logging.LogRecord) -> dict[str, Any]:
     return {name: scrub(name, value) for name, value in found.items()}
 
 
+def utc_time(record: logging.LogRecord) -> str:
+    """When the record was made: ISO 8601 in UTC, to the millisecond."""
+    return datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, context and extra fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as a JSON line."""
         line: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "time": utc_time(record),
             "level": record.levelname,
             "logger": record.name,
             "message": scrub("message", record.getMessage()),
@@ -121,7 +126,7 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """`time level logger: message  key=value ...`, for people reading a terminal.
+    """`time level logger: message  key=value ...`, for people reading a terminal (the time in UTC).
 
     A record is one line, then its traceback if it has one: line breaks and other control
     characters in the message and the fields (a request's decoded path, a model's error) are
@@ -130,6 +135,11 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """The record's time as JSON lines give it (utc_time): the default, the host's local time
+        without its zone, put lines of hosts in different zones hours apart for the same moment."""
+        return utc_time(record)
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as text, with its fields appended as key=value, then its traceback."""
