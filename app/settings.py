@@ -216,6 +216,14 @@ class Settings(BaseSettings):
         "connection or its previous answer), or pause while sending a body; then 408 and the "
         "connection is closed",
     )
+    upload_min_kb_per_s: float = Field(
+        8,
+        ge=0,
+        le=1_048_576,
+        description="Slowest average rate, in KB/s, at which a request body (an upload) may arrive, counted "
+        "from its start after a grace of GPUJOBS_CLIENT_TIMEOUT_S; slower: 408 and the connection is "
+        "closed (0 = no minimum)",
+    )
     retention_days: float = Field(
         30,
         ge=0,

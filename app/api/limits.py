@@ -5,9 +5,10 @@ counted as it arrives; past the limit the request is cut off and answered 413, w
 parser was doing with it, so a huge upload never fills memory or disk. Routes that take no upload
 but must take a body from anyone (the web page's sign-in) get their own small limit (`per_path`),
 enforced the same way, so their body is never parsed past a few kB. A body that stops arriving for
-`idle_s` (a client gone without closing, or one holding what it sent in the API's memory) is
-answered 408, and its connection closed. `refuse` sends these answers, and the other refusals made
-before the body is read (401, 403: app/api/security.py), at once.
+`idle_s` (a client gone without closing, or one holding what it sent in the API's memory), or that
+arrives slower than a minimum rate (one dripping a byte just before each pause runs out: `Pace`),
+is answered 408, and its connection closed. `refuse` sends these answers, and the other refusals
+made before the body is read (401, 403: app/api/security.py), at once.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
 memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +61,8 @@ class SizeLimit:
 
 class BodyLimit:
     """ASGI middleware: 413 for request bodies over `max_bytes` on upload routes, and over their own
-    limit on the paths in `per_path`."""
+    limit on the paths in `per_path`; 408 for a body that pauses `idle_s`, or arrives slower than
+    `min_kb_per_s` on average (`WatchedBody`)."""
 
     def __init__(
         self,
@@ -69,9 +72,10 @@ class BodyLimit:
         per_path: Mapping[str, SizeLimit] | None = None,
         methods: frozenset[str] = frozenset({"POST"}),
         idle_s: float = 30.0,
+        min_kb_per_s: float = 0.0,
     ) -> None:
         self.app = app
-        self.idle_s = idle_s
+        self.pace = Pace(idle_s=idle_s, min_kb_per_s=min_kb_per_s)
         limit_mb = max_bytes / 1024 / 1024
         self.upload = SizeLimit(
             max_bytes + FORM_OVERHEAD_BYTES, f"the upload is larger than the {limit_mb:g} MB limit"
@@ -88,37 +92,87 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > limit.max_bytes:
             await refuse(scope, receive, send, 413, limit.detail)
             return
-        state: dict[str, Any] = {"seen": 0, "whole": False, "refusal": None, "started": False}
-
-        async def counting_receive() -> Message:
-            if state["whole"]:  # after the body: a wait for the client's disconnect, not timed
-                return await receive()
-            try:
-                async with asyncio.timeout(self.idle_s):
-                    message = await receive()
-            except TimeoutError:
-                state["refusal"] = (408, f"the client stopped sending the body ({self.idle_s:g} s)")
-                raise BodyStalled from None
-            if message["type"] == "http.request":
-                state["seen"] += len(message.get("body", b""))
-                state["whole"] = not message.get("more_body", False)
-                if state["seen"] > limit.max_bytes:
-                    state["refusal"] = (413, limit.detail)
-                    raise BodyTooLarge
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            if state["refusal"] is not None:
-                return  # the app's own answer to the cut-off body is replaced by ours
-            state["started"] = True
-            await send(message)
-
+        body = WatchedBody(receive, send, limit, self.pace)
         try:
-            await self.app(scope, counting_receive, guarded_send)
+            await self.app(scope, body.receive, body.send)
         except (BodyTooLarge, BodyStalled):
             pass
-        if state["refusal"] is not None and not state["started"]:
-            await refuse(scope, receive, send, *state["refusal"])
+        if body.refusal is not None and not body.answered:
+            await refuse(scope, receive, send, *body.refusal)
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How a body must keep arriving: no pause of `idle_s`, and from its start, after a grace of
+    `idle_s`, at least `min_kb_per_s` on average (0: no minimum).
+
+    The pause alone let a client send one byte just before each pause ran out, and keep an upload,
+    its connection and what it had sent for days. A minimum rate bounds a body's time by its size:
+    `idle_s` + its KB / `min_kb_per_s`. A fixed deadline would not fit both ends: one long enough
+    for the largest upload on a slow line lets every dripped upload live that long too."""
+
+    idle_s: float
+    min_kb_per_s: float
+
+    def next_wait_s(self, began: float, seen: int, now: float) -> tuple[float, bool]:
+        """How long the body's next piece may take, for a body that began at `began` and has sent
+        `seen` bytes: the pause allowed, or less when the minimum rate falls due first (then True)."""
+        if self.min_kb_per_s <= 0:
+            return self.idle_s, False
+        due_s = began + self.idle_s + seen / (self.min_kb_per_s * 1024) - now
+        return (due_s, True) if due_s < self.idle_s else (self.idle_s, False)
+
+    def refusal(self, too_slow: bool) -> tuple[int, str]:
+        """The answer to a body that paused too long, or (`too_slow`) came too slowly."""
+        if too_slow:
+            rate = f"{self.min_kb_per_s:g} KB/s on average (GPUJOBS_UPLOAD_MIN_KB_PER_S)"
+            return 408, f"the client sent the body slower than {rate}"
+        return 408, f"the client stopped sending the body ({self.idle_s:g} s)"
+
+
+class WatchedBody:
+    """One request's body as `BodyLimit` watches it: its size and pace as the app reads it
+    (`receive`), and the app's answer, dropped once the body was refused (`send`)."""
+
+    def __init__(self, receive: Receive, send: Send, limit: SizeLimit, pace: Pace) -> None:
+        self._receive = receive
+        self._send = send
+        self._limit = limit
+        self._pace = pace
+        self._seen = 0
+        self._whole = False
+        self._began: float | None = None  # when the app first asked for the body
+        self.refusal: tuple[int, str] | None = None
+        self.answered = False  # the app's answer has begun
+
+    async def receive(self) -> Message:
+        """The next piece of the body; BodyStalled or BodyTooLarge, with `refusal` set, if it
+        breaks a limit."""
+        if self._whole:  # after the body: a wait for the client's disconnect, not timed
+            return await self._receive()
+        now = time.monotonic()
+        self._began = now if self._began is None else self._began
+        wait_s, rate_due = self._pace.next_wait_s(self._began, self._seen, now)
+        try:
+            async with asyncio.timeout(wait_s):
+                message = await self._receive()
+        except TimeoutError:
+            self.refusal = self._pace.refusal(too_slow=rate_due)
+            raise BodyStalled from None
+        if message["type"] == "http.request":
+            self._seen += len(message.get("body", b""))
+            self._whole = not message.get("more_body", False)
+            if self._seen > self._limit.max_bytes:
+                self.refusal = (413, self._limit.detail)
+                raise BodyTooLarge
+        return message
+
+    async def send(self, message: Message) -> None:
+        """The app's answer, unless the body was refused: ours replaces it."""
+        if self.refusal is not None:
+            return
+        self.answered = True
+        await self._send(message)
 
 
 def has_body(scope: Scope) -> bool:

@@ -293,6 +293,7 @@ def create_app(settings: Settings) -> FastAPI:
         max_bytes=settings.max_upload_bytes,
         per_path=web_pages.BODY_LIMITS,
         idle_s=settings.client_timeout_s,
+        min_kb_per_s=settings.upload_min_kb_per_s,
     )
     security.install(app, settings)
     app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line

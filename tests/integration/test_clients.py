@@ -5,14 +5,19 @@ likes. Each test speaks raw HTTP/1.1 to a real server, as such a client does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import os
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from PIL import Image
 
 from app import serve
 from app.api import limits
@@ -28,15 +33,23 @@ from tests.conftest import (
 )
 
 
-@pytest.fixture
-async def server(settings: Settings) -> AsyncIterator[tuple[str, int]]:
+@contextlib.asynccontextmanager
+async def quick_server(settings: Settings, **overrides: Any) -> AsyncIterator[tuple[str, int]]:
     """The API served as `gpujobs serve` serves it (its uvicorn settings), with 1 s for a client's
-    request head and body pauses; yields (host, port)."""
-    quick = settings.model_copy(update={"client_timeout_s": 1.0, "stream_keepalive_s": 0.3})
+    request head and body pauses (and `overrides`); yields (host, port)."""
+    update = {"client_timeout_s": 1.0, "stream_keepalive_s": 0.3, **overrides}
+    quick = settings.model_copy(update=update)
     app = create_app(quick)
     async with serving(app, http=serve.uvicorn_config(app, quick, "127.0.0.1", 0).http) as base:
         host, port = base.removeprefix("http://").split(":")
         yield host, int(port)
+
+
+@pytest.fixture
+async def server(settings: Settings) -> AsyncIterator[tuple[str, int]]:
+    """`quick_server` with the other settings as they are."""
+    async with quick_server(settings) as where:
+        yield where
 
 
 async def exchange(
@@ -163,29 +176,78 @@ async def test_an_upload_that_stalls_is_answered_408_and_let_go(server, settings
     assert closed_s < 1.0 + limits.DRAIN_S + 1.5, closed_s  # 1 s allowed, then the bounded drain
 
 
-async def test_a_slow_upload_that_keeps_sending_is_not_cut(server, settings, png):
-    """The body's timeout is a pause, not the whole upload: a slow client that keeps sending is served."""
+def noisy_png(side: int = 80) -> bytes:
+    """A PNG of random pixels, which does not compress: about 19 KB for a side of 80."""
+    picture = Image.frombytes("RGB", (side, side), os.urandom(side * side * 3))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+MODEL_PART = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\ntoy\r\n'
+
+
+async def test_a_slow_upload_that_keeps_sending_is_not_cut(settings):
+    """The body's bounds are a pause and a minimum rate, not a deadline: a slow client that keeps
+    sending faster than the minimum is served, however far past the grace it goes (here about 6 KB/s
+    for 3 s, against 4 KB/s after a grace of 1 s)."""
     assert settings.database_url
     key = await create_key(settings.database_url, "alice")
-    model = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\ntoy\r\n'
-    image = png()
-    body = model + PART + image + b"\r\n--b--\r\n"
+    body = MODEL_PART + PART + noisy_png() + b"\r\n--b--\r\n"
+    step = len(body) // 5 + 1
 
-    async def slowly() -> AsyncIterator[bytes]:
-        for start in range(0, len(body), len(body) // 5 + 1):
-            yield body[start : start + len(body) // 5 + 1]
-            await asyncio.sleep(0.6)  # 3 s in all, each pause under the 1 s allowed
-
-    reader, writer = await asyncio.open_connection(*server)
-    try:
-        writer.write(_upload_head(key, len(body)))
-        async for piece in slowly():
-            writer.write(piece)
-            await writer.drain()
-        answer = await asyncio.wait_for(reader.read(1 << 16), 5)
-    finally:
-        writer.close()
+    async with quick_server(settings, upload_min_kb_per_s=4) as where:
+        reader, writer = await asyncio.open_connection(*where)
+        try:
+            writer.write(_upload_head(key, len(body)))
+            for start in range(0, len(body), step):
+                writer.write(body[start : start + step])
+                await writer.drain()
+                await asyncio.sleep(0.6)  # each pause under the 1 s allowed
+            answer = await asyncio.wait_for(reader.read(1 << 16), 5)
+        finally:
+            writer.close()
     assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+
+
+async def first_answer(
+    where: tuple[str, int], head: bytes, *, drip_s: float | None = None, wait_s: float = 6.0
+) -> tuple[bytes, float]:
+    """Send `head`, then (with `drip_s`) one byte every `drip_s` seconds, and read the first piece of
+    the answer; (that piece, or b"" if none came in `wait_s`, seconds from `head` to it)."""
+    reader, writer = await asyncio.open_connection(*where)
+
+    async def drip() -> None:
+        with contextlib.suppress(ConnectionError):
+            while drip_s is not None:
+                await asyncio.sleep(drip_s)
+                writer.write(b"\0")
+                await writer.drain()
+
+    writer.write(head)
+    sent_at = time.monotonic()
+    dripping = asyncio.create_task(drip())
+    try:
+        answer = await asyncio.wait_for(reader.read(1 << 16), wait_s)
+    except TimeoutError:
+        answer = b""
+    finally:
+        dripping.cancel()
+        writer.close()
+    return answer, time.monotonic() - sent_at
+
+
+async def test_an_upload_dripped_under_the_pause_limit_is_cut_by_the_minimum_rate(server, settings):
+    """A client that sent a byte just before each pause ran out (one every 29 s under
+    GPUJOBS_CLIENT_TIMEOUT_S=30) kept its upload open as long as it liked: days for a 19 MB body,
+    with its connection and what it had sent held in the API. A body must now also average
+    GPUJOBS_UPLOAD_MIN_KB_PER_S (8 KB/s) after a grace of GPUJOBS_CLIENT_TIMEOUT_S (here 1 s)."""
+    assert settings.database_url
+    key = await create_key(settings.database_url, "alice")
+    answer, answered_s = await first_answer(server, _upload_head(key, 1 << 20) + PART, drip_s=0.4)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+    assert b"connection: close" in answer.lower() and b"GPUJOBS_UPLOAD_MIN_KB_PER_S" in answer, answer
+    assert answered_s < 2.5, answered_s  # the grace (1 s) and the few bytes' worth at 8 KB/s
 
 
 def _few_open_files() -> None:
