@@ -64,6 +64,13 @@ class Settings(BaseSettings):
         description="Most queued jobs per principal (its keys share it); 429 beyond (uploads written at "
         "the same moment may pass it by up to GPUJOBS_UPLOAD_WRITERS per API process); 0 = no limit",
     )
+    uploads_per_key: int = Field(
+        8,
+        ge=0,
+        le=PG_INT_MAX,
+        description="Uploads (POST /jobs) one principal (its keys together) may have in progress at once "
+        "in each API process; 429 with Retry-After beyond, before the body is read (0 = no limit)",
+    )
     upload_writers: int = Field(
         4,
         ge=0,
@@ -209,6 +216,13 @@ class Settings(BaseSettings):
         description="/readyz answers 503 while fewer live workers heartbeat (0 = never)",
     )
     stream_keepalive_s: Seconds = Field(15, gt=0, description="Comment line sent on an idle job stream")
+    streams_per_key: int = Field(
+        32,
+        ge=0,
+        le=PG_INT_MAX,
+        description="Event streams (GET /jobs/{id}/stream) one principal (its keys together) may hold open "
+        "at once in each API process; 429 with Retry-After beyond (0 = no limit)",
+    )
     client_timeout_s: Seconds = Field(
         30,
         gt=0,

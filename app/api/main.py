@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, registry, storage
-from app.api import admin, catalog, deps, docs, files, health, jobs, ops, security, stream
+from app.api import admin, admission, catalog, deps, docs, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import factory
@@ -295,6 +295,8 @@ def create_app(settings: Settings) -> FastAPI:
         idle_s=settings.client_timeout_s,
         min_kb_per_s=settings.upload_min_kb_per_s,
     )
+    # Outside BodyLimit, so that its refusals read nothing; inside Authenticate, which names the caller.
+    app.add_middleware(admission.Admission, caps=admission.caps(settings))
     security.install(app, settings)
     app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line
     return app

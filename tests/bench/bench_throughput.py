@@ -817,9 +817,10 @@ def tree_kb(pid: int, key: str) -> int:
 
 
 def api_argv(run: Run, port: int) -> tuple[list[str], dict[str, str]]:
-    """`gpujobs serve --no-worker` on `port`, with no queue limit: (argv, environment)."""
+    """`gpujobs serve --no-worker` on `port`, with no queue limit, and no cap on the uploads its one
+    key has in progress (UPLOAD_CLIENTS of them): (argv, environment)."""
     env = worker_env(run, "tp-api")
-    env.update(GPUJOBS_QUEUE_LIMIT=str(10**8), GPUJOBS_QUEUE_LIMIT_PER_KEY="0")
+    env.update(GPUJOBS_QUEUE_LIMIT=str(10**8), GPUJOBS_QUEUE_LIMIT_PER_KEY="0", GPUJOBS_UPLOADS_PER_KEY="0")
     argv = [sys.executable, "-m", "app", "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)]
     return argv, env
 

@@ -250,6 +250,38 @@ async def test_an_upload_dripped_under_the_pause_limit_is_cut_by_the_minimum_rat
     assert answered_s < 2.5, answered_s  # the grace (1 s) and the few bytes' worth at 8 KB/s
 
 
+async def test_uploads_in_flight_of_one_key_are_capped_before_the_body_is_read(settings, png):
+    """Nothing capped the uploads one principal had in flight at once: each held a connection, a
+    buffer growing with what it had sent, and once whole its turn at the database. Past
+    GPUJOBS_UPLOADS_PER_KEY (here 2) an upload is answered 429 with Retry-After at once, before its
+    body is read; another key's upload is served, and a slot frees when its upload ends."""
+    assert settings.database_url
+    alice = await create_key(settings.database_url, "alice")
+    bob = await create_key(settings.database_url, "bob")
+    async with quick_server(settings, client_timeout_s=10, uploads_per_key=2) as where:
+        held = [await asyncio.open_connection(*where) for _ in range(2)]
+        for _, writer in held:  # two uploads of alice's that have begun their bodies
+            writer.write(_upload_head(alice, 1 << 20) + PART)
+            await writer.drain()
+        await asyncio.sleep(0.3)
+        answer, answered_s = await first_answer(where, _upload_head(alice, 1 << 20), wait_s=3)
+        assert answer.startswith(b"HTTP/1.1 429 "), answer[:300]
+        assert b"retry-after: " in answer.lower() and b"GPUJOBS_UPLOADS_PER_KEY" in answer, answer
+        assert answered_s < 1.0, answered_s  # at once: no body was sent
+        files = {"image": ("a.png", png(), "image/png")}
+        async with http_client(f"http://{where[0]}:{where[1]}", bob) as http:
+            assert (await http.post("/jobs", files=files, data={"model": "toy"})).status_code == 201
+        for _, writer in held:
+            writer.close()
+        async with http_client(f"http://{where[0]}:{where[1]}", alice) as http:
+            for _ in range(30):  # the server sees the held uploads go
+                again = await http.post("/jobs", files=files, data={"model": "toy"})
+                if again.status_code != 429:
+                    break
+                await asyncio.sleep(0.1)
+    assert again.status_code == 201, again.text
+
+
 def _few_open_files() -> None:
     """A soft limit of 1024 open files, as systemd gives a service (and Docker a container)."""
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))

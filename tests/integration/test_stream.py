@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -138,3 +139,32 @@ async def test_streams_are_private_and_unknown_jobs_are_404(settings, make_key):
             assert (await other.get(f"/jobs/{job_id}/stream")).status_code == 404
         async with client_for(http, None) as anonymous:
             assert (await anonymous.get(f"/jobs/{job_id}/stream")).status_code == 401
+
+
+async def test_event_streams_of_one_key_are_capped(settings, make_key):
+    """Nothing capped the event streams one principal held open: each holds a connection, an open
+    file and its share of the process's memory for as long as its job runs, so one key could hold
+    thousands. Past GPUJOBS_STREAMS_PER_KEY (here 2) a stream is answered 429 with Retry-After;
+    another key's streams are served, and a slot frees when a stream closes."""
+    async with api_client(settings, streams_per_key=2) as http:
+        job_id = await submit_toy(http)  # no worker: it stays queued, and its streams open
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(2):
+                stream = await held.enter_async_context(http.stream("GET", f"/jobs/{job_id}/stream"))
+                assert stream.status_code == 200
+            async with http.stream("GET", f"/jobs/{job_id}/stream") as third:
+                if third.status_code != 200:  # a stream that opened would never end
+                    await third.aread()
+            assert third.status_code == 429, third.status_code
+            assert int(third.headers["retry-after"]) > 0
+            assert "GPUJOBS_STREAMS_PER_KEY" in third.json()["detail"], third.text
+            async with client_for(http, await make_key("bob")) as bob:
+                bob_job = await submit_toy(bob)
+                async with bob.stream("GET", f"/jobs/{bob_job}/stream") as other:
+                    assert other.status_code == 200
+        for _ in range(30):  # the server sees the held streams go
+            async with http.stream("GET", f"/jobs/{job_id}/stream") as again:
+                if again.status_code != 429:
+                    break
+            await asyncio.sleep(0.1)
+    assert again.status_code == 200
