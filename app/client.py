@@ -461,11 +461,22 @@ def retry_many(
     key: Key = None,
     as_json: AsJson = False,
 ) -> None:
-    """Queue every failed or quarantined job matching the filter again (admin key)."""
+    """Queue every failed or quarantined job matching the filter again, up to the queue limit (admin key)."""
     body = {"model": model, "error_contains": error_contains, "since": since, "until": until}
     with connect(url, key) as http:
-        count = call(http, "POST", "/admin/jobs/retry", json=body, expect=("retried",))
-    typer.echo(json.dumps(count) if as_json else f"retried {count['retried']} jobs")
+        count = call(http, "POST", "/admin/jobs/retry", json=body, expect=("retried", "left", "queue_full"))
+    typer.echo(json.dumps(count) if as_json else retried_line(count))
+
+
+def retried_line(count: dict[str, Any]) -> str:
+    """What a bulk retry did, and what is left for the operator to do."""
+    done = f"retried {count['retried']} jobs"
+    if not count["left"]:
+        return f"{done}; none left"
+    if count["queue_full"]:
+        full = "the queue is full (GPUJOBS_QUEUE_LIMIT); run this again once it has room"
+        return f"{done}; {count['left']} left: {full}"
+    return f"{done}; {count['left']} left, held by other requests; run this again"
 
 
 # -- prune --------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ router = APIRouter(
 )
 async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> JobPublic:
     """Queue a failed, canceled or quarantined job again with a fresh budget of attempts."""
+    # Not held to the queue limit: an admin chose this one job (README, "HTTP API").
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
         raise _expired(job_id)
@@ -63,20 +64,22 @@ def _expired(job_id: uuid.UUID) -> errors.Gone:
 
 @router.post("/jobs/retry", response_model=RetryCount)
 async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep) -> RetryCount:
-    """Queue again every failed job that matches the filter; returns how many."""
+    """Queue again the failed jobs matching the filter, up to the queue limit; how many, how many left."""
     names = [body.model] if body.model is not None else list(services.models.models)
-    total = 0
+    retried, left, full = 0, 0, False
     for name in names:
         spec = services.models.get(name)
-        total += await services.manager.retry_matching(
+        done = await services.manager.retry_matching(
             by=caller.principal,
             attempts=spec.max_attempts,
+            queue_limit=services.limits.queue_limit,
             model=name,
             error_contains=body.error_contains,
             since=body.since,
             until=body.until,
         )
-    return RetryCount(retried=total)
+        retried, left, full = retried + done.retried, left + done.left, full or done.queue_full
+    return RetryCount(retried=retried, left=left, queue_full=full)
 
 
 @router.post("/jobs/cancel", response_model=CancelCount)

@@ -188,9 +188,14 @@ class RetryFilter(BaseModel):
 
 
 class RetryCount(BaseModel):
-    """How many jobs were queued again."""
+    """How many jobs a bulk retry queued again, and how many matching ones it left."""
 
     retried: int
+    left: int = Field(
+        description="Matching jobs not queued again: the queue reached GPUJOBS_QUEUE_LIMIT, or another "
+        "request held them; the same filter asked again takes them"
+    )
+    queue_full: bool = Field(description="It stopped because the queue reached GPUJOBS_QUEUE_LIMIT")
 
 
 # The states a cancel takes, and those a bulk cancel takes unless told.

@@ -782,12 +782,16 @@ class JobManager:
         *,
         by: str,
         attempts: int,
+        queue_limit: int,
         model: str | None = None,
         error_contains: str | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
-    ) -> int:
-        """Queue again every failed job matching the filter; returns how many."""
+        batch: int = 1000,
+    ) -> records.Retried:
+        """Queue again, as `retry` does, the failed and quarantined jobs matching the filter that
+        finished by now: in batches of at most `batch` (sql.RETRY_BATCH), each at most the room left
+        under `queue_limit` jobs waiting, until none is left or the queue is full."""
         values = {
             "by": by,
             "attempts": attempts,
@@ -795,10 +799,23 @@ class JobManager:
             "error_contains": error_contains,
             "since": since,
             "until": until,
+            "before": await self.now(),
         }
+        retried, room = 0, 0
+        while True:
+            async with self._auto.connect() as conn:
+                waiting = (await conn.execute(sql.WAITING_UP_TO, {"queue_limit": queue_limit})).scalar_one()
+                room = queue_limit - waiting
+                if room <= 0:
+                    break
+                limit = min(batch, room)
+                taken = len((await conn.execute(sql.RETRY_BATCH, {**values, "limit": limit})).all())
+            retried += taken
+            if taken < limit:  # none left that another statement does not hold
+                break
         async with self._auto.connect() as conn:
-            rows = (await conn.execute(sql.RETRY_MATCHING, values)).all()
-        return len(rows)
+            left = (await conn.execute(sql.RETRYABLE_LEFT, values)).scalar_one()
+        return records.Retried(retried=retried, left=left, queue_full=left > 0 and room <= 0)
 
     # -- observability --------------------------------------------------------------------
 

@@ -33,6 +33,16 @@ class Canceled:
 
 
 @dataclass(frozen=True, slots=True)
+class Retried:
+    """A bulk retry: jobs queued again, matching jobs it left (the queue was full, or another
+    statement held them), and whether it stopped at the queue limit."""
+
+    retried: int
+    left: int
+    queue_full: bool
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """A worker as its last heartbeat left it."""
 

@@ -709,7 +709,6 @@ CANCELABLE_LEFT = text(f"SELECT EXISTS ({_CANCELABLE}) AS remaining")
 # {picked}: the jobs to retry, (id, state, expired_at), each locked; only those that can be are.
 _RETRY = f"""
     WITH picked AS ({{picked}}
-        FOR UPDATE
     ), retried AS (
         UPDATE jobs
         SET state = 'queued', max_attempts = attempt + :attempts, run_after = now(),
@@ -733,7 +732,7 @@ _RETRY = f"""
 # One job, by id. One row when it exists: `seen_state` and `expired` as the retry found them (the
 # row locked: the newest), `id` NULL when they refused it (worded from them, as CANCEL says why).
 RETRY_ONE = text(
-    _RETRY.format(picked="SELECT id, state, expired_at FROM jobs WHERE id = :id")
+    _RETRY.format(picked="SELECT id, state, expired_at FROM jobs WHERE id = :id FOR UPDATE")
     + """
     SELECT picked.state AS seen_state, picked.expired_at IS NOT NULL AS expired, retried.id,
            (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
@@ -741,18 +740,38 @@ RETRY_ONE = text(
     """
 )
 
-RETRY_MATCHING = text(
-    _RETRY.format(
-        picked="""
+# The jobs an admin's bulk retry takes: failed or quarantined, not expired, of :model, with
+# :error_contains in their error, finished in [:since, :until) (NULL: any) and by :before, when the
+# retry began: a job it queued that fails again meanwhile is not taken again, round after round.
+_RETRYABLE = """
         SELECT id, state, expired_at FROM jobs
-        WHERE state IN ('failed', 'quarantined') AND expired_at IS NULL
+        WHERE state IN ('failed', 'quarantined') AND expired_at IS NULL AND finished_at <= :before
           AND (CAST(:model AS text) IS NULL OR model = :model)
           AND (CAST(:error_contains AS text) IS NULL
                OR strpos(coalesce(error, ''), :error_contains) > 0)
           AND (CAST(:since AS timestamptz) IS NULL OR finished_at >= :since)
           AND (CAST(:until AS timestamptz) IS NULL OR finished_at < :until)"""
+
+# One batch of a bulk retry: at most :limit of them, oldest failures first, a row per job queued
+# again. Batches, as a bulk cancel takes them (CANCEL_MATCHING says why): each its own short
+# transaction holding at most :limit row locks, SKIP LOCKED; the caller sizes :limit to the room
+# left under the queue limit (WAITING_UP_TO), and counts what it leaves (RETRYABLE_LEFT).
+RETRY_BATCH = text(
+    _RETRY.format(
+        picked=f"{_RETRYABLE}\n        ORDER BY finished_at, id\n        LIMIT :limit FOR UPDATE SKIP LOCKED"
     )
     + "SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM retried"
+)
+
+# How many jobs a bulk retry leaves: matching ones held by other statements, or beyond the room.
+RETRYABLE_LEFT = text(f"SELECT count(*) AS remaining FROM ({_RETRYABLE}) AS matching")
+
+# The jobs waiting (queued or scheduled), up to :queue_limit, counted as ENQUEUE counts them.
+WAITING_UP_TO = text(
+    """
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :queue_limit) AS q)
+         + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'scheduled' LIMIT :queue_limit) AS s)
+    """
 )
 
 JOB_STATE = text("SELECT state FROM jobs WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)")

@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
-from tests.conftest import api_client, client_for
+from tests.conftest import api_client, client_for, png_bytes
 from tests.integration.test_durability import alive, kinds, running, until
 from tests.integration.test_worker import enqueue
 
@@ -133,3 +133,78 @@ async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make
     assert not any(alive(j.pid or 0) for j in jobs)
     for job_id in slow:
         assert (await kinds(manager, job_id))[-2:] == ["cancel_requested", "canceled"]
+
+
+# -- the bulk retry (POST /admin/jobs/retry) ------------------------------------------------------
+
+
+async def failed_jobs(manager: JobManager, engine, count: int) -> list[uuid.UUID]:
+    """`count` jobs ended failed, as a run that failed for good leaves them (none of them run)."""
+    jobs = [await enqueue(manager, vram_mb=BIG) for _ in range(count)]
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET state = 'failed', attempt = 1, error = 'boom', finished_at = now() "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": jobs},
+        )
+    return jobs
+
+
+async def waiting(engine) -> int:
+    """Jobs waiting (queued or scheduled): what GPUJOBS_QUEUE_LIMIT counts."""
+    async with engine.connect() as conn:
+        query = "SELECT count(*) FROM jobs WHERE state IN ('queued', 'scheduled')"
+        return int((await conn.execute(text(query))).scalar_one())
+
+
+async def test_a_bulk_retry_stops_at_the_queue_limit_and_says_how_many_are_left(settings, manager, engine):
+    """An admin's bulk retry was held to no limit: 100,000 failed jobs of a model went back at once
+    into a queue that GPUJOBS_QUEUE_LIMIT keeps at 10,000 for uploads. It now stops where the queue
+    would pass the limit and says how many matching jobs it left, so the operator asks again once
+    the queue has room. A single retry is an admin's choice of one job: let through, limit or not."""
+    first_waiting = await enqueue(manager, vram_mb=BIG)
+    failed = await failed_jobs(manager, engine, 6)
+    async with api_client(settings, queue_limit=4) as api:
+        first = await api.post("/admin/jobs/retry", json={"model": "toy"})
+        assert first.json() == {"retried": 3, "left": 3, "queue_full": True}, first.text
+        assert await waiting(engine) == 4
+        again = await api.post("/admin/jobs/retry", json={})
+        assert again.json() == {"retried": 0, "left": 3, "queue_full": True}, again.text
+
+        assert (await api.post(f"/jobs/{first_waiting}/cancel")).status_code == 200
+        rest = await api.post("/admin/jobs/retry", json={"model": "toy"})
+        assert rest.json() == {"retried": 1, "left": 2, "queue_full": True}, rest.text
+        still_failed = [j for j in failed if (await manager.get(j)).state is JobState.failed]
+        assert len(still_failed) == 2
+
+        one = await api.post(f"/admin/jobs/{still_failed[0]}/retry")
+        assert one.status_code == 200 and one.json()["state"] == "queued", one.text
+        assert await waiting(engine) == 5  # over the limit by the one job the admin asked for
+        uploaded = await api.post(
+            "/jobs", files={"image": ("a.png", png_bytes(), "image/png")}, data={"model": "toy"}
+        )
+        assert uploaded.status_code == 429, uploaded.text  # uploads still meet the limit
+
+
+async def test_a_bulk_retry_goes_by_batches_and_passes_over_jobs_others_hold(manager, engine):
+    """The bulk retry locked every matching row in one statement, waiting for each a claim or a
+    retention pass held: 100,000 row locks in one transaction, for as long as it took. It now goes
+    by batches locked SKIP LOCKED; a job another statement holds is left, and counted so. A job
+    that failed after the retry began (one it queued, failing again at once) is not taken again."""
+    failed = await failed_jobs(manager, engine, 6)
+    async with engine.begin() as conn:  # it finished after the retry began
+        await conn.execute(
+            text("UPDATE jobs SET finished_at = now() + interval '1 hour' WHERE id = :id"), {"id": failed[5]}
+        )
+    async with engine.connect() as holder:
+        await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": failed[0]})
+        done = await asyncio.wait_for(
+            manager.retry_matching(by="admin", attempts=3, queue_limit=100, batch=2), 10
+        )
+        await holder.rollback()
+    assert (done.retried, done.left, done.queue_full) == (4, 1, False)
+    assert await states(manager, failed) == [JobState.failed] + [JobState.queued] * 4 + [JobState.failed]
+    history = await manager.events(failed[1])
+    assert history[-1].kind == "retried" and history[-1].detail == {"by": "admin"}

@@ -489,6 +489,27 @@ async def test_a_stream_that_answers_204_when_followed_again_ends_the_wait(tmp_p
     assert _EndedWhileAway.streams == 2 and stdout.startswith(f"{_EndedWhileAway.job_id}  succeeded"), stdout
 
 
+async def test_retry_many_says_how_many_it_left_and_why(settings, manager, engine, make_key):
+    """The bulk retry now stops at the queue limit and answers how many matching jobs it left; the
+    command said only how many it retried, and an operator took a partial retry for a whole one."""
+    await enqueue(manager, vram_mb=40_000)  # waits: the queue is full with it
+    failed = await enqueue(manager, vram_mb=40_000)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET state = 'failed', attempt = 1, finished_at = now() WHERE id = :id"),
+            {"id": failed},
+        )
+    admin = await make_key("ops", admin=True)
+    async with api_client(settings, queue_limit=1) as http:
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--json")
+        assert code == 0 and json.loads(stdout) == {"retried": 0, "left": 1, "queue_full": True}, stderr
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many")
+    assert code == 0, stderr
+    assert stdout.strip() == (
+        "retried 0 jobs; 1 left: the queue is full (GPUJOBS_QUEUE_LIMIT); run this again once it has room"
+    )
+
+
 async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path):
     """The bulk cancel and the bulk retry had routes but no command: an operator clearing the jobs
     of a model dropped from the registry wrote the JSON and the curl by hand."""
@@ -510,6 +531,8 @@ async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path
         assert states == {"canceled"}
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy", "--json")
         assert code == 0, stderr
-        assert json.loads(stdout) == {"retried": 0}  # canceled jobs are retried one by one
+        assert json.loads(stdout) == {"retried": 0, "left": 0, "queue_full": False}  # canceled: one by one
+        code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy")
+        assert code == 0 and stdout.strip() == "retried 0 jobs; none left", stderr
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--all", "--json")
         assert code == 0 and json.loads(stdout) == {"canceled": 0, "stopping": 0}, stderr
