@@ -11,10 +11,12 @@ import base64
 import json
 import re
 import time
+import uuid
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from tests.browser.conftest import Site, ramp_png, sign_in
 
@@ -306,6 +308,26 @@ async def test_admin_sees_gpus_and_queue_and_retries_failed_jobs(make_site, page
         await expect(page.locator("#admin-failed")).to_contain_text("No failed jobs", timeout=15_000)
         events = (await site.http.get(f"/jobs/{failed[1]}/events")).json()
         assert any(e["kind"] == "retried" and e["detail"].get("by") == "root" for e in events)
+
+
+async def test_retry_all_says_how_many_the_full_queue_left(make_site, page):
+    """The bulk retry stops at the queue limit and says how many it left; the admin page said only
+    how many it queued again, as if that were every failed job."""
+    async with make_site(run_worker=False, queue_limit=3) as site:
+        failed = [await submit_api(site) for _ in range(3)]
+        async with site.app.state.engine.begin() as conn:  # failed as a worker leaves them
+            await conn.execute(
+                text("UPDATE jobs SET state = 'failed', finished_at = now() WHERE id = ANY(:ids)"),
+                {"ids": [uuid.UUID(i) for i in failed]},
+            )
+        await submit_api(site)  # one waits: room for 2 more
+        await sign_in(page, site, site.admin_key, path="/ui/admin")
+        page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+        await page.get_by_role("button", name="Retry all").click()
+        await expect(page.locator("#flash")).to_have_text(
+            "2 jobs queued again; 1 left: the queue is full (GPUJOBS_QUEUE_LIMIT). "
+            "Retry again once it has room."
+        )
 
 
 async def test_a_phone_sized_list_and_a_keyboard_only_sign_in(make_site, open_context):

@@ -40,6 +40,15 @@ document.addEventListener('change', (event) => {
   if (event.target.closest('#admin-failed')) updateBulk();
 });
 
+// What a bulk retry did, and what it left: it stops at the queue limit, and passes over jobs that
+// another request holds, so the admin knows to retry again.
+function retried({ retried: done, left, queue_full: full }) {
+  if (!left) return `${done} jobs queued again.`;
+  const why = full ? 'the queue is full (GPUJOBS_QUEUE_LIMIT). Retry again once it has room.'
+    : 'another request held them. Retry again.';
+  return `${done} jobs queued again; ${left} left: ${why}`;
+}
+
 document.addEventListener('click', async (event) => {
   const target = event.target.closest('button');
   if (!target) return;
@@ -56,7 +65,7 @@ document.addEventListener('click', async (event) => {
     if (!window.confirm(`Queue ${which} again?`)) return;
     target.disabled = true;
     const answer = await request('/admin/jobs/retry', { method: 'POST', json: model ? { model } : {} });
-    flash(answer.ok ? `${answer.data.retried} jobs queued again.` : answer.detail, answer.ok ? 'info' : 'error');
+    flash(answer.ok ? retried(answer.data) : answer.detail, answer.ok && !answer.data.left ? 'info' : 'error');
     await refresh({ failed: true });
   }
 });
