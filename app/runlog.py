@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
+from app import storage
+
 _LOG = logging.getLogger("gpujobs.runlog")
 
 TAIL_BYTES = 4096
@@ -31,11 +33,13 @@ TAIL_LINES = 40
 def open_log(path: Path) -> BinaryIO:
     """A log opened to append to, unbuffered; its folder is made only if missing (usually it is
     there already: a system call saved per job)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
     try:
-        return path.open("ab", buffering=0)
+        fd = os.open(path, flags, storage.FILE_MODE)  # not the umask's mode: closed to other users
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("ab", buffering=0)
+        storage.make_folder(path.parent)
+        fd = os.open(path, flags, storage.FILE_MODE)
+    return os.fdopen(fd, "ab", buffering=0)
 
 
 class RunLog:

@@ -15,6 +15,11 @@ into place (one atomic rename). A crash leaves at most a lane's files, which the
 when it starts again (`reset_lanes`), or an unreferenced attempt folder, which the job's end
 removes (`drop_attempts`): a later attempt's success, or its failure, cancel or quarantine. A
 worker that stops removes its lanes too.
+
+Modes: what the service makes below the root is closed to other users, whatever the umask allows:
+folders FOLDER_MODE (0750), files FILE_MODE (0640), a lane's input 0600; a umask may take more away.
+The group may read, as an API running as another user of the workers' group must (results, logs).
+The folders below the root that an earlier version left open to others are closed at the start.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ LOG_NAME = re.compile(r"attempt-([1-9][0-9]{0,5})\.log\Z")  # as links name logs
 ATTEMPT_DIR = re.compile(r"([1-9][0-9]{0,8})\Z|\.([1-9][0-9]{0,8})\.partial\Z")  # results/<job>/ entries
 LOG_FILE = re.compile(r"^([0-9a-f-]{36})\.attempt-[1-9][0-9]{0,5}\.log$")  # as logs are stored
 PROBE_BYTES = 1 << 20  # what `probe` asks of the disk: room for a small job's input and outputs
+FOLDER_MODE = 0o750  # folders below the root: the owner writes, its group reads, others nothing
+FILE_MODE = 0o640  # files below the root (published results, logs)
+PARTS = ("scratch", "results", "logs", "runners")  # the folders below the root
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +108,12 @@ class ResultStore:
         self.root = root.resolve()
         self._made: set[Path] = set()  # lanes and runner folders known to exist
         self._inputs: dict[Path, str] = {}  # lane -> its input file, kept for the next job to overwrite
-        for part in ("scratch", "results", "logs"):
+        for part in PARTS:
             folder = self.root / part
             try:
-                folder.mkdir(parents=True, exist_ok=True)
+                if part != "runners":  # made with the first warm runner
+                    make_folder(folder)
+                _close_to_others(folder)
             except OSError as exc:  # a file in the way, or a folder this user cannot write
                 raise unusable(
                     folder, exc, "not a folder" if isinstance(exc, FileExistsError) else None
@@ -135,7 +145,7 @@ class ResultStore:
     def _put_input(self, lane: Path, input_name: str, data: bytes) -> None:
         """Write the input into the lane (made if it was not), over the input the last job kept."""
         if lane not in self._made:
-            (lane / "out").mkdir(parents=True, exist_ok=True)
+            make_folder(lane / "out")
             self._made.add(lane)
         kept = self._inputs.pop(lane, None)
         if kept is not None and kept != input_name:
@@ -162,7 +172,7 @@ class ResultStore:
                 name = None
             if out.is_symlink() or not out.is_dir():  # replaced by the model: never follow it
                 _empty(lane, keep=(name,))
-                out.mkdir()
+                out.mkdir(mode=FOLDER_MODE)
             else:
                 _empty(lane, keep=("out", name))
                 _empty(out)
@@ -209,7 +219,7 @@ class ResultStore:
         """OSError unless `owner`'s scratch folder takes a file of PROBE_BYTES and the results
         folder a new folder: a full disk, a folder gone read-only or removed fails it."""
         lanes = self.root / "scratch" / _safe_name(owner)
-        lanes.mkdir(parents=True, exist_ok=True)
+        make_folder(lanes)
         with tempfile.TemporaryFile(dir=lanes) as f:  # nameless (O_TMPFILE): a crash leaves nothing
             os.posix_fallocate(f.fileno(), 0, PROBE_BYTES)
         with tempfile.TemporaryDirectory(prefix=".probe-", dir=self.root / "results"):
@@ -219,7 +229,7 @@ class ResultStore:
         """The working folder of a warm runner (its HOME and its own log)."""
         path = self.root / "runners" / f"{model}-gpu{'none' if gpu is None else gpu}"
         if path not in self._made:  # asked for on every warm job: made once
-            path.mkdir(parents=True, exist_ok=True)
+            make_folder(path)
             self._made.add(path)
         return path
 
@@ -253,16 +263,17 @@ class ResultStore:
         """Move the outputs into results/<job>/<attempt>/ in one atomic rename.
 
         Files and folders are on disk (fsync) before this returns, so the success written next
-        never names files that a crash of the host would leave empty or missing."""
+        never names files that a crash of the host would leave empty or missing. Each file gets
+        FILE_MODE, whatever mode its model gave it."""
         final = self.root / "results" / str(job_id) / str(attempt)
         staging = final.parent / f".{attempt}.partial"
         new_job = not final.parent.is_dir()
         try:
             shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            make_folder(staging)
             for f in files:
                 os.replace(out_dir / f.name, staging / f.name)
-                _fsync(staging / f.name)
+                _fsync(staging / f.name, mode=FILE_MODE)
             _fsync(staging)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
@@ -369,10 +380,31 @@ def _opened_at(fd: int, path: Path) -> bool:
         return True
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a folder's entries, to the disk."""
+def make_folder(path: Path) -> None:
+    """`path`, and the folders missing above it, each made with FOLDER_MODE (less what the umask
+    takes away). `Path.mkdir(parents=True)` gives the folders above the process's default mode."""
+    try:
+        path.mkdir(mode=FOLDER_MODE, exist_ok=True)
+    except FileNotFoundError:
+        make_folder(path.parent)
+        path.mkdir(mode=FOLDER_MODE, exist_ok=True)
+
+
+def _close_to_others(folder: Path) -> None:
+    """Take other users' access to `folder` away, if it is this user's (an earlier version made
+    its folders with the umask's mode, commonly 0755); its group keeps what it had."""
+    with contextlib.suppress(FileNotFoundError):
+        info = os.lstat(folder)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and info.st_mode & 0o007:
+            os.chmod(folder, stat.S_IMODE(info.st_mode) & ~0o007)
+
+
+def _fsync(path: Path, *, mode: int | None = None) -> None:
+    """Flush a file's data, or a folder's entries, to the disk; with `mode`, give it that first."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         os.fsync(fd)
     finally:
         os.close(fd)
