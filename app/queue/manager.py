@@ -584,13 +584,14 @@ class JobManager:
         """Hand a running job back to the queue without spending an attempt (fenced)."""
         await self._fenced(sql.RELEASE, job, {"reason": reason})
 
-    async def release_unknown(self, *, worker_id: str, in_hand: Sequence[uuid.UUID]) -> list[uuid.UUID]:
+    async def release_unknown(self, *, worker_id: str, in_hand: Sequence[uuid.UUID]) -> list[TakenBack]:
         """Hand back, unspent, the jobs running under `worker_id` that it does not hold and that
-        never started a model: a claim of it whose answer was lost took them (sql.RELEASE_UNKNOWN)."""
+        never started a model: a claim of it whose answer was lost took them (sql.RELEASE_UNKNOWN).
+        Each is queued again, or canceled if a cancel was asked for."""
         values = {"worker_id": worker_id, "in_hand": list(in_hand)}
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RELEASE_UNKNOWN, values)).all()
-        return [r.id for r in rows]
+        return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), None, None) for r in rows]
 
     async def promote_due(self) -> int:
         """Queue the scheduled retries whose time has come; returns how many."""

@@ -431,7 +431,8 @@ RELEASE_UNKNOWN = text(
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released WHERE state = 'queued'
     ), told AS ({_tell("released")}
     )
-    SELECT id, state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    SELECT id, attempt, worker_id, state, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
     FROM released
     """
 )

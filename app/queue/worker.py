@@ -496,11 +496,13 @@ class Worker:
         """After a claim that failed with the database: it may have committed, its jobs running
         here under this worker's name unknown to it. They go back to the queue, unspent. (Under
         `_claiming`, or with no claim left to make.)"""
-        for job_id in await self._manager.release_unknown(worker_id=self.id, in_hand=list(self._running)):
+        released = await self._manager.release_unknown(worker_id=self.id, in_hand=list(self._running))
+        for job in released:
             log.warning(
                 "handed back a job whose claim's answer was lost",
-                extra={"action": "job_released", "job_id": str(job_id)},
+                extra={"action": "job_released", "job_id": str(job.id)},
             )
+        await self._drop_dead_attempts(released)  # a job canceled meanwhile ended here
         self._claim_unsure = False
 
     def _start_attempt(
