@@ -715,7 +715,7 @@ class Worker:
             keys = (k for r, k in self.pool.runners().items() if r.state is not warm.RunnerState.DEAD)
             return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
 
-        await leftovers.kill_strays(self.id, live)
+        await leftovers.kill_strays(self.id, live, changed_only=True)
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;
