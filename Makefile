@@ -15,7 +15,7 @@ LOCAL_PG := postgresql://postgres@127.0.0.1:5432/test
 SERVER_TESTS := tests/test_migrations.py $(addprefix tests/integration/test_,$(addsuffix .py,\
 	db api_database sched_claims scheduling durability retention retention_races batching \
 	claim_ahead history scale_lists notify_commits stream sched_outage worker learned_cap \
-	metrics_catchup end_to_end bulk_cancel api_repeats clocks))
+	metrics_catchup end_to_end bulk_cancel api_repeats clocks retention_plans))
 # Test processes (pytest-xdist). Run one at a time, the suite waits on timers and subprocesses
 # about half the time; two keep a 2-core machine busy, and more only slow each test down.
 TEST_PROCS ?= 2
