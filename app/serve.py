@@ -44,6 +44,7 @@ log = logging.getLogger("gpujobs.serve")
 
 # Exit codes, as `gpujobs serve` in one process gives them.
 WORKER_FAILED: Final = 1  # the in-process worker stopped after an error
+STOPPED_NOW: Final = 1  # asked again while stopping: stopped at once, as `gpujobs worker` exits then
 REFUSED: Final = 2  # the app's start-up refused a setting (its worker cannot start): said in one line
 START_FAILED: Final = 3  # uvicorn could not start (the app's start-up failed otherwise)
 # A child that dies this soon after its start waits before the next start, doubling to the cap.
@@ -112,7 +113,9 @@ def run(settings: Settings, processes: int, sock: socket.socket) -> int:
 
 def serve_app(settings: Settings, sock: socket.socket) -> int:
     """Run the app in this process on `sock` (listening) until it is asked to stop; the exit code
-    `gpujobs serve` gives."""
+    `gpujobs serve` gives. A signal's comes as SystemExit (143 on SIGTERM: cli._exit_on_sigterm),
+    but after a forced stop (asked again): SystemExit(STOPPED_NOW), as `gpujobs worker` exits then,
+    so that a supervisor can tell a forced stop from a graceful one."""
 
     from app.api.main import create_app
 
@@ -122,11 +125,17 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
     app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock])
-    except SystemExit:  # uvicorn's when the start-up failed (or a signal's: _exit_on_sigterm)
+    # uvicorn's when the start-up failed, or the signals it raises again once it has shut down:
+    # SIGTERM's SystemExit (_exit_on_sigterm), SIGINT's KeyboardInterrupt (asyncio's handler).
+    except (SystemExit, KeyboardInterrupt):
         refused: errors.AppError | None = getattr(app.state, "start_refused", None)
-        if refused is None:
-            raise
-        raise refused from None  # for the CLI to say in one line, exit 2
+        if refused is not None:
+            raise refused from None  # for the CLI to say in one line, exit 2
+        if getattr(app.state, "asked_again", False):
+            raise SystemExit(STOPPED_NOW) from None
+        raise
+    if getattr(app.state, "asked_again", False):
+        raise SystemExit(STOPPED_NOW)
     if not server.started:  # the start-up failed (said in the log)
         return START_FAILED
     if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
@@ -139,8 +148,7 @@ def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
     its worker stops claiming, its event streams end), not once open connections have closed or
     timeout_graceful_shutdown has passed. A second signal (REPEAT_S or more after the first), a
     SIGTERM as well as uvicorn's second Ctrl-C, stops at once: the worker kills its models and
-    leaves its jobs to their leases (`app.state.on_exit_now`), and open connections are not
-    waited for."""
+    hands its jobs back (`app.state.on_exit_now`), and open connections are not waited for."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -153,6 +161,7 @@ def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
             super().handle_exit(sig, frame)
             if again:
                 self.force_exit = True
+                app.state.asked_again = True  # serve_app's exit code says so
             hook = "on_exit_now" if again else "on_exit"
             on_exit: Callable[[], None] | None = getattr(app.state, hook, None)
             if on_exit is not None:  # None while the app starts: it has no worker or stream yet
@@ -334,7 +343,7 @@ class Supervisor:
             if self._force.is_set() and again is None and now - first >= REPEAT_S:
                 log.warning("asked again: the API processes stop at once (their worker's models killed)")
                 self._signal_children(signal.SIGTERM)
-                again, self.exit_code = now, self.exit_code or 1
+                again, self.exit_code = now, self.exit_code or STOPPED_NOW
             if again is not None and not killed and now - again >= KILL_AFTER_S:
                 log.warning("killing the API processes still stopping")
                 self._signal_children(signal.SIGKILL)
