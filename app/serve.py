@@ -327,7 +327,7 @@ class Supervisor:
     def _stop_all(self) -> None:
         """SIGTERM to every child (each shuts down gracefully: streams, its worker's jobs), then wait;
         asked again meanwhile, a second SIGTERM (each stops at once: its worker kills its models and
-        leaves its jobs to their leases), and SIGKILL to those still there KILL_AFTER_S later.
+        hands its jobs back, within 2 s), and SIGKILL to those still there KILL_AFTER_S later.
 
         The port is let go of first: each child closes its copy as it begins to stop, and with
         this one kept open until the last had exited, the kernel went on accepting connections

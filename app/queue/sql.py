@@ -437,6 +437,40 @@ RELEASE_UNKNOWN = text(
     """
 )
 
+# A worker stopped at once (asked again while it stopped), its models and warm runners killed: every
+# job still running under its name goes back to the queue as RELEASE hands a job back, no attempt
+# spent, or ends canceled when a cancel is pending. Left running, they waited for its restart or
+# their leases, and came back as a crashed worker's (an attempt spent, an abnormal death counted).
+# Its rows are locked in id order, as HEARTBEAT and SUCCEED lock theirs.
+RELEASE_STOPPED = text(
+    f"""
+    WITH held AS (
+        SELECT id FROM jobs WHERE worker_id = :worker_id AND state = 'running'
+        ORDER BY id
+        FOR UPDATE
+    ), released AS (
+        UPDATE jobs AS j
+        SET state = CAST(CASE WHEN j.cancel_requested THEN 'canceled' ELSE 'queued' END AS job_state),
+            max_attempts = j.max_attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
+            run_after = now(), lease_expires_at = NULL, pid = NULL, progress = 0, progress_message = NULL,
+            finished_at = CASE WHEN j.cancel_requested THEN now() END
+        FROM held WHERE j.id = held.id
+        RETURNING j.id, j.attempt, j.worker_id, j.model, j.state, j.progress
+    ), event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, CASE state WHEN 'canceled' THEN 'canceled' ELSE 'released' END, attempt, worker_id,
+               jsonb_build_object('reason', CAST(:reason AS text))
+        FROM released
+        RETURNING id, job_id, kind
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released WHERE state = 'queued'
+    ), told AS ({_tell("released")}
+    )
+    SELECT id, state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    FROM released
+    """
+)
+
 # Retries whose time has come go back to the queue (and wake the workers). The rows are taken by
 # key from an array: joined as `id IN (...)`, the planner, which expects most scheduled jobs to be
 # due (finished jobs' `run_after` lies in the past), read the whole table to match them.

@@ -31,7 +31,7 @@ from app.queue import attempt as attempt_
 from app.queue import leftovers, sql
 from app.queue import manager as manager_
 from app.queue import planner as planner_
-from app.queue.jobs import Job
+from app.queue.jobs import Job, JobState
 
 log = logging.getLogger("gpujobs.worker")
 
@@ -45,6 +45,12 @@ RUN_S_WEIGHT = 0.2
 STORAGE_PAUSE_MAX_S = 300.0
 # The first wait before the listener connects again; it doubles, up to the poll interval.
 LISTEN_RETRY_S = 0.5
+# Stopped at once, its models dead: how long the database has to take its jobs back, unspent, and
+# then how long the statement has to give up. Past that they are left to its restart or their leases:
+# the stop must not wait on a database that does not answer.
+STOP_NOW_HAND_BACK_S = 1.5
+STOP_NOW_GIVE_UP_S = 0.5
+STOPPED_NOW = "worker stopped at once"  # the reason its jobs' `released` events give
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +128,7 @@ class Worker:
         self._lanes_made = 0
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
-        self.stopped_now = False  # stop_now() was called: nothing more is written
+        self._left: list[str] | None = None  # the jobs in hand when stop_now() was called, if it was
         self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
         self.claimed = 0
         # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.
@@ -151,25 +157,33 @@ class Worker:
         self._stopping.set()
         self._wake.set()
 
+    @property
+    def stopped_now(self) -> bool:
+        """Whether stop_now() was called: nothing more is written but its jobs' hand-back."""
+        return self._left is not None
+
     def stop_now(self) -> None:
         """Stop at once (an operator who asks again while the worker stops): every model and warm
-        runner is killed now (SIGKILL to its process group), nothing more is written, and the jobs
-        in hand are left running under this worker's name: its restart takes them back at once,
-        another worker's reaper once their leases run out. `run()` returns within moments, whatever
+        runner is killed now (SIGKILL to its process group), and the attempts write nothing more
+        (their outcomes, a final write under way included, are dropped). Once the models are dead,
+        the jobs running under this worker's name go back to the queue in one statement, no attempt
+        spent, if the database answers within STOP_NOW_HAND_BACK_S; else they are left running under
+        its name: its restart takes them back at once, another worker's reaper once their leases run
+        out (an attempt spent, as for a crashed worker). `run()` returns within moments, whatever
         the database does (the graceful stop waits for it to write what each job became)."""
-        if self.stopped_now:
+        if self._left is not None:
             return
-        self.stopped_now = True
+        self._left = left = sorted(str(job_id) for job_id in self._running)
         self.stop()
-        left = sorted(str(job_id) for job_id in self._running)
         for run, _ in self._running.values():
             run.abandon()
         runners = self.pool.kill_all()
         log.warning(
-            "stopped at once, its models and warm runners (%d) killed; %d jobs left running under its "
-            "name, for its restart to take back at once, else another worker after their leases: %s",
+            "stopped at once, its models and warm runners (%d) killed; its %d jobs go back to the queue, "
+            "no attempt spent, if the database answers within %g s: %s",
             runners,
             len(left),
+            STOP_NOW_HAND_BACK_S,
             ", ".join(left) or "none",
             extra={"action": "worker_stopped_now", "worker": self.id},
         )
@@ -352,15 +366,50 @@ class Worker:
 
     async def _abandon(self, tasks: list[asyncio.Task[None]]) -> None:
         """After stop_now(): cancel what is left (the attempts' writes included), kill what escaped
-        the killed groups, reap the runners and empty the lanes; with no statement to wait on."""
+        the killed groups, reap the runners, hand the jobs back (given a bounded time: `_hand_back_now`)
+        and empty the lanes."""
         attempts = [t for _, t in self._running.values()]
         for task in (*tasks, *attempts):
             task.cancel()
         await leftovers.kill_strays(self.id, set)  # first: an escaped helper may hold a run's pipes
         await asyncio.gather(*tasks, *attempts, return_exceptions=True)
         await self.pool.close_all(attempt_.SHUTDOWN)
+        await self._hand_back_now()  # only now: no old run may overlap a new attempt elsewhere
         self._store.reset_lanes(self.id)
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
+
+    async def _hand_back_now(self) -> None:
+        """The jobs running under this worker's name (those in hand, and any a claim cut short took)
+        go back to the queue, unspent, or end canceled when a cancel is pending; if the database
+        has not done so within STOP_NOW_HAND_BACK_S, the statement is given up and the jobs are left
+        running under its name, as the line logged says."""
+        release = asyncio.create_task(
+            self._manager.release_stopped(worker_id=self.id, reason=STOPPED_NOW), name=f"hand-back:{self.id}"
+        )
+        await asyncio.wait([release], timeout=STOP_NOW_HAND_BACK_S)
+        if not release.done():
+            release.cancel()
+            await asyncio.wait([release], timeout=STOP_NOW_GIVE_UP_S)
+        if release.done() and not release.cancelled() and release.exception() is None:
+            for job_id, state in release.result():
+                canceled = state is JobState.canceled  # its cancel was pending
+                extra = {"action": "job_canceled" if canceled else "job_released", "job_id": str(job_id)}
+                log.info(
+                    "job %s: worker stopped at once", "canceled" if canceled else "handed back", extra=extra
+                )
+            return
+        why = f"the database did not answer within {STOP_NOW_HAND_BACK_S:g} s"
+        if release.done() and not release.cancelled():
+            why = f"the database failed: {release.exception()!r}"
+        left = self._left or []
+        log.warning(
+            "%s: %d jobs left running under its name, for its restart to take back at once, else another "
+            "worker after their leases: %s",
+            why,
+            len(left),
+            ", ".join(left) or "none",
+            extra={"action": "jobs_left", "worker": self.id},
+        )
 
     # -- claiming -------------------------------------------------------------------------
 

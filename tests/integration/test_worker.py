@@ -345,3 +345,37 @@ async def test_an_idle_workers_lanes_keep_no_users_image(manager, make_worker, s
         while inputs := list((store.root / "scratch").rglob("input*")):
             assert time.monotonic() < deadline, inputs
             await asyncio.sleep(0.1)
+
+
+RUNNING_UNDER = text(
+    "UPDATE jobs SET state = 'running', attempt = 1, worker_id = :worker, started_at = now(), pid = 4242,"
+    " lease_expires_at = now() + interval '1 minute', cancel_requested = :cancel WHERE id = :id"
+)
+
+
+async def test_a_worker_stopped_at_once_hands_back_its_running_jobs_unspent(manager, engine):
+    """JobManager.release_stopped, the hand-back of a worker stopped at once (its models dead): its
+    running jobs go back to the queue, the attempt not spent and no abnormal death counted; one whose
+    cancel is pending ends canceled. Another worker's running job and a finished one stay as they are."""
+    mine, canceling, theirs, done = [await enqueue(manager) for _ in range(4)]
+    async with engine.begin() as conn:
+        for job_id, worker, cancel in (
+            (mine, "h:me", False),
+            (canceling, "h:me", True),
+            (theirs, "h:other", False),
+            (done, "h:me", False),
+        ):
+            await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": worker, "cancel": cancel})
+        await conn.execute(text("UPDATE jobs SET state = 'succeeded' WHERE id = :id"), {"id": done})
+    back = await manager.release_stopped(worker_id="h:me", reason=attempt_.SHUTDOWN)
+    assert dict(back) == {mine: JobState.queued, canceling: JobState.canceled}
+    job = await manager.get(mine)
+    assert (job.state, job.attempt, job.max_attempts, job.abnormal_runs) == (JobState.queued, 1, 4, 0)
+    assert (job.pid, job.lease_expires_at, job.finished_at) == (None, None, None)
+    [released] = [e for e in await manager.events(mine) if e.kind == "released"]
+    assert (released.attempt, released.worker_id) == (1, "h:me")
+    assert released.detail == {"reason": attempt_.SHUTDOWN}
+    job = await manager.get(canceling)
+    assert (job.state, job.max_attempts, job.finished_at is not None) == (JobState.canceled, 3, True)
+    assert (await manager.get(theirs)).state is JobState.running
+    assert (await manager.get(done)).state is JobState.succeeded

@@ -1,6 +1,7 @@
 """`gpujobs worker` asked to stop twice: the first SIGTERM shuts down gracefully, waiting for the
 database to write what its jobs became; a second SIGTERM or Ctrl-C stops it now, killing its models
-and warm runners and leaving its jobs to their leases.
+and warm runners and handing its jobs back if the database answers at once, else leaving them to
+its restart or their leases.
 
 Real worker processes (conftest's `spawn_worker`), their database reached through a link the test
 cuts (tests/netcut.py)."""
@@ -14,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import text
 
 from app.queue import leftovers
 from app.queue.jobs import JobState
@@ -52,7 +55,7 @@ async def stopped_at_once(worker: Any, sig: signal.Signals) -> tuple[int, float]
 def left_no_model(name: str, log: Path, jobs: list[uuid.UUID]) -> None:
     """Worker `name` killed its models and runners, and one line of its `log` names every job left."""
     assert marked(name) == set()
-    [line] = [line for line in log.read_text().splitlines() if "stopped at once" in line]
+    [line] = [line for line in log.read_text().splitlines() if "action=worker_stopped_now" in line]
     assert all(str(job_id) in line for job_id in jobs), line
 
 
@@ -62,7 +65,8 @@ async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
     """SIGTERM while the database is away: the worker stops its models after the grace and keeps
     trying to hand the jobs back, so nothing is lost (and stays so). A second SIGTERM or Ctrl-C did
     nothing: the worker waited for the database forever. Now it exits at once (exit code 1), its
-    jobs left running in the database, to be taken back by its restart (or after their leases)."""
+    jobs left running in the database (its hand-back fails), to be taken back by its restart (or
+    after their leases)."""
     assert settings.database_url
     link = CuttableLink(settings.database_url, tmp_path / "link")
     url = await link.start()
@@ -77,7 +81,10 @@ async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
     finally:
         await link.close()
     assert (code, stopped_s < 5) == (1, True), (code, stopped_s)
-    left_no_model("outage", next(tmp_path.glob("worker-outage-*.log")), jobs)
+    log = next(tmp_path.glob("worker-outage-*.log"))
+    left_no_model("outage", log, jobs)
+    [line] = [line for line in log.read_text().splitlines() if "action=jobs_left" in line]
+    assert all(str(job_id) in line for job_id in jobs), line
     for job_id in jobs:  # not handed back, not failed: still the stopped worker's
         job = await manager.get(job_id)
         assert (job.state, job.attempt) == (JobState.running, 1)
@@ -87,9 +94,21 @@ async def test_a_second_signal_stops_a_worker_waiting_for_the_database(
         assert "recovered" in await kinds(manager, job_id)
 
 
+async def handed_back(manager: JobManager, jobs: list[uuid.UUID]) -> None:
+    """Each job is queued again by the worker stopped at once, its attempt not spent (its budget
+    grown by one, as a graceful stop's hand-back does) and no abnormal death counted."""
+    for job_id in jobs:
+        job = await manager.get(job_id)
+        assert (job.state, job.attempt, job.max_attempts, job.abnormal_runs) == (JobState.queued, 1, 4, 0)
+        assert (await kinds(manager, job_id))[-1] == "released"
+
+
 async def test_a_second_signal_during_the_grace_kills_models_and_runners(manager, spawn_worker, tmp_path):
     """The database is up, the running jobs in their grace: a second SIGTERM ended nothing before
-    the grace had passed. It now kills the models and the warm runner at once and exits (code 1)."""
+    the grace had passed. It now kills the models and the warm runner at once and exits (code 1).
+    Its jobs were left running under its name, and the reaper that took them back counted an
+    attempt and an abnormal death for each, as for a crashed worker: an operator who asked twice
+    made the jobs pay. Now they are handed back, no attempt spent, once the models are dead."""
     worker = spawn_worker("grace", shutdown_grace_s=60)
     jobs = await two_running(manager)
     assert len(marked("grace")) == 2
@@ -99,8 +118,34 @@ async def test_a_second_signal_during_the_grace_kills_models_and_runners(manager
     code, stopped_s = await stopped_at_once(worker, signal.SIGTERM)
     assert (code, stopped_s < 5) == (1, True), (code, stopped_s)
     left_no_model("grace", next(tmp_path.glob("worker-grace-*.log")), jobs)
-    for job_id in jobs:  # left to their leases: taken back by the reaper of another worker
-        assert (await manager.get(job_id)).state is JobState.running
+    await handed_back(manager, jobs)
     spawn_worker("other")
+    for job_id in jobs:
+        job = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
+        assert job.abnormal_runs == 0
+
+
+async def test_a_second_signal_leaves_the_jobs_when_the_database_does_not_answer_in_time(
+    manager, spawn_worker, engine, tmp_path
+):
+    """The hand-back of a worker stopped at once waits for the database a bounded time: here its
+    statement waits on row locks another session holds. The worker still exits at once, its jobs
+    left running under its name, as before, and says so; its restart takes them back."""
+    worker = spawn_worker("stuck", shutdown_grace_s=60)
+    jobs = await two_running(manager)
+    worker.send_signal(signal.SIGTERM)
+    await asyncio.sleep(1.5)
+    async with engine.begin() as conn:  # held until the worker has exited
+        await conn.execute(text("SELECT id FROM jobs WHERE id = ANY(:ids) FOR UPDATE"), {"ids": jobs})
+        code, stopped_s = await stopped_at_once(worker, signal.SIGTERM)
+    assert (code, stopped_s < 5) == (1, True), (code, stopped_s)
+    log = next(tmp_path.glob("worker-stuck-*.log"))
+    left_no_model("stuck", log, jobs)
+    [line] = [line for line in log.read_text().splitlines() if "action=jobs_left" in line]
+    assert "did not answer within 1.5 s" in line and all(str(job_id) in line for job_id in jobs), line
+    for job_id in jobs:
+        job = await manager.get(job_id)
+        assert (job.state, job.attempt) == (JobState.running, 1)
+    spawn_worker("stuck")
     for job_id in jobs:
         await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
