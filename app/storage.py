@@ -47,6 +47,9 @@ PROBE_BYTES = 1 << 20  # what `probe` asks of the disk: room for a small job's i
 FOLDER_MODE = 0o750  # folders below the root: the owner writes, its group reads, others nothing
 FILE_MODE = 0o640  # files below the root (published results, logs)
 PARTS = ("scratch", "results", "logs", "runners")  # the folders below the root
+# What a program says when a disk is full (ENOSPC) or its quota used up (EDQUOT): C's strerror, which
+# Python's OSError shows, Go's lower-case errors, Node's codes.
+FULL_DISK = re.compile(r"no space left on device|disk quota exceeded|\bENOSPC\b|\bEDQUOT\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,12 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def full_disk_line(text: str) -> str | None:
+    """The last line of `text` (a run's last words) that names a full disk, stripped; None if none."""
+    found = [line.strip() for line in text.splitlines() if FULL_DISK.search(line)]
+    return found[-1] if found else None
 
 
 def unusable(path: Path, exc: OSError, reason: str | None = None) -> errors.ConfigError:

@@ -38,6 +38,13 @@ _HASH_ON_LOOP_BYTES = 1 << 20
 CANCELED = "canceled"
 LEASE_LOST = "lease lost"
 SHUTDOWN = "worker shutting down"
+# A job whose files this host could not write goes back to the queue with this reason, no attempt
+# spent, at most STORAGE_RETURNS_MAX times: one whose own outputs fill any disk must end, not go
+# round the workers for ever, pausing the claims of each (its later tries spend attempts).
+STORAGE = "storage unusable"
+STORAGE_RETURNS_MAX = 3
+# Claimed while another job's files failed to be written: claims pause, and it goes back, unrun.
+PAUSED = "claims paused: the worker's storage is unusable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +278,8 @@ class Attempt:
         scratch = self.lane
         try:
             log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
+            if spec.persistent and self._pool is not None:  # its runner's folder too (made once)
+                self._store.runner_dir(spec.name, job.gpu)
         except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
             # take for the database's (then nothing is written and the job waits out its lease)
             return self._storage_failed(f"could not prepare the scratch folder: {exc}")
@@ -278,23 +287,20 @@ class Attempt:
         input_path = scratch / input_name
         if spec.persistent and self._pool is not None:
             return await self._run_warm(input_path, scratch / "out", log_path, params)
+        return await self._run_oneshot(input_path, log_path, params)
+
+    async def _run_oneshot(
+        self, input_path: Path, log_path: Path, params: Mapping[str, registry.Value]
+    ) -> Callable[[], Awaitable[Any]] | None:
+        """Run the model as a process of its own in the lane; the final write to make."""
+        job, spec, scratch = self.job, self.spec, self.lane
         argv = spec.build_argv(
             params, input_path=input_path, output_dir=scratch / "out", python=self._config.python
-        )
-        # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
-        env = runner.minimal_env(
-            self.gpu,
-            {
-                "HOME": str(scratch),
-                "GPUJOBS_JOB": f"{job.id}:{job.attempt}",
-                "GPUJOBS_WORKER": self._config.worker_id,  # a restart finds its runs by it
-                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            },
         )
         process = runner.ModelProcess(
             argv,
             cwd=scratch,
-            env=env,
+            env=self._oneshot_env(),
             log_path=log_path,
             timeout_s=spec.timeout_s,
             kill_grace_s=self._config.kill_grace_s,
@@ -312,7 +318,39 @@ class Attempt:
         result = await self._watched(pid, process.wait())
         if result.escaped or not result.ok:  # what left the run's group dies before the lane is reused
             await leftovers.kill_run_strays(job.id, job.attempt)
+        failed = not result.ok and not result.timed_out and self._stopped_by(result.stopped) is None
+        if failed and (trouble := await self._disk_trouble(result.log_tail)) is not None:
+            return self._after_peak(self._storage_failed(trouble))
         return self._after_peak(self._outcome(result, scratch / "out"))
+
+    def _oneshot_env(self) -> dict[str, str]:
+        """The environment of a one-shot run: the minimal one, its GPU, and the markers a restart
+        and the reaper find its processes by."""
+        # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
+        return runner.minimal_env(
+            self.gpu,
+            {
+                "HOME": str(self.lane),
+                "GPUJOBS_JOB": f"{self.job.id}:{self.job.attempt}",
+                "GPUJOBS_WORKER": self._config.worker_id,  # a restart finds its runs by it
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            },
+        )
+
+    async def _disk_trouble(self, *said: str) -> str | None:
+        """Why a run that failed by itself failed for this host's storage, not for the job (None:
+        nothing says so): what it said last names a full disk (ENOSPC, EDQUOT), or the storage
+        folder no longer takes the probe's file (storage.ResultStore.probe), the run's partial
+        outputs still in its lane. (A model that died writing its outputs to a full disk was
+        counted as failing: the job spent an attempt, and the worker went on claiming.)"""
+        line = storage.full_disk_line("\n".join(said))
+        if line is not None:
+            return f"the model ran out of disk space: {line}"
+        try:
+            await asyncio.to_thread(self._store.probe, self._config.worker_id)
+        except OSError as exc:
+            return f"the storage folder takes no file after the run: {exc}"
+        return None
 
     async def _run_warm(
         self, input_path: Path, out_dir: Path, log_path: Path, params: Mapping[str, registry.Value]
@@ -361,7 +399,17 @@ class Attempt:
             self._pool.release(runner, hold_mb=self.seen_mb)
         if runner.state is not warm.RunnerState.DEAD:
             self.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
-        return self._warm_outcome(result, out_dir, about)
+        return await self._unless_disk_trouble(result) or self._warm_outcome(result, out_dir, about)
+
+    async def _unless_disk_trouble(self, result: warm.WarmResult) -> Callable[[], Awaitable[Any]] | None:
+        """For a warm job that failed by itself (the model's error, or its runner's death) for this
+        host's storage (`_disk_trouble`), the storage failure's final write; else None."""
+        failed = result.outcome in (warm.Outcome.FAILED, warm.Outcome.CRASHED)
+        if not failed or self._stopped_by(result.stopped) is not None:
+            return None
+        # The error last: its line, the model's own words, is the one quoted (the last found).
+        trouble = await self._disk_trouble(result.log_tail, result.error or "")
+        return None if trouble is None else self._storage_failed(trouble)
 
     def _launch(self, key: warmpool.RunnerKey) -> warm.Launch:
         """How to start a warm runner: its own folder, log and minimal environment."""
@@ -507,17 +555,18 @@ class Attempt:
                 "lease lost; output discarded", extra={"action": "lease_lost", "job_id": str(self.job.id)}
             )
             return None
-        if reason == SHUTDOWN:
-            return self._hand_back
+        if reason in (SHUTDOWN, PAUSED):
+            return functools.partial(self._hand_back, reason)
         if reason == CANCELED:
             return self._failure("canceled while running", retryable=False)
         return self._failure(f"stopped: {reason}", retryable=True)
 
-    async def _hand_back(self) -> None:
-        """The worker is stopping: the job goes back to the queue, no attempt spent."""
-        if await self._unless_canceled(self._manager.release(self.job, reason=SHUTDOWN)):
+    async def _hand_back(self, reason: str) -> None:
+        """The worker is stopping, or pausing its claims: the job goes back to the queue, no
+        attempt spent."""
+        if await self._unless_canceled(self._manager.release(self.job, reason=reason)):
             extra = {"action": "job_released", "job_id": str(self.job.id)}
-            log.info("job handed back: worker shutting down", extra=extra)
+            log.info("job handed back: %s", reason, extra=extra)
 
     def _out_of_memory(self, what: str) -> Callable[[], Awaitable[Any]]:
         """Queue again with a larger estimate (no attempt spent), or fail once that cannot help."""
@@ -568,11 +617,30 @@ class Attempt:
             await asyncio.sleep(self._config.sample_interval_s)
 
     def _storage_failed(self, error: str) -> Callable[[], Awaitable[Any]]:
-        """A retryable failure for files that could not be written, which the worker is told of."""
+        """The final write for files this host could not write (a full disk, a folder gone
+        read-only), which the worker is told of (it pauses its claims): the job goes back to the
+        queue, no attempt spent, as the host's trouble is not the job's; past STORAGE_RETURNS_MAX
+        returns, the attempt fails, to be retried."""
         self.storage_trouble = error
         if self._on_storage_trouble is not None:
             self._on_storage_trouble(self)
-        return self._failure(error, retryable=True)
+        failure = self._failure(error, retryable=True)
+
+        async def write() -> None:
+            try:
+                back = await self._manager.release_storage(
+                    self.job, reason=STORAGE, error=storable(error), most=STORAGE_RETURNS_MAX
+                )
+            except errors.LeaseLost:  # its cancel is pending (a job truly lost meets that write too)
+                await self._failure("canceled while running", retryable=False)()
+                return
+            if not back:
+                await failure()
+                return
+            extra = {"action": "job_released", "job_id": str(self.job.id)}
+            log.info("job handed back, no attempt spent: %s", error.splitlines()[0], extra=extra)
+
+        return write
 
     def _failure(self, error: str, *, retryable: bool, **detail: Any) -> Callable[[], Awaitable[Any]]:
         delay = retry_delay_s(self.job.attempt, self._config.retry_base_s, self._config.retry_max_s)

@@ -584,6 +584,14 @@ class JobManager:
         """Hand a running job back to the queue without spending an attempt (fenced)."""
         await self._fenced(sql.RELEASE, job, {"reason": reason})
 
+    async def release_storage(self, job: Job, *, reason: str, error: str, most: int) -> bool:
+        """Hand a running job back to the queue without spending an attempt, for files this host
+        could not write, unless it went back for that (`reason`) `most` times already; whether it
+        did (fenced: LeaseLost, as for release, also while a cancel is pending)."""
+        first_line = (error.splitlines() or [""])[0]
+        values = {"reason": reason, "error": error, "first_line": first_line, "most": most}
+        return bool((await self._fenced(sql.RELEASE_STORAGE, job, values)).released)
+
     async def release_unknown(self, *, worker_id: str, in_hand: Sequence[uuid.UUID]) -> list[TakenBack]:
         """Hand back, unspent, the jobs running under `worker_id` that it does not hold and that
         never started a model: a claim of it whose answer was lost took them (sql.RELEASE_UNKNOWN).

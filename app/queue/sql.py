@@ -401,6 +401,42 @@ RELEASE = text(
     """
 )
 
+# Files of a run this host could not write (a full disk, a folder gone read-only): the host's trouble,
+# not the job's. The job goes back to the queue as RELEASE hands a job back, no attempt spent, its
+# error saying why, unless it went back so `:most` times already (its `released` events with this
+# `:reason`): then `released` is false and nothing is written (its attempt is failed instead).
+# Fenced, and refused while a cancel is pending, as RELEASE: no row then.
+RELEASE_STORAGE = text(
+    f"""
+    WITH mine AS (
+        SELECT j.id, (SELECT count(*) FROM job_events AS e
+                      WHERE e.job_id = j.id AND e.kind = 'released'
+                        AND e.detail ->> 'reason' = CAST(:reason AS text)) AS times
+        FROM jobs AS j
+        WHERE j.id = :id AND j.attempt = :attempt AND j.state = 'running' AND NOT j.cancel_requested
+        FOR UPDATE OF j
+    ), released AS (
+        UPDATE jobs AS j
+        SET state = 'queued', max_attempts = j.max_attempts + 1, run_after = now(), error = :error,
+            lease_expires_at = NULL, pid = NULL, progress = 0, progress_message = NULL
+        FROM mine WHERE j.id = mine.id AND mine.times < :most
+        RETURNING j.id, j.attempt, j.worker_id, j.model, j.state, j.progress
+    ), event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, 'released', attempt, worker_id,
+               jsonb_build_object('reason', CAST(:reason AS text), 'error', CAST(:first_line AS text))
+        FROM released
+        RETURNING id, job_id, kind
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released
+    ), told AS ({_tell("released")}
+    )
+    SELECT id, EXISTS (SELECT FROM released) AS released, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
+    FROM mine
+    """
+)
+
 # After a claim whose answer never came (the connection dropped once it had committed, maybe):
 # jobs running under this worker's name that it does not hold (`:in_hand`) and that never started
 # a model (no pid) go back to the queue as RELEASE hands a job back, no attempt spent, or end

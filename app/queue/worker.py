@@ -488,6 +488,8 @@ class Worker:
             room = asyncio.Event()
             for claimed in batch:
                 self._start_attempt(claimed.job, claimed.input, room)
+                if self._storage_trouble is not None:  # it began while the claim ran: claims pause
+                    self._running[claimed.job.id][0].stop(attempt_.PAUSED)
             try:
                 for claimed in batch:
                     await self._make_room(claimed.job)

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from app import errors
+from app.queue import attempt as attempt_
 from app.queue import leftovers
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -681,30 +682,44 @@ async def test_a_worker_that_claims_its_lost_job_again_stops_the_old_run(
     assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the first run was stopped
 
 
-async def test_results_that_cannot_be_stored_fail_the_attempt(manager, make_worker, store):
+async def storage_returns(manager: JobManager, job_id: uuid.UUID) -> int:
+    """How many times the job went back to the queue, unspent, for a worker's storage."""
+    events = await manager.events(job_id)
+    return sum(e.kind == "released" and e.detail.get("reason") == attempt_.STORAGE for e in events)
+
+
+async def test_results_that_cannot_be_stored_send_the_job_back_a_few_times(manager, make_worker, store):
     """Storing the outputs fails (a full disk; here their folder's name is taken by a file). The
     failure is an OSError, which was taken for a database outage: the final write was tried again
-    and again, and the job stayed running, its lease renewed, for ever."""
+    and again, and the job stayed running, its lease renewed, for ever. Then it spent an attempt
+    on the host's trouble. Now it goes back to the queue unspent, but not for ever: this obstacle
+    is the job's own, and after STORAGE_RETURNS_MAX returns its attempt is spent."""
     job_id = await enqueue(manager, max_attempts=1)
     (store.root / "results" / str(job_id)).write_bytes(b"in the way")
     async with running(make_worker(burst=False)):
-        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=15)
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=30)
     assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
     assert job.error is not None and job.error.startswith("could not store the results"), job.error
+    assert await storage_returns(manager, job_id) == attempt_.STORAGE_RETURNS_MAX
     assert list((store.root / "results").glob(f"{job_id}*/*")) == []
 
 
-async def test_a_scratch_folder_that_cannot_be_made_fails_the_attempt(manager, make_worker, store):
+async def test_a_scratch_folder_that_cannot_be_made_sends_the_job_back_unspent(manager, make_worker, store):
     """The worker cannot write the job's input into its scratch lane (a full disk; here the lanes'
     folder is a file). That OSError was taken for a database outage too: the attempt wrote nothing
-    and its job waited for its lease to run out, then counted as lost by a dead worker."""
+    and its job waited for its lease to run out, then counted as lost by a dead worker. Then it
+    spent the job's attempt (its only one: the job failed). Now the job goes back to the queue with
+    its attempts as they were, and waits there while the worker's storage stays unusable."""
     worker = make_worker(burst=False)
     store.lane_dir(worker.id, 0).parent.write_bytes(b"in the way")  # survives the start's cleanup
     job_id = await enqueue(manager, max_attempts=1)
     async with running(worker):
-        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=15)
-    assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
+        await until(manager, job_id, lambda j: j.attempt >= 1 and j.state is JobState.queued, timeout_s=15)
+        await asyncio.sleep(1)  # two poll intervals: the worker claims nothing meanwhile
+        job = await manager.get(job_id)
+    assert (job.state, job.max_attempts - job.attempt, job.abnormal_runs) == (JobState.queued, 1, 0)
     assert job.error is not None and job.error.startswith("could not prepare the scratch folder"), job.error
+    assert await storage_returns(manager, job_id) == 1
 
 
 async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(
@@ -713,7 +728,7 @@ async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(
     """A full disk (here the worker's lanes folder is a file) failed each job the worker claimed,
     and it went on claiming: within seconds every queued job had spent all its attempts on this
     host's trouble, which another worker could have run. Now it claims nothing more until its
-    storage folder takes a file again, then runs them."""
+    storage folder takes a file again, then runs them; the jobs it had claimed went back unspent."""
     caplog.set_level(logging.INFO, logger="gpujobs")
     worker = make_worker(burst=False)
     blocker = store.lane_dir(worker.id, 0).parent
@@ -722,11 +737,11 @@ async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(
     async with running(worker):
         await asyncio.sleep(2)  # ten retry delays and more (0.05 to 0.2 s)
         jobs = [await manager.get(job_id) for job_id in ids]
-        assert [j.state for j in jobs if j.state is JobState.failed] == []
-        assert max(j.attempt for j in jobs) == 1
+        # Queued again, none of their attempts spent: the full disk is the host's trouble.
+        assert [(j.state, j.max_attempts - j.attempt) for j in jobs] == [(JobState.queued, 3)] * 3
         blocker.unlink()
         done = [await until(manager, job_id, lambda j: j.state.final, timeout_s=15) for job_id in ids]
-    assert [(j.state, j.attempt) for j in done] == [(JobState.succeeded, 2)] * 3
+    assert [(j.state, j.max_attempts - j.attempt) for j in done] == [(JobState.succeeded, 2)] * 3
     actions = [getattr(r, "action", None) for r in caplog.records]
     assert (actions.count("storage_unusable"), actions.count("storage_usable_again")) == (1, 1)
 

@@ -9,9 +9,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
-from app import images
+from app import errors, images
 from app.queue import attempt as attempt_
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager, NewJob
@@ -379,3 +380,25 @@ async def test_a_worker_stopped_at_once_hands_back_its_running_jobs_unspent(mana
     assert (job.state, job.max_attempts, job.finished_at is not None) == (JobState.canceled, 3, True)
     assert (await manager.get(theirs)).state is JobState.running
     assert (await manager.get(done)).state is JobState.succeeded
+
+
+async def test_a_job_goes_back_for_the_hosts_storage_a_bounded_number_of_times(manager, engine):
+    """JobManager.release_storage: a running job whose files its host could not write goes back
+    to the queue unspent, its error saying why, `most` times; then nothing is written (its attempt
+    is failed instead). A job whose cancel is pending is refused, as a hand-back is (LeaseLost)."""
+    job_id = await enqueue(manager)
+    for n in range(1, 4):
+        async with engine.begin() as conn:
+            await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": "h:me", "cancel": False})
+        job = await manager.get(job_id)
+        back = await manager.release_storage(job, reason=attempt_.STORAGE, error="disk full\nmore", most=2)
+        assert back is (n <= 2)
+        job = await manager.get(job_id)
+        assert job.state is (JobState.queued if n <= 2 else JobState.running)
+    assert (job.max_attempts, job.error) == (5, "disk full\nmore")  # two returns: 3 + 2
+    events = [e for e in await manager.events(job_id) if e.kind == "released"]
+    assert [e.detail for e in events] == [{"reason": attempt_.STORAGE, "error": "disk full"}] * 2
+    async with engine.begin() as conn:
+        await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": "h:me", "cancel": True})
+    with pytest.raises(errors.LeaseLost):
+        await manager.release_storage(await manager.get(job_id), reason="other", error="x", most=9)

@@ -4,7 +4,8 @@ argv: --loads FILE (one line per load), --load-sleep S, --fail-load, --linger S 
 closes, stay S seconds more, deaf to SIGTERM: a runner slow to close). Job params (all optional):
 sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
 group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
-to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail. Writes out.txt.
+to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail, fill_kb
+(write a file of that many KiB). Writes out.txt.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
         raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     if params.get("fail"):
         raise ValueError("warm_toy failed on purpose")
+    if params.get("fill_kb"):  # a large output: on a full disk, the write fails (ENOSPC)
+        (job.output_dir / "fill.bin").write_bytes(bytes(int(params["fill_kb"]) * 1024))
     (job.output_dir / "out.txt").write_text(f"{job.id} pid {model['pid']} input {job.input.name}\n")
 
 

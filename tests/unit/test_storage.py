@@ -342,3 +342,25 @@ def test_dropping_a_failed_jobs_attempts_spares_later_ones_and_other_files(tmp_p
     store.drop_attempts(job, upto=2)
     assert sorted(os.listdir(folder)) == sorted(["3", ".3.partial", "10", "other", ".x.partial"])
     store.drop_attempts(uuid.uuid4(), upto=5)  # a job with no results folder: nothing to do
+
+
+ENOSPC_LINE = "OSError: [Errno 28] No space left on device"
+EDQUOT_LINE = "OSError: [Errno 122] Disk quota exceeded: 'out/a'"
+
+
+@pytest.mark.parametrize(
+    ("said", "line"),
+    [
+        (f"Traceback ...\n{ENOSPC_LINE}\n", ENOSPC_LINE),
+        ("write /out/mesh.glb: no space left on device", "write /out/mesh.glb: no space left on device"),
+        ("Error: ENOSPC: no space left on device, write", "Error: ENOSPC: no space left on device, write"),
+        (f"  {EDQUOT_LINE}  \ndone", EDQUOT_LINE),
+        ("first: No space left on device\nlater: ENOSPC again", "later: ENOSPC again"),
+        ("RuntimeError: CUDA out of memory", None),
+        ("ENOSPCX is a word of its own", None),
+        ("", None),
+    ],
+)
+def test_the_line_that_names_a_full_disk_is_found(said, line):
+    """A run's last words that name a full disk (storage.full_disk_line), the last such line."""
+    assert storage.full_disk_line(said) == line
