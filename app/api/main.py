@@ -166,7 +166,8 @@ def _exit_asked(app: FastAPI) -> None:
 
 def _exit_now(app: FastAPI) -> None:
     """The server was told to exit again: as `_exit_asked`, and the worker stops at once (its
-    models killed, its jobs left to their leases), not after its grace and final writes."""
+    models killed, its jobs handed back unspent if the database answers within moments: see
+    `Worker.stop_now`), not after its grace and final writes."""
     _exit_asked(app)
     worker: worker_.Worker | None = getattr(app.state, "worker", None)
     if worker is not None:
