@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from app import cli_keys, client, errors, logs, pgserver, registry
+from app import cli_keys, client, errors, logs, modelsfile, pgserver
 
 if TYPE_CHECKING:
     from app.queue.worker import Worker
@@ -262,7 +262,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "n
             settings,
             manager=JobManager(engine, queue_engine=queue_engine, quarantine_after=settings.quarantine_after),
             store=storage.ResultStore(settings.storage_dir),
-            models=registry.load_registry(settings.models_file),
+            models=modelsfile.load_registry(settings.models_file),
             listen_dsn=db.asyncpg_dsn(url),
             burst=burst,
         )
@@ -326,7 +326,7 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] =
     """List the registered models and their parameters."""
     settings = _settings()
     try:
-        found = registry.load_registry(settings.models_file)
+        found = modelsfile.load_registry(settings.models_file)
     except errors.AppError as exc:
         raise _fail(exc) from exc
     if as_json:

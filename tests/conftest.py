@@ -31,7 +31,7 @@ import sqlalchemy
 import uvicorn
 from PIL import Image
 
-from app import auth, db, migrate, pgserver, registry, storage
+from app import auth, db, migrate, modelsfile, pgserver, storage
 from app.api.main import create_app
 from app.queue.manager import JobManager
 from app.queue.planner import PlannerConfig
@@ -348,7 +348,7 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         return Worker(
             manager=manager_ or manager,
             store=store,
-            models=registry.load_registry(settings.models_file),
+            models=modelsfile.load_registry(settings.models_file),
             inventory=inventory or FakeInventory(gpus_mb or [24_576]),
             config=WorkerConfig(**values),
             listen_dsn=None if burst else db.asyncpg_dsn(listen_url or settings.database_url),

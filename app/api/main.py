@@ -18,7 +18,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from app import auth, db, errors, intake, learning, links, registry, storage
+from app import auth, db, errors, intake, learning, links, modelsfile, storage
 from app.api import admin, admission, catalog, deps, docs, files, health, jobs, ops, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
@@ -45,7 +45,7 @@ def check_settings(settings: Settings) -> None:
     """Refuse, with an AppError that names what to fix, what the app's start-up would refuse: the
     models file and the link secret (`gpujobs serve` calls this before it serves; inside the
     start-up the same error came out as uvicorn's traceback)."""
-    registry.load_registry(settings.models_file)
+    modelsfile.load_registry(settings.models_file)
     links.LinkSigner(_link_secret(settings), ttl_s=settings.link_ttl_s)
 
 
@@ -64,7 +64,7 @@ def build_services(settings: Settings, manager: manager_.JobManager, keys: auth.
         manager=manager,
         store=storage.ResultStore(settings.storage_dir),
         signer=links.LinkSigner(secret, ttl_s=settings.link_ttl_s),
-        models=registry.load_registry(settings.models_file),
+        models=modelsfile.load_registry(settings.models_file),
         limits=limits,
         keys=keys,
         upload_gate=asyncio.Semaphore(settings.upload_writers) if settings.upload_writers else None,

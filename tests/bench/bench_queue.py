@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 import app
-from app import db, images, migrate, pgserver, registry, settings
+from app import db, images, migrate, modelsfile, pgserver, settings
 from app.queue import manager as manager_
 from tests import dbadmin
 
@@ -296,7 +296,7 @@ async def enqueue_noop(bench: Bench, count: int, pause_s: float = 0.0) -> float:
     """Queue `count` noop jobs through JobManager.enqueue; returns enqueues per second."""
     manager = manager_.JobManager(bench.engine)
     image = images.inspect(png_bytes((64, 48)), max_pixels=10**8)
-    spec = registry.load_registry(bench.models_file).get("noop")
+    spec = modelsfile.load_registry(bench.models_file).get("noop")
     job = manager_.NewJob("bench", "noop", {}, 0, spec.estimate_vram_mb(image.megapixels), 1)
     started = time.perf_counter()
     for _ in range(count):
@@ -552,7 +552,7 @@ CLAIM_CASES = (
 
 async def claim_case(bench: Bench, sizes: Sizes, make: Callable[..., ClaimOnce], case: ClaimCase) -> str:
     """One queue shape: best claims/s with 1 and 4 claimers, and server-side ms per claim."""
-    models = list(registry.load_registry(bench.models_file).models)
+    models = list(modelsfile.load_registry(bench.models_file).models)
     models += [f"idle-{i}" for i in range(case.idle_models)]
     queue_engine = None
     if make is manager_claim:  # each of the 4 claimers stands for a worker, with its queue connection

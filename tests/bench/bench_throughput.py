@@ -42,7 +42,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import auth, db, images, registry
+from app import auth, db, images, modelsfile
 from app.queue import manager as manager_
 from app.queue.sql import QUEUED_CHANNEL
 from tests import dbadmin
@@ -291,7 +291,7 @@ async def bulk_enqueue(run: Run, model: str, count: int) -> float:
     """Queue `count` jobs of `model` in one statement, with one NOTIFY for listening workers;
     returns jobs per second."""
     input_id, megapixels = await small_input(run)
-    vram_mb = registry.load_registry(run.bench.models_file).get(model).estimate_vram_mb(megapixels)
+    vram_mb = modelsfile.load_registry(run.bench.models_file).get(model).estimate_vram_mb(megapixels)
     values = {"model": model, "input_id": input_id, "megapixels": megapixels, "vram_mb": vram_mb}
     started = time.perf_counter()
     async with run.bench.engine.begin() as conn:
@@ -595,7 +595,7 @@ async def enqueue_paced(run: Run, count: int, pause_s: float) -> None:
     """Queue `count` noop jobs through JobManager.enqueue (which NOTIFYs), `pause_s` apart."""
     manager = manager_.JobManager(run.bench.engine)
     image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
-    vram_mb = registry.load_registry(run.bench.models_file).get("noop").estimate_vram_mb(image.megapixels)
+    vram_mb = modelsfile.load_registry(run.bench.models_file).get("noop").estimate_vram_mb(image.megapixels)
     job = manager_.NewJob("bench", "noop", {}, 0, vram_mb, 1)
     for _ in range(count):
         await manager.enqueue(job, image, queue_limit=10**9)

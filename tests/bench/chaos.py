@@ -52,7 +52,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import db, images, migrate, pgserver, registry, storage
+from app import db, images, migrate, modelsfile, pgserver, storage
 from app.queue.manager import JobManager, NewJob
 from app.settings import load_settings
 from tests import dbadmin
@@ -202,7 +202,7 @@ async def enqueue_jobs(
     manager: JobManager, models_file: Path, trace: Path, opts: Options, rng: random.Random
 ) -> None:
     """Queue the toy jobs; each appends a line per completed run to the trace."""
-    spec = registry.load_registry(models_file).get("toy")
+    spec = modelsfile.load_registry(models_file).get("toy")
     inputs = [images.inspect(png(i), max_pixels=10**8) for i in range(8)]
     for i in range(opts.jobs):
         params = spec.validate_params({**job_shape(rng, opts.long_share), "trace": str(trace)})

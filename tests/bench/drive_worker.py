@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from app import db, registry, storage
+from app import db, modelsfile, storage
 from app.queue import factory
 from app.queue import manager as manager_
 from app.settings import Settings
@@ -55,7 +55,7 @@ async def drive(url: str, tmp: Path, model: str, jobs: int, profile: str | None)
         settings,
         manager=manager_.JobManager(engine, queue_engine=queue_engine),
         store=storage.ResultStore(settings.storage_dir),
-        models=registry.load_registry(models_file),
+        models=modelsfile.load_registry(models_file),
         listen_dsn=None,
         burst=True,
     )

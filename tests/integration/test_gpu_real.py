@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app import errors, gpu, registry
+from app import errors, gpu, modelsfile
 from app.queue.jobs import JobState
 from tests.conftest import HERE
 from tests.integration.test_durability import EXPIRE_LEASE, alive, running, until
@@ -252,7 +252,7 @@ async def test_relief_in_a_warm_runner_on_cuda_loads_once_and_answers_like_the_c
     source = relief_source(tmp_path / "rings.png")
     on_cpu = run_relief(source, tmp_path / "cpu", "--resolution", "256", device="cpu")
     assert on_cpu.returncode == 0, on_cpu.stderr
-    spec = registry.load_registry(settings.models_file).get("relief-warm")
+    spec = modelsfile.load_registry(settings.models_file).get("relief-warm")
     params = spec.validate_params({"resolution": 256})
     ids = [
         await enqueue(manager, model="relief-warm", vram_mb=spec.base_mb, image=source.read_bytes(), **params)

