@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from app import cli_keys, client, errors, logs, modelsfile, pgserver
+from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsfile, pgserver
 
 if TYPE_CHECKING:
     from app.queue.worker import Worker
@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 cli = typer.Typer(help="gpujobs: a durable job service for GPU models.", no_args_is_help=True)
 cli.add_typer(cli_keys.keys, name="keys")
-client.register(cli)  # submit, jobs list|show|cancel|retry, prune: the HTTP client
+# submit, jobs list|show|cancel|retry, prune: the HTTP client (app/client.py)
+cli.command()(cli_submit.submit)
+cli.add_typer(cli_jobs.jobs, name="jobs")
+cli.command()(cli_prune.prune)
 log = logging.getLogger("gpujobs.cli")
 # Linux refuses a limit on open files above fs.nr_open (1048576 by default), "unlimited" included.
 MAX_OPEN_FILES = 1 << 20

@@ -23,7 +23,7 @@ import trimesh
 import typer
 from sqlalchemy import text
 
-from app import client
+from app import cli_prune, cli_submit
 from tests.conftest import api_client, free_port, modules_loaded_by, png_bytes
 from tests.integration.test_end_to_end import gradient_png
 from tests.integration.test_worker import enqueue
@@ -128,9 +128,9 @@ async def test_jobs_list_show_cancel_retry_and_prune(settings, make_key, tmp_pat
 
 
 def test_params_are_typed_like_json():
-    from app import client
+    from app import cli_submit
 
-    assert client.parse_params(["a=1", "b=2.5", "c=true", "d=glb", "e=x=y"]) == {
+    assert cli_submit.parse_params(["a=1", "b=2.5", "c=true", "d=glb", "e=x=y"]) == {
         "a": 1,
         "b": 2.5,
         "c": True,
@@ -140,20 +140,20 @@ def test_params_are_typed_like_json():
 
 
 def test_server_sent_events_are_parsed():
-    from app import client
+    from app import cli_submit
 
     lines = ["retry: 2000", "", "id: 7", "event: state", 'data: {"state": "queued"}', "", ": keepalive", ""]
-    assert list(client.sse(iter(lines))) == [("7", "state", {"state": "queued"})]
+    assert list(cli_submit.sse(iter(lines))) == [("7", "state", {"state": "queued"})]
 
 
 def test_durations(tmp_path: Path):
-    from app import client, errors
+    from app import cli_prune, errors
 
-    assert [client.parse_duration(t) for t in ("90", "30s", "15m", "12h", "7d", "2w")] == [
+    assert [cli_prune.parse_duration(t) for t in ("90", "30s", "15m", "12h", "7d", "2w")] == [
         90, 30, 900, 43_200, 604_800, 1_209_600,
     ]  # fmt: skip
     try:
-        client.parse_duration("soon")
+        cli_prune.parse_duration("soon")
     except errors.InvalidRequest as exc:
         assert "not a duration" in exc.message
     else:
@@ -324,7 +324,7 @@ async def test_a_failed_download_prints_the_servers_reason(
 
         def download() -> None:
             with httpx.Client(base_url=str(http.base_url)) as sync, pytest.raises(typer.Exit):
-                client.download(sync, url, out / "out.txt")
+                cli_submit.download(sync, url, out / "out.txt")
 
         await asyncio.to_thread(download)
     printed = capsys.readouterr().err
@@ -359,7 +359,7 @@ def test_a_duration_too_large_for_a_number_is_refused(text, capsys):
     """`prune --older-than 1000…0` (400 zeros) crashed with `ValueError: Out of range float values
     are not JSON compliant`; a finite value past the server's bound gets the server's 422."""
     with pytest.raises(typer.Exit) as caught:
-        client.prune(older_than=text, dry_run=True, url="http://127.0.0.1:9", key=None, as_json=False)
+        cli_prune.prune(older_than=text, dry_run=True, url="http://127.0.0.1:9", key=None, as_json=False)
     assert caught.value.exit_code == 2
     assert (
         capsys.readouterr().err

@@ -63,7 +63,7 @@ async def test_models_shows_each_default_as_submit_param_takes_it(tmp_path):
     """`gpujobs models` printed defaults and choices as Python reprs (`default False`, `choices
     ['glb', 'stl', 'obj']`): `--param invert=False` copied from it was refused (422: a string),
     and `--param format='glb'` named no choice."""
-    from app import client, modelsfile
+    from app import cli_submit, modelsfile
     from tests.integration.test_client import run_cli
 
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
@@ -77,10 +77,12 @@ async def test_models_shows_each_default_as_submit_param_takes_it(tmp_path):
             name = words[1].split("=")[0]
             default = words[words.index("default") + 1]
             spec = specs["relief"].params[name]
-            assert client.parse_params([f"{name}={default}"]) == {name: spec.default}, line
+            assert cli_submit.parse_params([f"{name}={default}"]) == {name: spec.default}, line
             if spec.choices:
                 listed = words[words.index("choices") + 1]
-                assert [client.parse_params([f"c={c}"])["c"] for c in listed.split("|")] == list(spec.choices)
+                assert [cli_submit.parse_params([f"c={c}"])["c"] for c in listed.split("|")] == list(
+                    spec.choices
+                )
             shown += 1
     assert shown >= len(specs["relief"].params)
 

@@ -1,0 +1,223 @@
+"""`gpujobs submit`: upload an image and queue a job; with --wait, follow it and download its results.
+
+`submit --wait` follows the job's event stream (GET /jobs/{id}/stream) with a progress bar, resuming
+with Last-Event-ID when the connection drops (and after Retry-After when the stream answers 429 or
+a 5xx of an API or database away for a moment), then downloads the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from app import cli_jobs, client
+
+if TYPE_CHECKING:
+    import httpx
+
+# httpx and rich are imported by the functions that use them, as in app/client.py: every `gpujobs`
+# process loads this module (a worker too).
+
+FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
+RECONNECTS = 20
+# Answers to a GET that mean "not now" (the database away, the API restarting behind a load
+# balancer, too many requests): a stream is asked again, after Retry-After when the answer has one.
+TRY_AGAIN = frozenset({429, 502, 503, 504})
+RETRY_AFTER_MAX_S = 30.0
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """`k=v` pairs; values that read as JSON (numbers, true/false) are taken as such, else text."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.strip():
+            client.fail(f"--param {pair!r}: write it as name=value")
+        try:
+            params[name.strip()] = json.loads(raw)
+        except ValueError:
+            params[name.strip()] = raw
+    return params
+
+
+def submit(
+    image: Annotated[Path, typer.Argument(help="PNG, JPEG or WebP image", exists=True, dir_okay=False)],
+    model: Annotated[str, typer.Option("--model", "-m", help="A registered model (gpujobs models)")],
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Model parameter name=value")
+    ] = None,
+    priority: Annotated[int, typer.Option(help="Higher runs first")] = 0,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends")] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", file_okay=False, help="Download the results here (implies --wait)"),
+    ] = None,
+    url: client.Url = client.DEFAULT_URL,
+    key: client.Key = None,
+    as_json: client.AsJson = False,
+) -> None:
+    """Upload an image and queue a job; with --wait, show its progress and download the results."""
+    with client.connect(url, key) as http, image.open("rb") as f:
+        job = client.call(
+            http,
+            "POST",
+            "/jobs",
+            files={"image": (image.name, f, "application/octet-stream")},
+            data={"model": model, "priority": str(priority), "params": json.dumps(parse_params(param or []))},
+            expect=cli_jobs.JOB_KEYS,
+        )
+        warn_if_unserved(http, model)
+        if not (wait or out):
+            cli_jobs.show(job, as_json)
+            return
+        client.stderr().print(f"job {job['id']} queued", highlight=False)
+        follow(http, job["id"])
+        job = client.call(http, "GET", f"/jobs/{job['id']}", expect=cli_jobs.JOB_KEYS)
+        finish(http, job, out, as_json)
+
+
+def warn_if_unserved(http: httpx.Client, model: str) -> None:
+    """Say so when no live worker serves `model`: its job waits until one starts. Nothing is said
+    when the catalog cannot be read or does not count workers (an older server)."""
+    import httpx
+
+    try:
+        response = http.get("/models")
+        entry = next(m for m in response.json()["models"] if m.get("name") == model)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+        return
+    if entry.get("live_workers") == 0:
+        client.stderr().print(
+            f"warning: no live worker serves the model {model} now; the job waits until one starts",
+            highlight=False,
+        )
+
+
+def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: bool) -> None:
+    """Download the results of a succeeded job; exit 1 with its error otherwise."""
+    if job["state"] != "succeeded":
+        cli_jobs.show(job, as_json)
+        client.fail(f"job {job['id']} {job['state']}: {job.get('error') or 'no error recorded'}", code=1)
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            client.fail(f"cannot make the folder {out} for the results of job {job['id']}: {exc}")
+        for file in job["files"]:
+            path = download(http, file["url"], out / Path(file["name"]).name)
+            client.stderr().print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
+    cli_jobs.show(job, as_json)
+
+
+def download(http: httpx.Client, link: str, path: Path) -> Path:
+    """Save a signed link to `path` (written to a temporary name, then renamed)."""
+    import httpx
+
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with http.stream("GET", link) as response:
+            if response.status_code != 200:
+                client.fail(
+                    f"download of {path.name} answered {response.status_code}{client.refusal(response)}"
+                )
+            with partial.open("wb") as f:
+                for chunk in response.iter_bytes():
+                    f.write(chunk)
+        os.replace(partial, path)
+    except httpx.HTTPError as exc:
+        client.fail(f"download of {path.name} failed: {exc}")
+    except OSError as exc:  # the folder is not writable, the disk is full
+        client.fail(f"cannot write {path}: {exc}")
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+# -- following a job ----------------------------------------------------------------------------
+
+
+def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str, Any]]:
+    """Server-sent events from a stream's lines: (id, event, data read as JSON, else None)."""
+    event_id, event, data = None, "message", ""
+    for line in lines:
+        if line == "":
+            if data:
+                try:
+                    yield event_id, event, json.loads(data)
+                except ValueError:
+                    yield event_id, event, None
+            event_id, event, data = None, "message", ""
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+
+
+def follow(http: httpx.Client, job_id: str) -> None:
+    """Show the job's state and progress until it ends, reconnecting with Last-Event-ID."""
+    import httpx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    last: str | None = None
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(), console=client.stderr(), transient=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("queued", total=1.0)
+        for attempt in range(RECONNECTS):
+            headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
+            pause_s = min(0.5 * 2**attempt, 10)
+            try:
+                with http.stream(
+                    "GET", f"/jobs/{client.job_path(job_id)}/stream", headers=headers
+                ) as response:
+                    if response.status_code in TRY_AGAIN:
+                        response.read()
+                        pause_s = retry_after_s(response, pause_s)
+                        client.stderr().print(
+                            f"stream answered {response.status_code} ({client.detail_of(response)}); "
+                            f"retrying in {pause_s:g} s",
+                            highlight=False,
+                        )
+                        time.sleep(pause_s)
+                        continue
+                    if response.status_code == 204:  # ended; Last-Event-ID was its last event
+                        return
+                    if response.status_code != 200:
+                        reason = client.refusal(response)
+                        if not reason:
+                            client.not_the_api(response)
+                        client.fail(f"{response.status_code}{reason}")
+                    for event_id, _, data in sse(response.iter_lines()):
+                        if not isinstance(data, dict) or not {"state", "attempt"} <= data.keys():
+                            client.not_the_api(response)
+                        last = event_id or last
+                        label = (
+                            f"{data['state']} (attempt {data['attempt']})"
+                            if data["attempt"]
+                            else data["state"]
+                        )
+                        bar.update(task, description=label, completed=data.get("progress", 0.0))
+                        if data["state"] in FINAL:
+                            return
+            except httpx.HTTPError as exc:
+                client.stderr().print(f"stream interrupted ({exc}); reconnecting", highlight=False)
+            time.sleep(pause_s)
+    client.fail(f"lost the stream of job {job_id} {RECONNECTS} times")
+
+
+def retry_after_s(response: httpx.Response, default_s: float) -> float:
+    """The answer's Retry-After in seconds (bounded), or `default_s` without a usable one."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return default_s
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX_S) if seconds == seconds else default_s
