@@ -176,29 +176,14 @@ def follow(http: httpx.Client, job_id: str) -> None:
             headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
             pause_s = min(0.5 * 2**attempt, 10)
             try:
-                with http.stream(
-                    "GET", f"/jobs/{client.job_path(job_id)}/stream", headers=headers
-                ) as response:
+                path = f"/jobs/{client.job_path(job_id)}/stream"
+                with http.stream("GET", path, headers=headers) as response:
                     if response.status_code in TRY_AGAIN:
-                        response.read()
-                        pause_s = retry_after_s(response, pause_s)
-                        client.stderr().print(
-                            f"stream answered {response.status_code} ({client.detail_of(response)}); "
-                            f"retrying in {pause_s:g} s",
-                            highlight=False,
-                        )
-                        time.sleep(pause_s)
+                        time.sleep(_pause_asked(response, pause_s))
                         continue
-                    if response.status_code == 204:  # ended; Last-Event-ID was its last event
+                    if _ended(response):
                         return
-                    if response.status_code != 200:
-                        reason = client.refusal(response)
-                        if not reason:
-                            client.not_the_api(response)
-                        client.fail(f"{response.status_code}{reason}")
-                    for event_id, _, data in sse(response.iter_lines()):
-                        if not isinstance(data, dict) or not {"state", "attempt"} <= data.keys():
-                            client.not_the_api(response)
+                    for event_id, data in _states(response):
                         last = event_id or last
                         label = (
                             f"{data['state']} (attempt {data['attempt']})"
@@ -212,6 +197,38 @@ def follow(http: httpx.Client, job_id: str) -> None:
                 client.stderr().print(f"stream interrupted ({exc}); reconnecting", highlight=False)
             time.sleep(pause_s)
     client.fail(f"lost the stream of job {job_id} {RECONNECTS} times")
+
+
+def _pause_asked(response: httpx.Response, default_s: float) -> float:
+    """How long to wait before asking a stream that answered "not now" again (said on stderr)."""
+    response.read()
+    pause_s = retry_after_s(response, default_s)
+    client.stderr().print(
+        f"stream answered {response.status_code} ({client.detail_of(response)}); retrying in {pause_s:g} s",
+        highlight=False,
+    )
+    return pause_s
+
+
+def _ended(response: httpx.Response) -> bool:
+    """Whether the stream answered that the job has ended (204: Last-Event-ID was its last event);
+    exit 2 for any answer but that and 200."""
+    if response.status_code == 204:
+        return True
+    if response.status_code != 200:
+        reason = client.refusal(response)
+        if not reason:
+            client.not_the_api(response)
+        client.fail(f"{response.status_code}{reason}")
+    return False
+
+
+def _states(response: httpx.Response) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """The stream's events as (id, the job's state); exit 2 at one that is not the API's."""
+    for event_id, _, data in sse(response.iter_lines()):
+        if not isinstance(data, dict) or not {"state", "attempt"} <= data.keys():
+            client.not_the_api(response)
+        yield event_id, data
 
 
 def retry_after_s(response: httpx.Response, default_s: float) -> float:
