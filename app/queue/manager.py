@@ -34,6 +34,8 @@ log = logging.getLogger("gpujobs.queue")
 # An aging step longer than this (100 years) is never reached by a queued job. Longer ones are
 # out of PostgreSQL's interval and timestamp ranges, and AGE_QUEUED would fail on them.
 AGE_STEP_NEVER_S = 100 * 365.25 * 86_400
+# The reason in the `released` event of a job whose claim's answer was lost (sql.RELEASE_UNKNOWN).
+LOST_CLAIM = "the answer of its claim was lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,7 +598,7 @@ class JobManager:
         """Hand back, unspent, the jobs running under `worker_id` that it does not hold and that
         never started a model: a claim of it whose answer was lost took them (sql.RELEASE_UNKNOWN).
         Each is queued again, or canceled if a cancel was asked for."""
-        values = {"worker_id": worker_id, "in_hand": list(in_hand)}
+        values = {"worker_id": worker_id, "in_hand": list(in_hand), "reason": LOST_CLAIM}
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RELEASE_UNKNOWN, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), None, None) for r in rows]

@@ -437,53 +437,13 @@ RELEASE_STORAGE = text(
     """
 )
 
-# After a claim whose answer never came (the connection dropped once it had committed, maybe):
-# jobs running under this worker's name that it does not hold (`:in_hand`) and that never started
-# a model (no pid) go back to the queue as RELEASE hands a job back, no attempt spent, or end
-# canceled when a cancel is pending. Without it they waited out their lease and came back as a lost
-# worker's: an attempt spent and an abnormal death counted, for a run that never started.
-RELEASE_UNKNOWN = text(
-    f"""
-    WITH unknown AS (
-        SELECT id FROM jobs
-        WHERE worker_id = :worker_id AND state = 'running' AND pid IS NULL
-          AND NOT (id = ANY(CAST(:in_hand AS uuid[])))
-        FOR UPDATE SKIP LOCKED
-    ), released AS (
-        UPDATE jobs AS j
-        SET state = CAST(CASE WHEN j.cancel_requested THEN 'canceled' ELSE 'queued' END AS job_state),
-            max_attempts = j.max_attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
-            run_after = now(), lease_expires_at = NULL, progress = 0, progress_message = NULL,
-            finished_at = CASE WHEN j.cancel_requested THEN now() END
-        FROM unknown WHERE j.id = unknown.id
-        RETURNING j.id, j.attempt, j.worker_id, j.model, j.state, j.progress
-    ), event AS (
-        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-        SELECT id, CASE state WHEN 'canceled' THEN 'canceled' ELSE 'released' END, attempt, worker_id,
-               jsonb_build_object('reason', 'the answer of its claim was lost')
-        FROM released
-        RETURNING id, job_id, kind
-    ), wake AS (
-        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released WHERE state = 'queued'
-    ), told AS ({_tell("released")}
-    )
-    SELECT id, attempt, worker_id, state, (SELECT count(*) FROM wake) AS woken,
-           (SELECT count(*) FROM told) AS told
-    FROM released
-    """
-)
 
-# A worker stopped at once (asked again while it stopped), its models and warm runners killed: every
-# job still running under its name goes back to the queue as RELEASE hands a job back, no attempt
-# spent, or ends canceled when a cancel is pending. Left running, they waited for its restart or
-# their leases, and came back as a crashed worker's (an attempt spent, an abnormal death counted).
-# Its rows are locked in id order, as HEARTBEAT and SUCCEED lock theirs.
-RELEASE_STOPPED = text(
-    f"""
-    WITH held AS (
-        SELECT id FROM jobs WHERE worker_id = :worker_id AND state = 'running'
-        ORDER BY id
-        FOR UPDATE
+def _hand_back(held: str) -> str:
+    """A statement that hands the jobs {held} selects (ids, each locked) back to the queue as RELEASE
+    hands a job back, no attempt spent, or ends them canceled when a cancel is pending; :reason goes
+    in each one's event. A row per job: its attempt, its worker and its new state."""
+    return f"""
+    WITH held AS ({held}
     ), released AS (
         UPDATE jobs AS j
         SET state = CAST(CASE WHEN j.cancel_requested THEN 'canceled' ELSE 'queued' END AS job_state),
@@ -502,10 +462,39 @@ RELEASE_STOPPED = text(
         SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released WHERE state = 'queued'
     ), told AS ({_tell("released")}
     )
-    SELECT id, state, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
+    SELECT id, attempt, worker_id, state, (SELECT count(*) FROM wake) AS woken,
+           (SELECT count(*) FROM told) AS told
     FROM released
     """
+
+
+# After a claim whose answer never came (the connection dropped once it had committed, maybe):
+# jobs running under this worker's name that it does not hold (`:in_hand`) and that never started
+# a model (no pid) go back. Without it they waited out their lease and came back as a lost worker's:
+# an attempt spent and an abnormal death counted, for a run that never started.
+RELEASE_UNKNOWN = text(
+    _hand_back(
+        """
+        SELECT id FROM jobs
+        WHERE worker_id = :worker_id AND state = 'running' AND pid IS NULL
+          AND NOT (id = ANY(CAST(:in_hand AS uuid[])))
+        FOR UPDATE SKIP LOCKED"""
+    )
 )
+
+# A worker stopped at once (asked again while it stopped), its models and warm runners killed: every
+# job still running under its name goes back. Left running, they waited for its restart or their
+# leases, and came back as a crashed worker's (an attempt spent, an abnormal death counted). Its
+# rows are locked in id order, as HEARTBEAT and SUCCEED lock theirs.
+RELEASE_STOPPED = text(
+    _hand_back(
+        """
+        SELECT id FROM jobs WHERE worker_id = :worker_id AND state = 'running'
+        ORDER BY id
+        FOR UPDATE"""
+    )
+)
+
 
 # Retries whose time has come go back to the queue (and wake the workers). The rows are taken by
 # key from an array: joined as `id IN (...)`, the planner, which expects most scheduled jobs to be
