@@ -46,7 +46,9 @@ async def test_sigterm_stops_claiming_at_once_though_a_stream_is_open(settings, 
     stop only once uvicorn had waited that long for open connections (here: an event stream)."""
     auth = {"Authorization": f"Bearer {await make_key('ops', admin=True)}"}
     with serving(settings, tmp_path, shutdown_grace_s=10) as (serve, base):
-        running = await enqueue(manager, sleep=0.8, steps=2, vram_mb=BIG_MB)
+        # Long enough to outlast the stream's opening on a loaded machine: ended before the
+        # SIGTERM, it let `waiting` be claimed as it should (0.8 s was overrun under load).
+        running = await enqueue(manager, sleep=3.0, steps=2, vram_mb=BIG_MB)
         await until(manager, running, lambda j: j.pid is not None)
         waiting = await enqueue(manager, vram_mb=BIG_MB)  # waits for the GPU `running` holds
         async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
