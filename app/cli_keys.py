@@ -91,7 +91,9 @@ def list_keys(
         ]
         typer.echo(json.dumps(rows, indent=2))
         return
-    typer.echo(f"{'id':>5}  {'prefix':<12}  {'role':<5}  {'created':<16}  {'last used':<16}  principal")
+    # Times in UTC, as the database gives them; the header says so (two hosts' tables agree).
+    times = f"{'created (UTC)':<16}  {'last used (UTC)':<16}"
+    typer.echo(f"{'id':>5}  {'prefix':<12}  {'role':<5}  {times}  principal")
     for k in found:
         revoked = f"  (revoked {_when(k.revoked_at)})" if k.revoked_at else ""
         typer.echo(

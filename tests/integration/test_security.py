@@ -23,6 +23,7 @@ import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,10 @@ async def test_keys_cli_create_list_revoke(settings, engine):
     [row] = json.loads(listed.stdout)
     assert row["prefix"] == key[:12] and row["principal"] == "carol" and row["role"] == "admin"
     assert key not in listed.stdout
+    table = (await asyncio.to_thread(_gpujobs, settings, "list")).stdout.splitlines()
+    assert "created (UTC)" in table[0] and "last used (UTC)" in table[0], table  # no zone was said
+    created = datetime.fromisoformat(row["created_at"]).astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+    assert created in table[1], table
 
     # Digits other than ASCII ones: `'²'.isdigit()` is true and int() refused it with a traceback;
     # Arabic-Indic or full-width digits were taken as the id they spell, and revoked that key.
