@@ -176,8 +176,9 @@ class Attempt:
 
     def abandon(self) -> None:
         """The worker stops at once: the model is killed now (SIGKILL to its group; its warm runner
-        is the pool's to kill) and nothing is written, a final write under way cancelled. The job
-        stays running in the database, for the worker's restart or its lease to take back."""
+        is the pool's to kill) and this attempt writes nothing, a final write under way cancelled.
+        The worker then hands the job back itself once every model is dead (`Worker.stop_now`), or
+        leaves it to its restart or its lease if the database does not answer in time."""
         self._abandoned = True
         self.stop(SHUTDOWN)
         if self._process is not None:

@@ -603,12 +603,13 @@ class JobManager:
             rows = (await conn.execute(sql.RELEASE_UNKNOWN, values)).all()
         return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), None, None) for r in rows]
 
-    async def release_stopped(self, *, worker_id: str, reason: str) -> list[tuple[uuid.UUID, JobState]]:
+    async def release_stopped(self, *, worker_id: str, reason: str) -> list[TakenBack]:
         """Hand back, unspent, every job running under `worker_id`, a worker stopped at once whose
-        models are dead (sql.RELEASE_STOPPED); each job and its new state (queued, or canceled)."""
+        models are dead (sql.RELEASE_STOPPED); each job, its attempt and its new state (queued, or
+        canceled)."""
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.RELEASE_STOPPED, {"worker_id": worker_id, "reason": reason})).all()
-        return [(r.id, JobState(r.state)) for r in rows]
+        return [TakenBack(r.id, r.attempt, r.worker_id, JobState(r.state), None, None) for r in rows]
 
     async def promote_due(self) -> int:
         """Queue the scheduled retries whose time has come; returns how many."""

@@ -391,12 +391,13 @@ class Worker:
             release.cancel()
             await asyncio.wait([release], timeout=STOP_NOW_GIVE_UP_S)
         if release.done() and not release.cancelled() and release.exception() is None:
-            for job_id, state in release.result():
-                canceled = state is JobState.canceled  # its cancel was pending
-                extra = {"action": "job_canceled" if canceled else "job_released", "job_id": str(job_id)}
+            for job in release.result():
+                canceled = job.state is JobState.canceled  # its cancel was pending
+                extra = {"action": "job_canceled" if canceled else "job_released", "job_id": str(job.id)}
                 log.info(
                     "job %s: worker stopped at once", "canceled" if canceled else "handed back", extra=extra
                 )
+            await self._drop_dead_attempts(release.result())  # a job canceled here ended: its folders go
             return
         why = f"the database did not answer within {STOP_NOW_HAND_BACK_S:g} s"
         if release.done() and not release.cancelled():
@@ -522,6 +523,9 @@ class Worker:
         if self._storage_trouble is not None:
             return
         self._storage_trouble = run.storage_trouble
+        for other, _ in self._running.values():  # claimed ahead, or starting: they go back unrun
+            if other is not run and other.model_started_s is None:
+                other.stop(attempt_.PAUSED)
         pause = 2 * self._storage_pause_s or self._config.poll_interval_s
         self._storage_pause_s = min(pause, STORAGE_PAUSE_MAX_S)
         self._next_probe_s = time.monotonic() + self._storage_pause_s

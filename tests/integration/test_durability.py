@@ -27,7 +27,7 @@ from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
 from app.web import views
-from tests.conftest import api_client, free_port, worker_env, worker_id, worker_name
+from tests.conftest import api_client, free_port, script_model, worker_env, worker_id, worker_name
 from tests.integration.test_worker import enqueue, trace
 
 
@@ -858,3 +858,41 @@ async def test_a_worker_whose_heartbeat_died_hands_its_jobs_back_before_their_le
     job = await manager.get(job_id)
     assert (job.state, job.attempt, job.abnormal_runs) == (JobState.queued, 1, 0), job.error
     assert [k for k in await kinds(manager, job_id) if k != "progress"][-1] == "released"
+
+
+FILLS_THE_DISK = """\
+import sys, time
+out, full, sleep = sys.argv[1], sys.argv[2].lower() == "true", float(sys.argv[3])
+time.sleep(sleep)
+if full:
+    sys.exit("OSError: [Errno 28] No space left on device")
+open(out + "/out.txt", "w").write("ok")
+"""
+
+
+async def test_a_job_claimed_ahead_goes_back_unrun_when_claims_pause(
+    settings, manager, make_worker, tmp_path
+):
+    """Claims pause when a job's files cannot be written (a full disk), and a job claimed in the
+    same batch goes back unrun; but one claimed ahead earlier (waiting for its GPU slot) still ran
+    its model into the full disk once the slot freed, spending one of its returns."""
+    script = tmp_path / "disk.py"
+    script.write_text(FILLS_THE_DISK)
+    entry = script_model(
+        "disk", ["{python}", str(script), "{output_dir}", "{full}", "{sleep}"], max_attempts=3
+    )
+    params = '[models.disk.params.full]\ntype = "bool"\ndefault = false\n'
+    params += '[models.disk.params.sleep]\ntype = "float"\ndefault = 0.0\n'
+    settings.models_file.write_text(entry + params)
+    worker = make_worker(burst=False, max_jobs_per_gpu=1, claim_ahead_s=5.0, poll_interval_s=3.0)
+    async with running(worker):
+        known = await enqueue(manager, model="disk")  # a short run: the model may be claimed ahead
+        await until(manager, known, lambda j: j.state.final)
+        first = await enqueue(manager, model="disk", full=True, sleep=1.0)
+        await until(manager, first, lambda j: j.state is JobState.running)
+        ahead = await enqueue(manager, model="disk", full=True)
+        await until(manager, ahead, lambda j: j.state is JobState.running)  # waits for first's slot
+        await until(manager, ahead, lambda j: j.state is JobState.queued)
+    [released] = [e for e in await manager.events(ahead) if e.kind == "released"]
+    assert released.detail["reason"] == attempt_.PAUSED, released.detail
+    assert "started" not in await kinds(manager, ahead)

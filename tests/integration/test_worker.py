@@ -369,7 +369,10 @@ async def test_a_worker_stopped_at_once_hands_back_its_running_jobs_unspent(mana
             await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": worker, "cancel": cancel})
         await conn.execute(text("UPDATE jobs SET state = 'succeeded' WHERE id = :id"), {"id": done})
     back = await manager.release_stopped(worker_id="h:me", reason=attempt_.SHUTDOWN)
-    assert dict(back) == {mine: JobState.queued, canceling: JobState.canceled}
+    assert {j.id: (j.state, j.attempt) for j in back} == {
+        mine: (JobState.queued, 1),
+        canceling: (JobState.canceled, 1),
+    }
     job = await manager.get(mine)
     assert (job.state, job.attempt, job.max_attempts, job.abnormal_runs) == (JobState.queued, 1, 4, 0)
     assert (job.pid, job.lease_expires_at, job.finished_at) == (None, None, None)

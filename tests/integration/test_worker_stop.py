@@ -149,3 +149,35 @@ async def test_a_second_signal_leaves_the_jobs_when_the_database_does_not_answer
     spawn_worker("stuck")
     for job_id in jobs:
         await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=15)
+
+
+async def test_a_job_a_forced_stop_ends_canceled_loses_its_dead_attempts_folders(
+    manager, make_worker, engine, store
+):
+    """A forced stop ends a job whose cancel is pending canceled, but left the folder a dead
+    worker's attempt had half stored until retention, where every other end of a job drops it."""
+    job_id = await enqueue(manager, max_attempts=3, sleep=30, steps=30)
+    await manager.claim(worker_id="t:gone", host="h", models=["toy"], budgets={0: 9000}, lease_s=60)
+    dead = store.root / "results" / str(job_id) / ".1.partial"  # attempt 1's worker died storing it
+    dead.mkdir(parents=True)
+    (dead / "out.txt").write_text("half stored")
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
+            {"id": job_id},
+        )
+    [back] = await manager.recover_expired(by_worker="t:reaper")
+    assert back.state is JobState.queued
+    worker = make_worker(heartbeat_interval_s=30)
+    task = asyncio.create_task(worker.run())
+    await until(manager, job_id, lambda j: j.state is JobState.running and j.pid is not None)
+    async with engine.begin() as conn:  # pending, its NOTIFY unseen (burst workers do not listen)
+        await conn.execute(text("UPDATE jobs SET cancel_requested = true WHERE id = :id"), {"id": job_id})
+    worker.stop()
+    worker.stop_now()
+    await asyncio.wait_for(task, 20)
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt) == (JobState.canceled, 2)
+    assert not (store.root / "results" / str(job_id)).exists() or not list(
+        (store.root / "results" / str(job_id)).iterdir()
+    )
