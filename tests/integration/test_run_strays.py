@@ -10,11 +10,13 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.queue import leftovers
 from app.queue.jobs import JobState
 from tests.conftest import script_model, toy_model
 from tests.integration.test_durability import alive, running, until
@@ -192,16 +194,21 @@ async def test_an_idle_worker_looks_for_strays_only_after_a_run_ended(manager, m
     ms of CPU a round beside 2,000 processes (as root; 32-37 ms as a user of its own), idle or
     not. A round now looks only when a run or runner of the worker ended since it last looked."""
     _watch()
-    async with running(make_worker(burst=False, reap_interval_s=0.1)):
-        await asyncio.sleep(0.5)  # its first round looks
-        _PROC_SCANS.clear()
-        _COUNTING.append(True)
-        try:
+    leftovers._LAST_LOOK.clear()  # what an earlier test's worker of the same id saw last
+    _PROC_SCANS.clear()
+    _COUNTING.append(True)
+    try:
+        async with running(make_worker(burst=False, reap_interval_s=0.1)):
+            deadline = time.monotonic() + 30
+            while not _PROC_SCANS:  # its first round looks, however long its start took
+                assert time.monotonic() < deadline, "no round looked for strays"
+                await asyncio.sleep(0.05)
+            _PROC_SCANS.clear()
             await asyncio.sleep(1.0)  # about ten rounds with nothing running
             idle = len(_PROC_SCANS)
             job_id = await enqueue(manager, model="stray", quiet="quiet", delay_s="60", max_attempts=1)
             await until(manager, job_id, lambda j: j.state.final)
             assert await _gone(_stray_pid(tmp_path), within_s=3)  # the round after its end looked
-        finally:
-            _COUNTING.clear()
+    finally:
+        _COUNTING.clear()
     assert idle == 0
