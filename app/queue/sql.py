@@ -33,6 +33,12 @@ def _tell(jobs: str, event: str | None = "event", *, message: bool = False) -> s
 # refused now (its model gone, its params checked more strictly since) looks for it.
 FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_key = :key")
 
+# The jobs waiting (queued or scheduled), each state counted up to :queue_limit: a scan of that many
+# index entries at most, however long the queue.
+_WAITING = """
+            (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :queue_limit) AS q)
+          + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'scheduled' LIMIT :queue_limit) AS s)"""
+
 # Queue a job, in one statement (run in autocommit: no BEGIN / COMMIT round trips). In order:
 # - `prior`: the owner's job with this idempotency key: it comes back, nothing is written;
 # - `counted`: with :count_waiting, the jobs waiting, up to :queue_limit. Queued and scheduled jobs
@@ -61,8 +67,9 @@ ENQUEUE = text(
     ), counted AS (
         -- Jobs waiting, up to the limit: a scan of that many index entries, so only when asked.
         SELECT CASE WHEN CAST(:count_waiting AS boolean) THEN
-            (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :queue_limit) AS q)
-          + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'scheduled' LIMIT :queue_limit) AS s)
+"""
+    + _WAITING
+    + """
         END AS waiting
     ), verdict AS (
         SELECT CASE
@@ -378,6 +385,21 @@ FAIL = text(
     """
 )
 
+
+def _released(detail: str) -> str:
+    """The CTEs after `released` (a job handed back to the queue, no attempt spent): its `released`
+    event with `detail`, the workers woken, the streams told. Appended after `released`'s `)`."""
+    return f""", event AS (
+        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
+        SELECT id, 'released', attempt, worker_id, {detail}
+        FROM released
+        RETURNING id, job_id, kind
+    ), wake AS (
+        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released
+    ), told AS ({_tell("released")}
+    )"""
+
+
 # Graceful shutdown: hand a running job back without spending an attempt. `attempt` must only
 # grow (fencing), so the attempt budget grows by one instead.
 RELEASE = text(
@@ -388,15 +410,7 @@ RELEASE = text(
             lease_expires_at = NULL, pid = NULL, progress = 0, progress_message = NULL
         WHERE id = :id AND attempt = :attempt AND state = 'running' AND NOT cancel_requested
         RETURNING id, attempt, worker_id, model, state, progress
-    ), event AS (
-        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-        SELECT id, 'released', attempt, worker_id, jsonb_build_object('reason', CAST(:reason AS text))
-        FROM released
-        RETURNING id, job_id, kind
-    ), wake AS (
-        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released
-    ), told AS ({_tell("released")}
-    )
+    ){_released("jsonb_build_object('reason', CAST(:reason AS text))")}
     SELECT id, (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told FROM released
     """
 )
@@ -421,16 +435,7 @@ RELEASE_STORAGE = text(
             lease_expires_at = NULL, pid = NULL, progress = 0, progress_message = NULL
         FROM mine WHERE j.id = mine.id AND mine.times < :most
         RETURNING j.id, j.attempt, j.worker_id, j.model, j.state, j.progress
-    ), event AS (
-        INSERT INTO job_events (job_id, kind, attempt, worker_id, detail)
-        SELECT id, 'released', attempt, worker_id,
-               jsonb_build_object('reason', CAST(:reason AS text), 'error', CAST(:first_line AS text))
-        FROM released
-        RETURNING id, job_id, kind
-    ), wake AS (
-        SELECT pg_notify('{QUEUED_CHANNEL}', model) FROM released
-    ), told AS ({_tell("released")}
-    )
+    ){_released("jsonb_build_object('reason', CAST(:reason AS text), 'error', CAST(:first_line AS text))")}
     SELECT id, EXISTS (SELECT FROM released) AS released, (SELECT count(*) FROM wake) AS woken,
            (SELECT count(*) FROM told) AS told
     FROM mine
@@ -827,12 +832,7 @@ RETRY_BATCH = text(
 RETRYABLE_LEFT = text(f"SELECT count(*) AS remaining FROM ({_RETRYABLE}) AS matching")
 
 # The jobs waiting (queued or scheduled), up to :queue_limit, counted as ENQUEUE counts them.
-WAITING_UP_TO = text(
-    """
-    SELECT (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :queue_limit) AS q)
-         + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'scheduled' LIMIT :queue_limit) AS s)
-    """
-)
+WAITING_UP_TO = text(f"SELECT {_WAITING}")
 
 JOB_STATE = text("SELECT state FROM jobs WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)")
 
