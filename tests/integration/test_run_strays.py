@@ -203,6 +203,7 @@ async def test_an_idle_worker_looks_for_strays_only_after_a_run_ended(manager, m
             while not _PROC_SCANS:  # its first round looks, however long its start took
                 assert time.monotonic() < deadline, "no round looked for strays"
                 await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # its start's own children reaped, and looked after once
             _PROC_SCANS.clear()
             await asyncio.sleep(1.0)  # about ten rounds with nothing running
             idle = len(_PROC_SCANS)
@@ -211,4 +212,6 @@ async def test_an_idle_worker_looks_for_strays_only_after_a_run_ended(manager, m
             assert await _gone(_stray_pid(tmp_path), within_s=3)  # the round after its end looked
     finally:
         _COUNTING.clear()
-    assert idle == 0
+    # Every round looked before (about ten here). One look is allowed: any child of this test
+    # process reaped late (an earlier test's) changes the totals the worker compares.
+    assert idle <= 1, idle
