@@ -7,44 +7,36 @@ never after `wait()` returns. Call `stop()` and `wait()` from the event loop's t
 
 `ModelProcess` starts the child with `subprocess.Popen` and reads it with the event loop's own
 readiness callbacks: asyncio's subprocess transports, protocols and child watcher cost more CPU
-than starting `/bin/true` does. `spawn()` keeps asyncio's machinery for warm runners, which also
-write to their child's stdin.
+than starting `/bin/true` does (warm runners, which also write to their child's stdin, keep it:
+app/childprocess.py). Signals to the group and the kill of a leftover one: app/procgroup.py;
+progress lines and their delivery: app/progress.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import errno
 import logging
-import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from app import outputpipe, procgroup, progress
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.runner")
 _T = TypeVar("_T")
 
-LINE_LIMIT_BYTES = 64 * 1024  # longer stdout/stderr lines are logged in pieces and never parsed
-_PROGRESS_BACKLOG = 1000  # undelivered progress updates kept; the oldest are dropped beyond this
 _PIPE_DRAIN_S = 2.0  # after the group is dead, how long the pipes may take to reach EOF
-_PROGRESS_DRAIN_S = 5.0  # after a run's end, how long queued progress updates may take to deliver
-_POLL_S = 0.05
 _READ_BYTES = 64 * 1024  # at most this much of a pipe per read
 _PASSED_THROUGH = ("PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
-
-ProgressCallback = Callable[[float, str], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +57,6 @@ class RunResult:
     def ok(self) -> bool:
         """Whether the model exited 0 by itself, without timeout or stop."""
         return self.exit_code == 0 and not self.timed_out and self.stopped is None
-
-
-def parse_progress(line: str) -> tuple[float, str] | None:
-    """Parse `PROGRESS <fraction> [message]` into (fraction clamped to [0, 1], message); else None."""
-    parts = line.strip().split(maxsplit=2)
-    if len(parts) < 2 or parts[0] != "PROGRESS":
-        return None
-    try:
-        fraction = float(parts[1])
-    except ValueError:
-        return None
-    if math.isnan(fraction):
-        return None
-    return min(max(fraction, 0.0), 1.0), parts[2] if len(parts) == 3 else ""
 
 
 def minimal_env(gpu_index: int | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -108,88 +86,6 @@ def cannot_start(exc: OSError) -> bool:
     return exc.errno in _NEVER_STARTS
 
 
-async def kill_process_group(pgid: int, *, grace_s: float) -> bool:
-    """SIGTERM a leftover group, SIGKILL it after `grace_s`; True if anything was there.
-
-    Refuses (ValueError) pgid <= 1 and our own group: a recorded pid may be reused after a restart.
-    """
-    if pgid <= 1 or pgid == os.getpgid(0):
-        raise ValueError(f"refusing to kill process group {pgid}")
-    if not _signal_group(pgid, signal.SIGTERM):
-        return False
-    _LOG.warning("killing leftover process group", extra={"action": "leftover_group_killed", "pid": pgid})
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _group_alive(pgid):
-            return True
-        await asyncio.sleep(_POLL_S)
-    _signal_group(pgid, signal.SIGKILL)
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send `sig` to a process group; False when no process of ours is in it."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):  # gone, or now someone else's: not ours to kill
-        return False
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether the group has a member that is not a zombie (zombies only wait to be reaped)."""
-    if not _signal_group(pgid, 0):
-        return False
-    if not Path("/proc/self/stat").exists():  # no procfs: zombies cannot be told apart
-        return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process went away while we looked
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
-class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
-    """asyncio's stream protocol, plus a future done as soon as the process has exited."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=limit, loop=loop)
-        self.exited: asyncio.Future[None] = loop.create_future()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        if not self.exited.done():
-            self.exited.set_result(None)
-
-
-class Process(asyncio.subprocess.Process):
-    """asyncio's Process, whose `exited()` returns as soon as the process ends.
-
-    `wait()` in Python 3.11 also waits for the pipes to close (a forked helper may hold them), and
-    polling `returncode` adds its interval to every run: tens of milliseconds on a quick job.
-    """
-
-    def __init__(self, transport: Any, protocol: _ExitProtocol, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(transport, protocol, loop)
-        self._exited = protocol.exited
-
-    async def exited(self) -> int:
-        """The return code, once the process has exited (safe to cancel)."""
-        await asyncio.shield(self._exited)
-        assert self.returncode is not None
-        return self.returncode
-
-
-async def spawn(*argv: str, limit: int, **kwargs: Any) -> Process:
-    """`asyncio.create_subprocess_exec`, giving a `Process` whose exit is noticed at once."""
-    loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(lambda: _ExitProtocol(limit, loop), *argv, **kwargs)
-    return Process(transport, protocol, loop)
-
-
 async def _finish_anyway(coro: Coroutine[Any, Any, _T]) -> _T:
     """Run cleanup to its end even if the caller is cancelled meanwhile, then re-raise that."""
     task = asyncio.create_task(coro, name="runner-cleanup")
@@ -206,49 +102,6 @@ async def _finish_anyway(coro: Coroutine[Any, Any, _T]) -> _T:
     return task.result()
 
 
-class _Pipe:
-    """One of the child's output pipes: its read end (non-blocking) and the line it is in the middle of."""
-
-    __slots__ = ("fd", "overlong", "parse", "partial")
-
-    def __init__(self, fd: int, *, parse: bool) -> None:
-        os.set_blocking(fd, False)
-        self.fd, self.parse = fd, parse
-        self.partial = b""  # the start of a line whose newline has not come yet
-        self.overlong = False  # the line in progress went to the log in pieces: it is never parsed
-
-    def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
-        """Take bytes read; return what goes to the log now (whole lines, or a piece of an overlong
-        one, so the two streams interleave by lines) and the complete lines to parse."""
-        cut = data.rfind(b"\n") + 1
-        if cut == 0:
-            self.partial += data
-            return self._overflow(), []
-        ready, self.partial = self.partial + data[:cut], data[cut:]
-        lines = self._lines(ready) if self.parse and b"PROGRESS" in ready else []
-        self.overlong = False
-        return ready + self._overflow(), lines
-
-    def rest(self) -> tuple[bytes, list[bytes]]:
-        """The last, unterminated line: for the log, and to parse unless it was overlong."""
-        rest, self.partial = self.partial, b""
-        return rest, [rest] if self.parse and rest and not self.overlong else []
-
-    def _overflow(self) -> bytes:
-        """A line in progress beyond LINE_LIMIT_BYTES, taken out for the log; else b""."""
-        if len(self.partial) <= LINE_LIMIT_BYTES:
-            return b""
-        piece, self.partial, self.overlong = self.partial, b"", True
-        return piece
-
-    def _lines(self, ready: bytes) -> list[bytes]:
-        """The lines in `ready` (which ends with a newline) short enough to parse."""
-        lines = ready.split(b"\n")[:-1]
-        if self.overlong:  # the first is the end of a line that went out in pieces
-            del lines[0]
-        return [line for line in lines if len(line) <= LINE_LIMIT_BYTES]
-
-
 def _pidfd(pid: int) -> int | None:
     """A file descriptor that becomes readable when `pid` exits; None without pidfds (Linux < 5.3)."""
     if not hasattr(os, "pidfd_open"):
@@ -257,57 +110,6 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except OSError:  # ENOSYS, or no descriptor left: a thread will wait instead
         return None
-
-
-class ProgressFeed:
-    """Progress updates handed to a callback in order, from a task of their own that starts with
-    the first update: a slow callback (a database write) never holds up the reader of the model's
-    output. At most _PROGRESS_BACKLOG wait; beyond that the oldest is dropped. Its failures are
-    logged, never raised. One-shot runs and warm runners both feed theirs through one."""
-
-    def __init__(self, callback: ProgressCallback, name: str) -> None:
-        self._callback, self._name = callback, name
-        self._context = contextvars.copy_context()  # its maker's (the job's), not the first put()'s
-        self._updates: asyncio.Queue[tuple[float, str]] | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def put(self, fraction: float, message: str) -> None:
-        """Queue an update for the callback."""
-        if self._updates is None:
-            self._updates = asyncio.Queue(maxsize=_PROGRESS_BACKLOG)
-            self._task = asyncio.get_running_loop().create_task(
-                self._deliver(self._updates), name=self._name, context=self._context
-            )
-        if self._updates.full():
-            self._updates.get_nowait()
-            self._updates.task_done()
-        self._updates.put_nowait((fraction, message))
-
-    async def drain(self) -> None:
-        """Deliver what is queued (for at most _PROGRESS_DRAIN_S), then end the task."""
-        if self._task is None or self._updates is None:
-            return
-        try:
-            await asyncio.wait_for(self._updates.join(), _PROGRESS_DRAIN_S)
-        except TimeoutError:
-            _LOG.warning("progress callback too slow; dropping updates", extra={"action": "progress_dropped"})
-        self.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    def cancel(self) -> None:
-        """Deliver nothing more."""
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _deliver(self, updates: asyncio.Queue[tuple[float, str]]) -> None:
-        while True:
-            fraction, message = await updates.get()
-            try:
-                await self._callback(fraction, message)
-            except Exception:
-                _LOG.exception("progress callback failed", extra={"action": "progress_callback_failed"})
-            finally:
-                updates.task_done()
 
 
 class ModelProcess:
@@ -328,7 +130,7 @@ class ModelProcess:
         timeout_s: float,
         kill_grace_s: float = 5.0,
         max_log_bytes: int = 0,
-        on_progress: ProgressCallback | None = None,
+        on_progress: progress.ProgressCallback | None = None,
     ) -> None:
         if not argv:
             raise ValueError("argv is empty")
@@ -342,9 +144,9 @@ class ModelProcess:
         self._kill_grace_s = kill_grace_s
         self._on_progress = on_progress
         self._popen: subprocess.Popen[bytes] | None = None
-        self._pipes: list[_Pipe] = []
+        self._pipes: list[outputpipe.OutputPipe] = []
         self._escaped = False  # see RunResult.escaped
-        self._progress: ProgressFeed | None = None  # made with the first update
+        self._progress: progress.ProgressFeed | None = None  # made with the first update
         self._stop_reason: str | None = None
         self._started_at = 0.0
         self._result: RunResult | None = None
@@ -377,7 +179,7 @@ class ModelProcess:
     def kill(self) -> None:
         """SIGKILL the whole group now, with no grace (the worker stops at once); `wait()` reaps it."""
         if self._popen is not None:
-            _signal_group(self._group, signal.SIGKILL)
+            procgroup.signal_group(self._group, signal.SIGKILL)
 
     async def wait(self) -> RunResult:
         """Run until exit, timeout or stop; kill and reap the whole group; safe to cancel."""
@@ -426,7 +228,10 @@ class ModelProcess:
             self._stopped.set_result(None)
         _LOG.debug("model started", extra={"action": "model_started", "pid": popen.pid})  # also in its log
         self._log.note(f"started pid {popen.pid}: {' '.join(self._argv)}")
-        self._pipes = [_Pipe(stdout, parse=self._on_progress is not None), _Pipe(stderr, parse=False)]
+        self._pipes = [
+            outputpipe.OutputPipe(stdout, parse=self._on_progress is not None),
+            outputpipe.OutputPipe(stderr, parse=False),
+        ]
         for pipe in self._pipes:
             loop.add_reader(pipe.fd, self._on_output, pipe)
         pidfd = _pidfd(popen.pid)
@@ -476,10 +281,10 @@ class ModelProcess:
         pid = self._group
         _LOG.warning("killing model process group: %s", why, extra={"action": action, "pid": pid})
         self._log.note(f"{why}; SIGTERM to process group {pid}")
-        _signal_group(pid, signal.SIGTERM)
+        procgroup.signal_group(pid, signal.SIGTERM)
         if not await self._exits_within(self._kill_grace_s):
             self._log.note(f"still running after {self._kill_grace_s:g}s; SIGKILL to process group {pid}")
-            _signal_group(pid, signal.SIGKILL)
+            procgroup.signal_group(pid, signal.SIGKILL)
             await self._exits_within(None)
 
     async def _cleanup(self, *, timed_out: bool, stopped: str | None) -> RunResult:
@@ -494,7 +299,7 @@ class ModelProcess:
 
     def _kill_leftovers(self) -> None:
         """SIGKILL the rest of the reaped child's group: forked helpers must not outlive the run."""
-        if _signal_group(group := self._group, signal.SIGKILL):
+        if procgroup.signal_group(group := self._group, signal.SIGKILL):
             _LOG.info("killed group leftovers", extra={"action": "group_leftovers_killed", "pid": group})
 
     def _finish(self, *, timed_out: bool, stopped: str | None) -> RunResult:
@@ -523,7 +328,7 @@ class ModelProcess:
             for pipe in list(self._pipes):
                 self._close_pipe(pipe, eof=False)
 
-    def _on_output(self, pipe: _Pipe) -> None:
+    def _on_output(self, pipe: outputpipe.OutputPipe) -> None:
         """The loop saw a pipe readable: copy what it has into the log, queue progress; close at EOF."""
         try:
             data = os.read(pipe.fd, _READ_BYTES)
@@ -537,7 +342,7 @@ class ModelProcess:
         else:
             self._close_pipe(pipe, eof=True)
 
-    def _close_pipe(self, pipe: _Pipe, *, eof: bool) -> None:
+    def _close_pipe(self, pipe: outputpipe.OutputPipe, *, eof: bool) -> None:
         """Stop reading a pipe; its unterminated last line goes to the log (and is parsed at EOF)."""
         self._loop.remove_reader(pipe.fd)
         os.close(pipe.fd)
@@ -555,30 +360,9 @@ class ModelProcess:
 
     def _queue_progress(self, line: str) -> None:
         """Queue a parsed progress update for the callback."""
-        parsed = parse_progress(line)
+        parsed = progress.parse_progress(line)
         if parsed is None or self._on_progress is None:
             return
         if self._progress is None:
-            self._progress = ProgressFeed(self._on_progress, f"runner-progress-{self._group}")
+            self._progress = progress.ProgressFeed(self._on_progress, f"runner-progress-{self._group}")
         self._progress.put(*parsed)
-
-
-def prefer_pidfd_watcher() -> None:
-    """On Python 3.11 use pidfds to learn of child exits (3.12+ does by itself).
-
-    3.11's default watcher starts a thread per child process: measurable at hundreds of model
-    runs a second. Call from inside the running loop.
-    """
-    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        if isinstance(asyncio.get_child_watcher(), asyncio.PidfdChildWatcher):
-            return
-        try:
-            os.close(os.pidfd_open(os.getpid()))  # the kernel supports pidfds (Linux 5.3+)
-        except OSError:
-            return
-        watcher = asyncio.PidfdChildWatcher()
-        watcher.attach_loop(asyncio.get_running_loop())
-        asyncio.set_child_watcher(watcher)

@@ -26,7 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from app import logs, modelkit, runner
+from app import childprocess, logs, modelkit, progress, runner
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
@@ -37,7 +37,6 @@ _EXIT_SETTLE_S = 1.0
 _READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
 
-ProgressCallback = runner.ProgressCallback
 _Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
 
 
@@ -129,14 +128,14 @@ class WarmRunner:
         self.state, self.last_used_s, self.jobs_done = RunnerState.STARTING, time.monotonic(), 0
         self.created_s = self.last_used_s  # monotonic, like last_used_s
         self.load_s: float | None = None  # from start() to the ready line, once it came
-        self._proc: runner.Process | None = None
+        self._proc: childprocess.Process | None = None
         # Its own log rotates at the cap (a runner may live for weeks); each job's keeps its head and end.
         self._max_log_bytes = max_log_bytes
         self._log = RunLog(launch.log_path, "warm", eager=True, max_bytes=max_log_bytes, rotate=True)
         self._job: tuple[str, RunLog] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
         self._events: collections.deque[_Event] = collections.deque()
-        self._progress: runner.ProgressFeed | None = None  # the job's, made with its first update
+        self._progress: progress.ProgressFeed | None = None  # the job's, made with its first update
         self._wakeup: asyncio.Future[None] | None = None  # what `_next` waits on: an event or stop()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -164,7 +163,7 @@ class WarmRunner:
         """Start the runner in its own session and wait for its ready line; StartFailed otherwise."""
         launch, began = self.launch, time.monotonic()
         try:
-            self._proc = proc = await runner.spawn(
+            self._proc = proc = await childprocess.spawn(
                 *launch.argv, cwd=launch.cwd, env=dict(launch.env), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 limit=modelkit.MAX_LINE_BYTES,
@@ -235,7 +234,12 @@ class WarmRunner:
         return self._end(reason, gentle=True)
 
     async def run_job(
-        self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
+        self,
+        request: modelkit.Request,
+        *,
+        timeout_s: float,
+        log_path: Path,
+        on_progress: progress.ProgressCallback,
     ) -> WarmResult:
         """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
         if self.state is not RunnerState.IDLE:
@@ -246,7 +250,7 @@ class WarmRunner:
         self.state, self._job = RunnerState.RUNNING, (job, job_log)
         # Its task (a slow callback must not hold up the answer) runs in the context of this job's
         # task, where it is made: not in the reader's, which no job owns.
-        self._progress = runner.ProgressFeed(on_progress, f"warm-progress-{self.pid}")
+        self._progress = progress.ProgressFeed(on_progress, f"warm-progress-{self.pid}")
         self._answered = False
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
@@ -272,8 +276,8 @@ class WarmRunner:
             await asyncio.shield(self._end(f"job {job}: {error}"))
         self._job = None
         if self._progress is not None:  # all of it reaches the callback before run_job() returns
-            progress, self._progress = self._progress, None
-            await progress.drain()
+            feed, self._progress = self._progress, None
+            await feed.drain()
         return self._result(job_log, outcome, error, outputs, time.monotonic() - started)
 
     def _result(
@@ -366,7 +370,7 @@ class WarmRunner:
             return False
         return True
 
-    async def _watch_exit(self, proc: runner.Process, stdout: asyncio.Task[None]) -> None:
+    async def _watch_exit(self, proc: childprocess.Process, stdout: asyncio.Task[None]) -> None:
         """See the runner's exit even while its stdout stays open (a process it forked, a data
         loader's worker say, holds the pipe): once the lines it wrote have had a moment to be read,
         its stdout counts as ended."""

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable, Set
 from pathlib import Path
 
-from app import errors, runner
+from app import errors, procgroup
 from app.queue import manager as manager_
 
 log = logging.getLogger("gpujobs.worker")
@@ -194,7 +194,7 @@ async def _kill_groups(groups: set[int], *, grace_s: float, **log_extra: str) ->
     killed = 0
     for pgid in groups:
         try:
-            killed += await runner.kill_process_group(pgid, grace_s=grace_s)
+            killed += await procgroup.kill_process_group(pgid, grace_s=grace_s)
         except ValueError:  # our own group or init's: not a leftover model
             continue
         log.warning(

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from app import db, errors, gpu, logs, registry, runner, scheduler, storage, warm, warmpool
+from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, warm, warmpool
 from app.queue import attempt as attempt_
 from app.queue import leftovers, sql
 from app.queue import manager as manager_
@@ -228,7 +228,7 @@ class Worker:
         """Hold this worker's id on the host, check its GPUs, register, and take back what a
         previous life left. ConfigError if it cannot run here: another live worker has its id, or
         no GPU can run any model. `run()` calls it when it was not called before."""
-        runner.prefer_pidfd_watcher()
+        childprocess.prefer_pidfd_watcher()
         logs.bind(worker=self.id)
         self._identity = leftovers.hold_identity(self.id)  # before _start takes what the id left
         try:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from app import runner
+from app import childprocess, runner
 
 TRUE = "/bin/true"
 
@@ -98,7 +98,7 @@ def _run_async(runs: int, concurrency: int, one: Callable[[int], Awaitable[None]
     """A round on a fresh event loop with the pidfd child watcher, as in a worker."""
 
     async def main() -> None:
-        runner.prefer_pidfd_watcher()
+        childprocess.prefer_pidfd_watcher()
         await _in_parallel(runs, concurrency, one)
 
     return lambda: asyncio.run(main())

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app import runlog, runner
+from app import childprocess, progress, runlog, runner
 
 # Async tests carry their own mark: a module-level `pytestmark` would also mark the sync tests,
 # which pytest-asyncio reports as a warning (an error under `filterwarnings = error`).
@@ -114,7 +114,7 @@ def _grandchild_pid(tmp_path: Path) -> int:
     ],
 )
 def test_parse_progress(line: str, expected: tuple[float, str] | None) -> None:
-    assert runner.parse_progress(line) == expected
+    assert progress.parse_progress(line) == expected
 
 
 def test_minimal_env_keeps_only_safe_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -358,34 +358,8 @@ async def test_missing_executable_raises_oserror(tmp_path: Path) -> None:
     assert process.pid is None
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("ignore_term", [False, True])
-async def test_kill_process_group_of_a_leftover(ignore_term: bool) -> None:
-    handler = "signal.SIG_IGN" if ignore_term else "signal.SIG_DFL"
-    code = (
-        f"import signal, time\nsignal.signal(signal.SIGTERM, {handler})\n"
-        "print('ready', flush=True)\ntime.sleep(60)\n"
-    )
-    leftover = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, start_new_session=True
-    )
-    assert leftover.stdout is not None
-    assert await leftover.stdout.readline() == b"ready\n"
-    assert await runner.kill_process_group(leftover.pid, grace_s=GRACE_S)
-    await leftover.communicate()
-    assert leftover.returncode == (-signal.SIGKILL if ignore_term else -signal.SIGTERM)
-    assert not await runner.kill_process_group(leftover.pid, grace_s=GRACE_S)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("pgid", [-3, 0, 1, None])
-async def test_kill_process_group_refuses_dangerous_groups(pgid: int | None) -> None:
-    with pytest.raises(ValueError):
-        await runner.kill_process_group(os.getpgid(0) if pgid is None else pgid, grace_s=0.1)
-
-
 async def test_an_exit_is_seen_at_once_even_while_a_child_holds_the_pipes(tmp_path: Path) -> None:
-    proc = await runner.spawn(
+    proc = await childprocess.spawn(
         "/bin/sh",
         "-c",
         "sleep 3 & exit 7",
