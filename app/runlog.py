@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from app import storage
+from app import folders
 
 _LOG = logging.getLogger("gpujobs.runlog")
 
@@ -35,10 +35,10 @@ def open_log(path: Path) -> BinaryIO:
     there already: a system call saved per job)."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, storage.FILE_MODE)  # not the umask's mode: closed to other users
+        fd = os.open(path, flags, folders.FILE_MODE)  # not the umask's mode: closed to other users
     except FileNotFoundError:
-        storage.make_folder(path.parent)
-        fd = os.open(path, flags, storage.FILE_MODE)
+        folders.make_folder(path.parent)
+        fd = os.open(path, flags, folders.FILE_MODE)
     return os.fdopen(fd, "ab", buffering=0)
 
 

@@ -218,12 +218,12 @@ class Attempt:
         log.debug("job attempt ended", extra={"action": "job_ended", **extra})
 
     async def _clear_lane(self) -> bool:
-        """Empty the lane for the next job (storage.ResultStore.clear_lane); whether it was. In a
+        """Empty the lane for the next job (lanes.Lanes.clear); whether it was. In a
         thread when the model left something there: tens of thousands of files took the event loop
         (heartbeats, the other jobs' pipes) for half a second."""
-        if self._store.lane_is_clear(self.lane):
+        if self._store.lanes.is_clear(self.lane):
             return True
-        return await asyncio.to_thread(self._store.clear_lane, self.lane)
+        return await asyncio.to_thread(self._store.lanes.clear, self.lane)
 
     async def _run_in_slot(self) -> Callable[[], Awaitable[Any]] | None:
         """Wait for its room (idle runners evicted) and a slot on the GPU (a job claimed ahead
@@ -278,14 +278,14 @@ class Attempt:
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
         scratch = self.lane
         try:
-            log_path = self._store.prepare(scratch, input_name, data, job.id, job.attempt)
+            self._store.lanes.prepare(scratch, input_name, data)
             if spec.persistent and self._pool is not None:  # its runner's folder too (made once)
                 self._store.runner_dir(spec.name, job.gpu)
         except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
             # take for the database's (then nothing is written and the job waits out its lease)
             return self._storage_failed(f"could not prepare the scratch folder: {exc}")
         del data
-        input_path = scratch / input_name
+        input_path, log_path = scratch / input_name, self._store.log_path(job.id, job.attempt)
         if spec.persistent and self._pool is not None:
             return await self._run_warm(input_path, scratch / "out", log_path, params)
         return await self._run_oneshot(input_path, log_path, params)

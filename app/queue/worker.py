@@ -307,7 +307,7 @@ class Worker:
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
             )
         await self._drop_dead_attempts(taken_back)
-        self._store.reset_lanes(self.id)  # files a previous life of this worker left
+        self._store.lanes.reset(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
     def _check_fit(self, gpus: list[gpu.Gpu]) -> None:
@@ -359,7 +359,7 @@ class Worker:
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
-        self._store.reset_lanes(self.id)  # the last inputs are not left on disk
+        self._store.lanes.reset(self.id)  # the last inputs are not left on disk
         with contextlib.suppress(Exception):
             await self._manager.set_worker_state(self.id, "stopped")
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
@@ -375,7 +375,7 @@ class Worker:
         await asyncio.gather(*tasks, *attempts, return_exceptions=True)
         await self.pool.close_all(attempt_.SHUTDOWN)
         await self._hand_back_now()  # only now: no old run may overlap a new attempt elsewhere
-        self._store.reset_lanes(self.id)
+        self._store.lanes.reset(self.id)
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
 
     async def _hand_back_now(self) -> None:
@@ -567,7 +567,7 @@ class Worker:
         if self._free_lanes:  # scratch folders are reused: one per job running at once
             lane = self._free_lanes.pop()
         else:
-            lane = self._store.lane_dir(self.id, self._lanes_made)
+            lane = self._store.lanes.path(self.id, self._lanes_made)
             self._lanes_made += 1
         run = attempt_.Attempt(
             job,
@@ -718,7 +718,7 @@ class Worker:
             self._wake.set()
         await self._age_queued()
         for lane in self._free_lanes:  # at most one round on disk after its job, however idle
-            self._store.drop_input(lane)
+            self._store.lanes.drop_input(lane)
         await self._kill_strays()
         cleared = await self._kill_leftovers()
         taken = await self._manager.recover_expired(

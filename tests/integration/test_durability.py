@@ -535,10 +535,10 @@ async def test_a_bulk_retry_reads_a_time_without_a_zone_as_utc(
 
 async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_worker, store):
     worker = make_worker()
-    stale = store.lane_dir(worker.id, 3)
+    stale = store.lanes.path(worker.id, 3)
     (stale / "out").mkdir(parents=True)
     (stale / "out" / "half.glb").write_bytes(b"left by a crash")
-    other = store.lane_dir("host:another-worker", 0)  # not ours: it may be running
+    other = store.lanes.path("host:another-worker", 0)  # not ours: it may be running
     other.mkdir(parents=True)
     await worker.run()
     assert not stale.exists() and other.is_dir()
@@ -711,7 +711,7 @@ async def test_a_scratch_folder_that_cannot_be_made_sends_the_job_back_unspent(m
     spent the job's attempt (its only one: the job failed). Now the job goes back to the queue with
     its attempts as they were, and waits there while the worker's storage stays unusable."""
     worker = make_worker(burst=False)
-    store.lane_dir(worker.id, 0).parent.write_bytes(b"in the way")  # survives the start's cleanup
+    store.lanes.path(worker.id, 0).parent.write_bytes(b"in the way")  # survives the start's cleanup
     job_id = await enqueue(manager, max_attempts=1)
     async with running(worker):
         await until(manager, job_id, lambda j: j.attempt >= 1 and j.state is JobState.queued, timeout_s=15)
@@ -731,7 +731,7 @@ async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(
     storage folder takes a file again, then runs them; the jobs it had claimed went back unspent."""
     caplog.set_level(logging.INFO, logger="gpujobs")
     worker = make_worker(burst=False)
-    blocker = store.lane_dir(worker.id, 0).parent
+    blocker = store.lanes.path(worker.id, 0).parent
     blocker.write_bytes(b"in the way")  # survives the start's cleanup
     ids = [await enqueue(manager, max_attempts=3) for _ in range(3)]
     async with running(worker):

@@ -19,26 +19,27 @@ def test_prepare_puts_the_input_in_the_lane_and_makes_nothing_for_the_log(tmp_pa
     # The log and its bucket folder are made by the model's first byte (app/runlog.py): a quiet
     # job makes neither, and a fresh storage pays no 256 folder creations up front.
     store = storage.ResultStore(tmp_path)
-    lane, job = store.lane_dir("host:w1", 0), uuid.uuid4()
+    lane, job = store.lanes.path("host:w1", 0), uuid.uuid4()
     assert lane == tmp_path / "scratch" / "host_w1" / "0"
-    log = store.prepare(lane, "input.png", b"\x89PNG data", job, 2)
+    store.lanes.prepare(lane, "input.png", b"\x89PNG data")
     assert (lane / "input.png").read_bytes() == b"\x89PNG data"
     assert (lane / "out").is_dir() and not any((lane / "out").iterdir())
+    log = store.log_path(job, 2)
     assert log == tmp_path / "logs" / job.hex[:2] / f"{job}.attempt-2.log"
     assert not log.parent.exists()
 
 
 def test_clearing_a_lane_leaves_its_input_file_and_an_empty_out_folder(tmp_path: Path):
     store = storage.ResultStore(tmp_path)
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"first")
     (lane / ".cache" / "deep").mkdir(parents=True)
     (lane / ".cache" / "deep" / "secret").write_text("first job's")
     (lane / "out" / "mesh.glb").write_bytes(b"unpublished")
     (lane / "out" / "sub").mkdir()
-    assert store.clear_lane(lane)
+    assert store.lanes.clear(lane)
     assert sorted(os.listdir(lane)) == ["input.png", "out"] and os.listdir(lane / "out") == []
-    store.prepare(lane, "input.jpg", b"second", uuid.uuid4(), 1)  # the kept input, overwritten
+    store.lanes.prepare(lane, "input.jpg", b"second")  # the kept input, overwritten
     assert sorted(os.listdir(lane)) == ["input.jpg", "out"]
     assert (lane / "input.jpg").read_bytes() == b"second"
 
@@ -47,13 +48,13 @@ def test_jobs_in_a_lane_reuse_one_input_file(tmp_path: Path):
     """No file is made or freed per job: on ext4 without a journal, every freed inode made each
     later file creation slower (it skips recently freed inodes one at a time)."""
     store = storage.ResultStore(tmp_path)
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"the first input, the longest", uuid.uuid4(), 1)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"the first input, the longest")
     fd = os.open(lane / "input.png", os.O_RDONLY)  # the file itself, whatever its name
     try:
         for name, data in (("input.png", b"two"), ("input.jpg", b"three"), ("input.png", b"four")):
-            assert store.clear_lane(lane)
-            store.prepare(lane, name, data, uuid.uuid4(), 1)
+            assert store.lanes.clear(lane)
+            store.lanes.prepare(lane, name, data)
             assert os.fstat(fd).st_nlink == 1 and os.pread(fd, 100, 0) == data  # never removed
             assert sorted(os.listdir(lane)) == [name, "out"]
     finally:
@@ -65,21 +66,21 @@ def test_a_lane_removed_since_it_was_made_is_made_again(tmp_path: Path, name: st
     """The storage folder cleaned by hand while the worker ran: each lane it had made failed its
     next job ("could not prepare the scratch folder: No such file or directory"), an attempt spent."""
     store = storage.ResultStore(tmp_path / "storage")
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
-    assert store.clear_lane(lane)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"first")
+    assert store.lanes.clear(lane)
     shutil.rmtree(tmp_path / "storage")
-    store.prepare(lane, name, b"second", uuid.uuid4(), 1)
+    store.lanes.prepare(lane, name, b"second")
     assert sorted(os.listdir(lane)) == [name, "out"] and (lane / name).read_bytes() == b"second"
 
 
 def test_an_input_the_model_made_read_only_is_made_anew(tmp_path: Path):
     store = storage.ResultStore(tmp_path)
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"first", uuid.uuid4(), 1)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"first")
     (lane / "input.png").chmod(0o400)  # as a non-root worker, the next write would be refused
-    assert store.clear_lane(lane) and sorted(os.listdir(lane)) == ["out"]
-    store.prepare(lane, "input.png", b"second", uuid.uuid4(), 1)
+    assert store.lanes.clear(lane) and sorted(os.listdir(lane)) == ["out"]
+    store.lanes.prepare(lane, "input.png", b"second")
     assert (lane / "input.png").read_bytes() == b"second"
     assert (lane / "input.png").stat().st_mode & 0o777 == 0o600
 
@@ -89,9 +90,9 @@ def test_an_input_the_model_replaced_is_removed_and_what_it_points_to_is_untouch
     tmp_path: Path, replace: str
 ):
     store = storage.ResultStore(tmp_path / "storage")
-    lane, victim = store.lane_dir("w", 0), tmp_path / "victim"
+    lane, victim = store.lanes.path("w", 0), tmp_path / "victim"
     victim.write_bytes(b"not the worker's")
-    store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+    store.lanes.prepare(lane, "input.png", b"x")
     (lane / "input.png").unlink()
     if replace == "symlink":
         os.symlink(victim, lane / "input.png")
@@ -102,10 +103,10 @@ def test_an_input_the_model_replaced_is_removed_and_what_it_points_to_is_untouch
         (lane / "input.png" / "inner").write_bytes(b"y")
     else:
         os.mkfifo(lane / "input.png")
-    assert store.clear_lane(lane)
+    assert store.lanes.clear(lane)
     assert sorted(os.listdir(lane)) == ["out"]
     assert victim.read_bytes() == b"not the worker's"
-    store.prepare(lane, "input.png", b"next", uuid.uuid4(), 1)
+    store.lanes.prepare(lane, "input.png", b"next")
     assert (lane / "input.png").read_bytes() == b"next" and victim.read_bytes() == b"not the worker's"
 
 
@@ -114,23 +115,23 @@ def test_an_out_folder_replaced_by_a_link_is_removed_not_followed(tmp_path: Path
     victim = tmp_path / "elsewhere"
     victim.mkdir()
     (victim / "keep.txt").write_text("not the worker's to delete")
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"x")
     os.rmdir(lane / "out")
     os.symlink(victim, lane / "out")
-    assert store.clear_lane(lane)
+    assert store.lanes.clear(lane)
     assert (victim / "keep.txt").exists()
     assert (lane / "out").is_dir() and not (lane / "out").is_symlink()
 
 
 def test_reset_removes_only_the_owners_lanes(tmp_path: Path):
     store = storage.ResultStore(tmp_path)
-    mine, theirs = store.lane_dir("w1", 0), store.lane_dir("w2", 0)
+    mine, theirs = store.lanes.path("w1", 0), store.lanes.path("w2", 0)
     for lane in (mine, theirs):
-        store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
-    store.reset_lanes("w1")
+        store.lanes.prepare(lane, "input.png", b"x")
+    store.lanes.reset("w1")
     assert not mine.exists() and (theirs / "input.png").exists()
-    store.prepare(mine, "input.png", b"y", uuid.uuid4(), 1)  # made again after a reset
+    store.lanes.prepare(mine, "input.png", b"y")  # made again after a reset
     assert (mine / "out").is_dir()
 
 
@@ -142,8 +143,8 @@ def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in
     victim = tmp_path / "elsewhere"
     victim.mkdir()
     (victim / "mesh.glb").write_bytes(b"not the model's output")
-    lane = store.lane_dir("w", 0)
-    store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"x")
     os.rmdir(lane / "out")
     os.symlink(victim, lane / "out")
     with pytest.raises(storage.OutputInvalid, match="not a folder"):
@@ -172,8 +173,8 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
     monkeypatch.setattr(os, "fsync", recording)
     monkeypatch.setattr(os, "replace", renaming)
     store = storage.ResultStore(tmp_path)
-    lane, job = store.lane_dir("w", 0), uuid.uuid4()
-    store.prepare(lane, "input.png", b"x", job, 1)
+    lane, job = store.lanes.path("w", 0), uuid.uuid4()
+    store.lanes.prepare(lane, "input.png", b"x")
     (lane / "out" / "mesh.glb").write_bytes(b"glTF")
     found = store.find_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
     files = storage.hash_outputs(found)
@@ -190,20 +191,20 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
 # (0000), a read-only `out/`. Then the lane is emptied for the next job, and the worker's lanes are
 # removed at its stop. Prints what is left.
 READ_ONLY_LEFTOVERS = """
-import os, sys, uuid
+import os, sys
 from pathlib import Path
 from app import storage
 store = storage.ResultStore(Path(sys.argv[1]))
-lane = store.lane_dir("w", 0)
-store.prepare(lane, "input.png", b"x", uuid.uuid4(), 1)
+lane = store.lanes.path("w", 0)
+store.lanes.prepare(lane, "input.png", b"x")
 for folder, mode in ((lane / "out" / "textures", 0o555), (lane / "cache" / "deep", 0o000)):
     folder.mkdir(parents=True)
     (folder / "t.png").write_bytes(b"x")
     folder.chmod(mode)
 (lane / "out" / "mesh.glb").write_bytes(b"x")
 (lane / "out").chmod(0o555)
-print("emptied" if store.clear_lane(lane) else "dropped", sorted(p.name for p in lane.iterdir()))
-store.reset_lanes("w")
+print("emptied" if store.lanes.clear(lane) else "dropped", sorted(p.name for p in lane.iterdir()))
+store.lanes.reset("w")
 print("removed" if not (store.root / "scratch" / "w").exists() else "left")
 """
 
