@@ -200,6 +200,7 @@ def serve(
     ] = None,
 ) -> None:
     """Run the HTTP API (and, by default, a worker beside it)."""
+    from app import apiserver
     from app import serve as serve_
     from app.api.main import check_settings
 
@@ -221,7 +222,7 @@ def serve(
     except errors.AppError as exc:
         raise _fail(exc) from exc
     # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
-    if code == serve_.WORKER_FAILED and count == 1:
+    if code == apiserver.WORKER_FAILED and count == 1:
         typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
     if code:
         raise typer.Exit(code)
@@ -289,7 +290,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "n
 def _stop_on_signals(w: Worker, grace_s: float) -> list[float]:
     """Have SIGTERM and SIGINT stop the worker gracefully, and a second one (REPEAT_S or more after
     the first: sooner, it is the first delivered twice) stop it at once; when each was asked."""
-    from app import serve as serve_
+    from app import apiserver
 
     asked: list[float] = []
 
@@ -300,7 +301,7 @@ def _stop_on_signals(w: Worker, grace_s: float) -> list[float]:
                 "%s: stopping; running jobs have %g s to finish (again: stop at once)", sig.name, grace_s
             )
             w.stop()
-        elif now - asked[0] >= serve_.REPEAT_S:
+        elif now - asked[0] >= apiserver.REPEAT_S:
             w.stop_now()
         asked.append(now)
 

@@ -139,7 +139,7 @@ async def _start_worker(
         await worker.start()
     except errors.AppError as exc:
         log.error("the in-process worker cannot start: %s", exc.message, extra={"action": "worker_refused"})
-        # `gpujobs serve` says it in one line and exits 2, as `gpujobs worker` does (app.serve),
+        # `gpujobs serve` says it in one line and exits 2, as `gpujobs worker` does (app.apiserver),
         # rather than uvicorn's traceback of it.
         app.state.start_refused = exc
         raise

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from app import serve
+from app import apiserver
 from app.api import limits
 from app.api.main import create_app
 from app.settings import Settings
@@ -40,7 +40,7 @@ async def quick_server(settings: Settings, **overrides: Any) -> AsyncIterator[tu
     update = {"client_timeout_s": 1.0, "stream_keepalive_s": 0.3, **overrides}
     quick = settings.model_copy(update=update)
     app = create_app(quick)
-    async with serving(app, http=serve.uvicorn_config(app, quick, "127.0.0.1", 0).http) as base:
+    async with serving(app, http=apiserver.uvicorn_config(app, quick, "127.0.0.1", 0).http) as base:
         host, port = base.removeprefix("http://").split(":")
         yield host, int(port)
 

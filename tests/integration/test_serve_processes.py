@@ -316,9 +316,9 @@ def test_a_process_that_cannot_be_started_stops_those_already_started(settings, 
     waiting on them at its exit for ever. They are stopped."""
     import socket
 
-    from app import serve as serve_
+    from app import supervisor
 
-    class FailingSecond(serve_.Supervisor):
+    class FailingSecond(supervisor.Supervisor):
         def _start(self, index: int, *, first: bool, pause_s: float) -> None:
             if index == 1:
                 raise OSError("no room for another process")
@@ -327,8 +327,8 @@ def test_a_process_that_cannot_be_started_stops_those_already_started(settings, 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        supervisor = FailingSecond(settings.model_copy(update={"run_worker": False}), 2, sock)
+        parent = FailingSecond(settings.model_copy(update={"run_worker": False}), 2, sock)
         with pytest.raises(OSError, match="no room"):
-            supervisor.run()
-        started = list(supervisor.pids().values())
+            parent.run()
+        started = list(parent.pids().values())
         assert started == [], f"still running: {started}"

@@ -1,0 +1,138 @@
+"""One API process of `gpujobs serve`: uvicorn's settings, its server, and the exit code it gives.
+
+The server tells the app at once when it is asked to stop (its worker stops claiming, its event
+streams end), and stops at once when asked again. The exit code tells a supervisor how it ended:
+a graceful stop, a forced one, a worker that failed, or a start-up that failed or was refused.
+Several of these processes on one port: app/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Final
+
+from app import errors
+
+if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
+    from fastapi import FastAPI
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from app.settings import Settings
+
+log = logging.getLogger("gpujobs.serve")
+
+# Exit codes, as `gpujobs serve` in one process gives them.
+WORKER_FAILED: Final = 1  # the in-process worker stopped after an error
+STOPPED_NOW: Final = 1  # asked again while stopping: stopped at once, as `gpujobs worker` exits then
+REFUSED: Final = 2  # the app's start-up refused a setting (its worker cannot start): said in one line
+START_FAILED: Final = 3  # uvicorn could not start (the app's start-up failed otherwise)
+# A signal this soon after the first is that one delivered twice (`timeout` signals its child, then
+# its process group, the child included), not an operator asking again.
+REPEAT_S: Final = 1.0
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uvicorn.Config:
+    """The server's settings, the same in one process and in each of several."""
+    import uvicorn
+
+    from app.api import connections
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        # A request's head bounded in size and time (uvicorn's own waits for it for ever).
+        http=connections.protocol(settings.client_timeout_s),
+        # The default asyncio loop: subprocess start is several times slower under uvloop.
+        loop="asyncio",
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        log_config=None,  # our logging (logs.setup): one format for every line
+        timeout_graceful_shutdown=5,  # open event streams must not hold a shutdown forever
+    )
+
+
+def serve_app(settings: Settings, sock: socket.socket) -> int:
+    """Run the app in this process on `sock` (listening) until it is asked to stop; the exit code
+    `gpujobs serve` gives. A signal's comes as SystemExit (143 on SIGTERM: cli._exit_on_sigterm),
+    but after a forced stop (asked again): SystemExit(STOPPED_NOW), as `gpujobs worker` exits then,
+    so that a supervisor can tell a forced stop from a graceful one."""
+
+    from app.api.main import create_app
+
+    app = create_app(settings)
+    host, port = sock.getsockname()[:2]
+    server = _server(uvicorn_config(_QuietRefusal(app), settings, host, port), app)
+    app.state.on_worker_failed = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run(sockets=[sock])
+    # uvicorn's when the start-up failed, or the signals it raises again once it has shut down:
+    # SIGTERM's SystemExit (_exit_on_sigterm), SIGINT's KeyboardInterrupt (asyncio's handler).
+    except (SystemExit, KeyboardInterrupt):
+        refused: errors.AppError | None = getattr(app.state, "start_refused", None)
+        if refused is not None:
+            raise refused from None  # for the CLI to say in one line, exit 2
+        if getattr(app.state, "asked_again", False):
+            raise SystemExit(STOPPED_NOW) from None
+        raise
+    if getattr(app.state, "asked_again", False):
+        raise SystemExit(STOPPED_NOW)
+    if not server.started:  # the start-up failed (said in the log)
+        return START_FAILED
+    if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
+        return WORKER_FAILED
+    return 0
+
+
+def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
+    """uvicorn's server, but that a signal to exit tells the app at once (`app.state.on_exit`:
+    its worker stops claiming, its event streams end), not once open connections have closed or
+    timeout_graceful_shutdown has passed. A second signal (REPEAT_S or more after the first), a
+    SIGTERM as well as uvicorn's second Ctrl-C, stops at once: the worker kills its models and
+    hands its jobs back (`app.state.on_exit_now`), and open connections are not waited for."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        asked_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            now = time.monotonic()
+            again = self.asked_at is not None and now - self.asked_at >= REPEAT_S
+            self.asked_at = self.asked_at or now
+            super().handle_exit(sig, frame)
+            if again:
+                self.force_exit = True
+                app.state.asked_again = True  # serve_app's exit code says so
+            hook = "on_exit_now" if again else "on_exit"
+            on_exit: Callable[[], None] | None = getattr(app.state, hook, None)
+            if on_exit is not None:  # None while the app starts: it has no worker or stream yet
+                on_exit()
+
+    return Server(config)
+
+
+class _QuietRefusal:
+    """The app, but for the traceback uvicorn logs of a start-up the app refused with an AppError
+    (`app.state.start_refused`: its worker cannot start), which the app logged in one line, and
+    `gpujobs serve` says in one more."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await self._app(scope, receive, send)
+
+        async def quiet(message: Message) -> None:
+            refused = getattr(self._app.state, "start_refused", None) is not None
+            if message["type"] == "lifespan.startup.failed" and refused:
+                message = {**message, "message": ""}  # Starlette's traceback of it
+            await send(message)
+
+        await self._app(scope, receive, quiet)
