@@ -37,6 +37,7 @@ _EXIT_SETTLE_S = 1.0
 _READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
 
+ProgressCallback = progress.ProgressCallback
 _Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
 
 
@@ -234,12 +235,7 @@ class WarmRunner:
         return self._end(reason, gentle=True)
 
     async def run_job(
-        self,
-        request: modelkit.Request,
-        *,
-        timeout_s: float,
-        log_path: Path,
-        on_progress: progress.ProgressCallback,
+        self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
     ) -> WarmResult:
         """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
         if self.state is not RunnerState.IDLE:
