@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import time
@@ -47,16 +48,16 @@ async def test_kill_process_group_refuses_dangerous_groups(pgid: int | None) -> 
         await procgroup.kill_process_group(os.getpgid(0) if pgid is None else pgid, grace_s=0.1)
 
 
-# A process that forks `argv[1]` children which sleep until killed, says "ready", and kills and
-# reaps them all once its stdin closes (so the test leaves no orphan to the host's init).
+# A process that starts `argv[1]` children running `argv[2]` (sleep: about 80 kB each, where a
+# forked Python is about 0.8 MB), says "ready", and kills and reaps them all once its stdin closes
+# (so the test leaves no orphan to the host's init).
 CROWD = """
 import os, signal, sys
 kids = []
 for _ in range(int(sys.argv[1])):
     pid = os.fork()
     if pid == 0:
-        signal.pause()
-        os._exit(0)
+        os.execv(sys.argv[2], ["sleep", "3600"])
     kids.append(pid)
 print("ready", flush=True)
 sys.stdin.read()
@@ -75,8 +76,8 @@ async def test_a_kill_grace_leaves_the_event_loop_free_beside_many_processes() -
     busy for most of the grace. Measured as the CPU the loop's thread spends during a grace beside
     1,500 more processes: the CPU time of its thread, not wall time, which a loaded host stretches."""
     crowd = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CROWD, "1500", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, start_new_session=True,
+        sys.executable, "-c", CROWD, "1500", shutil.which("sleep") or "/bin/sleep",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     assert crowd.stdin is not None and crowd.stdout is not None
     try:
