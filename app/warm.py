@@ -17,7 +17,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Coroutine, Mapping
@@ -26,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from app import childprocess, logs, modelkit, progress, runner
+from app import childprocess, logs, modelkit, procgroup, progress, runner
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
@@ -111,12 +110,6 @@ def _own_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
     """A task of the runner's. The runner outlives the job that starts it (a job's task may start
     it, or end it), so its tasks log under no job: only the worker is kept of the context."""
     return asyncio.create_task(coro, name=name, context=logs.outside_job())
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    """Send `sig` to a process group, if anything of ours is still in it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 class WarmRunner:
@@ -228,7 +221,7 @@ class WarmRunner:
     def kill(self) -> None:
         """SIGKILL the runner's group now, with no grace (the worker stops at once); close() reaps it."""
         if self._proc is not None and self._proc.returncode is None:
-            _signal_group(self._proc.pid, signal.SIGKILL)
+            procgroup.signal_group(self._proc.pid, signal.SIGKILL)
 
     def close(self, reason: str = "closed") -> asyncio.Task[None]:
         """End the runner (stdin closed, it should exit; its group killed after the grace); await it."""
@@ -428,10 +421,10 @@ class WarmRunner:
                 if step == "eof" and proc.stdin is not None:
                     proc.stdin.close()
                 elif isinstance(step, signal.Signals):
-                    _signal_group(proc.pid, step)
+                    procgroup.signal_group(proc.pid, step)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.exited(), None if step == signal.SIGKILL else self._grace)
-            _signal_group(proc.pid, signal.SIGKILL)  # forked helpers must not outlive it
+            procgroup.signal_group(proc.pid, signal.SIGKILL)  # forked helpers must not outlive it
             await self._close_pipes(proc)
             self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")
         self.state = RunnerState.DEAD
