@@ -20,9 +20,13 @@ from app.queue import manager as manager_
 
 log = logging.getLogger("gpujobs.worker")
 
-# Per worker id: what the kernel had counted of this process's ended children, and which runs and
-# runners were live, when it last looked for strays (`kill_strays(..., changed_only=True)`).
-_LAST_LOOK: dict[str, tuple[tuple[float, ...], frozenset[str]]] = {}
+
+class LastLook:
+    """What a worker saw when it last looked for strays (`kill_strays(..., last=...)`): the kernel's
+    totals for this process's ended children, and the runs and runners live then."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[tuple[float, ...], frozenset[str]] | None = None
 
 
 def hold_identity(worker_id: str) -> socket.socket | None:
@@ -121,23 +125,24 @@ def find_marked(worker_id: str) -> dict[int, str]:
     return _scan(origin)
 
 
-async def kill_strays(worker_id: str, live: Callable[[], Set[str]], *, changed_only: bool = False) -> int:
+async def kill_strays(worker_id: str, live: Callable[[], Set[str]], *, last: LastLook | None = None) -> int:
     """Kill, at once, the processes this worker's runs and runners started that outlived them: a
     process a model started in a session of its own (setsid) is not in its run's process group,
     so the group's kill missed it. `live()` names (as `find_marked` does) the runs and runners
     still going: a helper of one of those (a daemon, say) lives on with it. Asked after the scan,
     so a run that started meanwhile is live.
 
-    With `changed_only` (a reap round), nothing is read unless a child of this process ended since
-    the worker last looked, or the runs and runners live then are not those live now: a stray
+    Given the worker's `last` look (a reap round), nothing is read unless a child of this process
+    ended since then, or the runs and runners live then are not those live now: a stray
     outlives a run or runner that ended. Reading every process's environment cost 75-85 ms of CPU
     beside 2,000 processes (as root; 32-37 ms as a user of its own), every round, idle or not."""
     ended = _children_ended()  # before the scan: a run reaped during it is looked for next time
-    if changed_only and _LAST_LOOK.get(worker_id) == (ended, frozenset(live())):
+    if last is not None and last.seen == (ended, frozenset(live())):
         return 0
     marked = await asyncio.to_thread(find_marked, worker_id)
     going = live()
-    _LAST_LOOK[worker_id] = (ended, frozenset(going))
+    if last is not None:
+        last.seen = (ended, frozenset(going))
     groups = {pgid for pgid, origin in marked.items() if origin not in going}
     return await _kill_groups(groups, grace_s=0, why="a process its run left behind")
 

@@ -141,6 +141,7 @@ class Worker:
         # Held while claiming and starting what was claimed, and while handing back what a lost
         # claim took: that compares the jobs running under this worker's name with `_running`.
         self._claiming = asyncio.Lock()
+        self._strays_seen = leftovers.LastLook()  # a reap round looks through /proc only after a change
         # Set when a job's files could not be written (a full disk, a folder gone read-only): claims
         # pause until a probe of the storage folder passes, or every job would spend its attempts here.
         self._storage_trouble: str | None = None
@@ -770,7 +771,7 @@ class Worker:
             keys = (k for r, k in self.pool.runners().items() if r.state is not warm.RunnerState.DEAD)
             return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
 
-        await leftovers.kill_strays(self.id, live, changed_only=True)
+        await leftovers.kill_strays(self.id, live, last=self._strays_seen)
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from app.queue import leftovers
 from app.queue.jobs import JobState
 from tests.conftest import script_model, toy_model
 from tests.integration.test_durability import alive, running, until
@@ -194,7 +193,6 @@ async def test_an_idle_worker_looks_for_strays_only_after_a_run_ended(manager, m
     ms of CPU a round beside 2,000 processes (as root; 32-37 ms as a user of its own), idle or
     not. A round now looks only when a run or runner of the worker ended since it last looked."""
     _watch()
-    leftovers._LAST_LOOK.clear()  # what an earlier test's worker of the same id saw last
     _PROC_SCANS.clear()
     _COUNTING.append(True)
     try:
