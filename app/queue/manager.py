@@ -810,7 +810,8 @@ class JobManager:
     ) -> records.Retried:
         """Queue again, as `retry` does, the failed and quarantined jobs matching the filter that
         finished by now: in batches of at most `batch` (sql.RETRY_BATCH), each at most the room left
-        under `queue_limit` jobs waiting, until none is left or the queue is full."""
+        under `queue_limit` jobs waiting, until none is left or the queue is full. A batch counts and
+        fills the room under a lock every bulk retry takes (sql.XACT_LOCK)."""
         values = {
             "by": by,
             "attempts": attempts,
@@ -822,7 +823,8 @@ class JobManager:
         }
         retried, room = 0, 0
         while True:
-            async with self._auto.connect() as conn:
+            async with self._engine.begin() as conn:  # one batch: its count and its retry, locked
+                await conn.execute(sql.XACT_LOCK, {"key": sql.BULK_RETRY_LOCK_KEY})
                 waiting = (await conn.execute(sql.WAITING_UP_TO, {"queue_limit": queue_limit})).scalar_one()
                 room = queue_limit - waiting
                 if room <= 0:

@@ -834,6 +834,11 @@ RETRYABLE_LEFT = text(f"SELECT count(*) AS remaining FROM ({_RETRYABLE}) AS matc
 # The jobs waiting (queued or scheduled), up to :queue_limit, counted as ENQUEUE counts them.
 WAITING_UP_TO = text(f"SELECT {_WAITING}")
 
+# A bulk retry's batch counts the room and fills it while holding this transaction-level lock, so
+# two bulk retries at once never both fill the room one count saw.
+BULK_RETRY_LOCK_KEY = 0x67706A_72657472  # "gpj" "retr"
+XACT_LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+
 JOB_STATE = text("SELECT state FROM jobs WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)")
 
 EVENTS = text(

@@ -208,3 +208,26 @@ async def test_a_bulk_retry_goes_by_batches_and_passes_over_jobs_others_hold(man
     assert await states(manager, failed) == [JobState.failed] + [JobState.queued] * 4 + [JobState.failed]
     history = await manager.events(failed[1])
     assert history[-1].kind == "retried" and history[-1].detail == {"by": "admin"}
+
+
+async def test_two_bulk_retries_at_once_do_not_both_fill_the_same_room(manager, engine):
+    """Each bulk retry counted the jobs waiting, then queued as many as the room it saw: two at once
+    both saw the same room and both filled it, taking the queue past its limit by a batch. A batch
+    now counts and retries while it holds a lock every bulk retry takes, so the second one counts
+    after the first's batch is in. Forced here: a holder keeps both batches from writing their
+    events until both have had the chance to count."""
+    failed = await failed_jobs(manager, engine, 8)
+    async with engine.connect() as holder:
+        await holder.execute(text("LOCK TABLE job_events IN EXCLUSIVE MODE"))
+        both = [
+            asyncio.ensure_future(manager.retry_matching(by="admin", attempts=3, queue_limit=3))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0.5)  # both have counted, if nothing keeps the second from it
+        assert not any(task.done() for task in both)
+        await holder.rollback()
+    done = await asyncio.wait_for(asyncio.gather(*both), 10)
+    assert await waiting(engine) == 3
+    assert sorted(d.retried for d in done) == [0, 3]
+    assert all(d.left == 5 and d.queue_full for d in done)
+    assert len([j for j in failed if (await manager.get(j)).state is JobState.queued]) == 3
