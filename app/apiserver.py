@@ -8,6 +8,7 @@ Several of these processes on one port: app/supervisor.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ START_FAILED: Final = 3  # uvicorn could not start (the app's start-up failed ot
 # A signal this soon after the first is that one delivered twice (`timeout` signals its child, then
 # its process group, the child included), not an operator asking again.
 REPEAT_S: Final = 1.0
+# After a forced stop, how long requests in flight have to end once their connections are closed.
+FORCED_REQUESTS_S: Final = 1.0
 
 
 def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uvicorn.Config:
@@ -95,11 +98,20 @@ def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
     its worker stops claiming, its event streams end), not once open connections have closed or
     timeout_graceful_shutdown has passed. A second signal (REPEAT_S or more after the first), a
     SIGTERM as well as uvicorn's second Ctrl-C, stops at once: the worker kills its models and
-    hands its jobs back (`app.state.on_exit_now`), and open connections are not waited for."""
+    hands its jobs back (`app.state.on_exit_now`), and open connections are closed, not waited for.
+    The app's lifespan ends all the same (uvicorn's skips it when forced): its end is where the
+    worker hands its jobs back, and without it they were left to their leases."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
         asked_at: float | None = None
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             now = time.monotonic()
@@ -109,10 +121,33 @@ def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
             if again:
                 self.force_exit = True
                 app.state.asked_again = True  # serve_app's exit code says so
+                if self.loop is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop has closed
+                        self.loop.call_soon_threadsafe(self.close_connections)
             hook = "on_exit_now" if again else "on_exit"
             on_exit: Callable[[], None] | None = getattr(app.state, hook, None)
             if on_exit is not None:  # None while the app starts: it has no worker or stream yet
                 on_exit()
+
+        def close_connections(self) -> None:
+            """Close every open connection: a request in flight reads a disconnect and ends."""
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.close()
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            shutdown_done = getattr(self.lifespan, "shutdown_event", None)
+            if not self.force_exit or shutdown_done is None or shutdown_done.is_set():
+                return
+            self.close_connections()
+            tasks = list(self.server_state.tasks)
+            if tasks:  # the requests in flight, each now reading a disconnect
+                _, late = await asyncio.wait(tasks, timeout=FORCED_REQUESTS_S)
+                for task in late:
+                    task.cancel()
+            await self.lifespan.shutdown()
 
     return Server(config)
 

@@ -163,3 +163,37 @@ async def test_a_second_signal_stops_serve_at_once(settings, manager, tmp_path, 
         await handed_back(manager, jobs)
     for job_id in jobs if cut else ():  # left to the worker's restart or their leases
         assert (await manager.get(job_id)).state.value == "running"
+
+
+async def test_a_second_signal_while_a_request_is_in_flight_still_hands_the_jobs_back(
+    settings, manager, make_key, tmp_path
+):
+    """uvicorn waits up to 5 s for requests in flight before it ends the app's lifespan, and a second
+    signal in that wait ends the wait and skipped the lifespan's end: the worker, told to stop at
+    once, was cancelled with the loop before it handed its jobs back, which stayed running under
+    its name until their leases ran out (an attempt spent), and the upload was cancelled with a
+    traceback in the log. Open connections are now closed (the upload reads a disconnect), and the
+    lifespan ends all the same."""
+    key = await make_key("uploader")
+    with serving(settings, tmp_path, shutdown_grace_s=60) as (serve, base):
+        jobs = await two_running(manager)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as upload:  # its body half sent
+            head = (
+                f"POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000\r\n\r\n"
+            )
+            upload.sendall(head.encode() + b"--b\r\n")
+            await asyncio.sleep(0.5)  # the request is in flight: uvicorn waits for it
+            serve.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.5)  # uvicorn's wait for the upload goes on
+            assert serve.poll() is None
+            serve.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(serve.wait, 30)
+    log = tmp_path / "serve.log"
+    assert code == 1, (code, log.read_text()[-3000:])
+    text = log.read_text()
+    assert "Application shutdown complete" in text, text[-3000:]  # the lifespan's end ran
+    assert "Traceback" not in text, text[-3000:]  # the upload ended as a disconnect, not cancelled
+    left_no_model("serve", log, jobs)
+    await handed_back(manager, jobs)
