@@ -96,15 +96,18 @@ async def submit(
         values = spec.validate_params(params)
         check_priority(priority, limits)
     except errors.InvalidRequest as refused:
-        if idempotency_key is None:
-            raise
         job = await refused_repeat(
             manager, refused, owner=owner, key=idempotency_key, sent=sent, image=image, limits=limits
         )
         return job, False
     checked = await check_image(image, limits)
-    declared = spec.estimate_vram_mb(checked.megapixels)
-    vram_mb = declared if learner is None else (await learner.estimate(spec, checked.megapixels))[0]
+    try:
+        vram_mb, declared = await vram_for(spec, checked, learner)
+    except errors.InvalidRequest as refused:
+        job = await refused_repeat(
+            manager, refused, owner=owner, key=idempotency_key, sent=sent, image=checked, limits=limits
+        )
+        return job, False
     new = manager_.NewJob(
         owner=owner,
         model=spec.name,
@@ -125,24 +128,54 @@ async def submit(
     return job, created
 
 
+async def vram_for(
+    spec: registry.ModelSpec, image: manager_.NewInput, learner: learning.VramLearner | None
+) -> tuple[int, int]:
+    """(MB to admit the job on, the declared estimate). InvalidRequest where that is more than the
+    largest GPU of the model's workers offers: no worker could ever claim the job, which would wait
+    in the queue for good. With no worker of the model seen in a day, any size is taken."""
+    declared = spec.estimate_vram_mb(image.megapixels)
+    if learner is None:
+        return declared, declared
+    vram_mb, _ = await learner.estimate(spec, image.megapixels)
+    offered = await learner.offered_mb(spec.name)
+    if offered is None or vram_mb <= offered:
+        return vram_mb, declared
+    most = learner.largest_megapixels(spec, offered, image.megapixels)
+    fix = (
+        f"send an image of at most {most:g} megapixels"
+        if most is not None
+        else "no image fits, whatever its size; ask the operator for a worker with a larger GPU"
+    )
+    raise errors.InvalidRequest(
+        f"image: {image.width}x{image.height} ({round(image.megapixels, 2):g} MP) needs {vram_mb} MB of"
+        f" GPU memory for model {spec.name!r}; the largest GPU serving it offers {offered} MB: {fix}",
+        field="image",
+    )
+
+
 async def refused_repeat(
     manager: manager_.JobManager,
     refused: errors.InvalidRequest,
     *,
     owner: str,
-    key: str,
+    key: str | None,
     sent: str | None,
-    image: BinaryIO,
+    image: BinaryIO | manager_.NewInput,
     limits: Limits,
 ) -> Job:
     """The job of this idempotency key if this request, `refused` now, is the one that made it, as
     sent then: a retry during a restart that removed its model, or checks its params more strictly,
-    gets its job. Else `refused` (also for a job queued before requests were recorded as sent)."""
+    or after a worker with a smaller GPU than the job needs reported, gets its job. Else `refused`
+    (also for a job queued before requests were recorded as sent). `image`: the upload, or the
+    upload once checked. Without a key, `refused` at once."""
+    if key is None:
+        raise refused
     job = await manager.find_idempotent(owner, key)
     if job is None or job.request_sha256 != sent:  # NULL: queued before requests were recorded
         raise refused
     try:
-        checked = await check_image(image, limits)
+        checked = image if isinstance(image, manager_.NewInput) else await check_image(image, limits)
     except errors.AppError:
         raise refused from None
     if await _other_image(manager, job, checked):

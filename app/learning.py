@@ -4,12 +4,14 @@ Workers record each run's peak GPU memory (NVML, per process group). Once a mode
 `min_samples` recorded peaks, a new job is admitted on a high percentile of observed ÷ declared,
 times its own declared estimate (so input size still scales it), plus a margin, and never above
 the declared figure (or the declared maximum) unless the operator allows it; then never above the
-largest GPU its workers have reported, less the buffer (a job no GPU can take waits for good).
-Without NVML no peaks are recorded and the declared estimate is used as is.
+largest GPU its workers have reported, less the buffer. A job whose estimate is still above that
+(its declared one, for a large input) could never be claimed: intake refuses it (`offered_mb`,
+`largest_megapixels`). Without NVML no peaks are recorded and the declared estimate is used as is.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +51,37 @@ class VramLearner:
 
     async def estimate(self, spec: registry.ModelSpec, megapixels: float) -> tuple[int, int]:
         """(MB to admit the job on, the declared estimate)."""
+        await self._observed()
         declared = spec.estimate_vram_mb(megapixels)
-        ratios, _ = (await self._observed()).get(spec.name, ([], 0))
+        return self._admitted(spec, declared), declared
+
+    async def offered_mb(self, model: str) -> int | None:
+        """The most a job of `model` may be admitted on and still be claimed: the largest GPU its
+        workers reported in the last day, less the buffer (the claim takes a job of at most that).
+        None with no such worker. From the cache: no query of its own."""
+        await self._observed()
+        largest = self._largest.get(model)
+        return None if largest is None else largest - self._config.buffer_mb
+
+    def largest_megapixels(self, spec: registry.ModelSpec, offered_mb: int, below: float) -> float | None:
+        """The most megapixels, under `below`, whose estimate is at most `offered_mb`, rounded down
+        to 0.01 MP; None where not even an empty image's is. Read off the cache `estimate` used, by
+        halving: the estimate grows with the megapixels, learned or not."""
+
+        def fits(megapixels: float) -> bool:
+            return self._admitted(spec, spec.estimate_vram_mb(megapixels)) <= offered_mb
+
+        if not fits(0.0):
+            return None
+        low, high = 0.0, below
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return math.floor(low * 100) / 100
+
+    def _admitted(self, spec: registry.ModelSpec, declared: int) -> int:
+        """The MB a job declared at `declared` is admitted on, from the cached observations."""
+        ratios, _ = self._ratios.get(spec.name, ([], 0))
         # Above the declared estimate only up to what the largest GPU the model's workers have
         # reported lately can give (less the buffer), so that some GPU can take the job; with none
         # known (its workers away for a day), not above it at all. By default, not above the
@@ -59,7 +90,7 @@ class VramLearner:
         cap = declared if largest is None else max(declared, largest - self._config.buffer_mb)
         if not self._config.above_declared:
             cap = min(cap, spec.max_vram_mb or declared)
-        learned = scheduler.learned_vram_mb(
+        return scheduler.learned_vram_mb(
             declared,
             ratios,
             percentile=self._config.percentile,
@@ -67,7 +98,6 @@ class VramLearner:
             min_samples=self._config.min_samples,
             cap_mb=cap,
         )
-        return learned, declared
 
     async def report(self, spec: registry.ModelSpec) -> dict[str, Any]:
         """Declared versus observed for GET /models: samples, largest peak, the ratio admitted on."""

@@ -38,7 +38,10 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorPublic, "description": "The Idempotency-Key was used for a different request"},
     413: {"model": ErrorPublic, "description": "The upload is over the size limit"},
     415: {"model": ErrorPublic, "description": "Not a PNG, JPEG or WebP image"},
-    422: {"model": InvalidPublic, "description": "Unknown model, bad params or priority, broken image"},
+    422: {
+        "model": InvalidPublic,
+        "description": "Unknown model, bad params or priority, broken image, image too large for every GPU",
+    },
     429: {"model": ErrorPublic, "description": "The queue, or this key's share of it, is full (Retry-After)"},
     503: {"model": ErrorPublic, "description": "The database is unavailable (see Retry-After)"},
 }

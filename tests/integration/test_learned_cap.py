@@ -1,5 +1,6 @@
-"""A learned VRAM estimate never passes what the model's GPUs can give, whatever the model's
-declared maximum: a job admitted on more than any GPU has would wait for ever."""
+"""No job is admitted on more than its model's GPUs can give, whatever the model's declared
+maximum: such a job would wait for ever. A learned estimate stays within the largest GPU; a
+declared one above it is refused at intake."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import api_client, png_bytes, toy_model
+from tests.integration.test_api_intake import counts
 from tests.integration.test_scheduling import ModelMemory
 from tests.integration.test_worker import enqueue
 
 
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
-    """`toy`, declaring a maximum far above the test's 24 GB GPU (as a model made for 80 GB cards)."""
+    """`toy`, declaring a maximum far above the test's 24 GB GPU (as a model made for 80 GB cards),
+    and `big`, declaring 4000 MB per megapixel."""
     path = tmp_path / "models.toml"
     path.write_text(
         toy_model("toy").replace("mb_per_megapixel = 0 }", "mb_per_megapixel = 0, max_mb = 80000 }")
+        + toy_model("big").replace("mb_per_megapixel = 0 }", "mb_per_megapixel = 4000 }")
     )
     return path
 
@@ -40,3 +44,37 @@ async def test_a_learned_estimate_stays_within_the_largest_gpu_by_default(
         )
     assert response.status_code == 201, response.text
     assert response.json()["vram_mb"] == 24_576 - 512
+
+
+async def test_an_image_too_large_for_every_gpu_of_its_model_is_refused_at_intake(
+    make_worker, settings, engine
+):
+    """A job whose estimate was more than the largest GPU of its model's workers offered was
+    accepted (201) and stayed queued for good, holding a place in the queue, without a word. Now it
+    is 422, naming the MB it needs, the MB offered and the largest image that fits, and nothing is
+    stored; with no worker of the model reported, it is accepted as before (and a repeat of that
+    request with its idempotency key still gets its job)."""
+    image = {"image": ("a.png", png_bytes((1000, 1000)), "image/png")}  # 1 MP: 5000 MB
+    async with api_client(settings, vram_buffer_mb=512) as http:
+        unknown = await http.post(
+            "/jobs", files=image, data={"model": "big"}, headers={"Idempotency-Key": "k"}
+        )
+    assert unknown.status_code == 201, unknown.text
+    before = await counts(engine)
+    await make_worker([4096]).run()  # offers 4096 - 512 = 3584 MB: 0.64 MP at most
+    async with api_client(settings, vram_buffer_mb=512) as http:
+        refused = await http.post("/jobs", files=image, data={"model": "big"})
+        small = await http.post(
+            "/jobs", files={"image": ("b.png", png_bytes((600, 600)), "image/png")}, data={"model": "big"}
+        )
+        repeat = await http.post(
+            "/jobs", files=image, data={"model": "big"}, headers={"Idempotency-Key": "k"}
+        )
+    assert refused.status_code == 422, refused.text
+    detail = refused.json()["detail"]
+    assert isinstance(detail, str)
+    for needle in ("image:", "5000 MB", "3584 MB", "at most 0.64 megapixels", "big"):
+        assert needle in detail, detail
+    assert small.status_code == 201, small.text  # 0.36 MP: 2440 MB
+    assert (repeat.status_code, repeat.json()["id"]) == (200, unknown.json()["id"])  # its job, as ever
+    assert (await counts(engine))[:2] == (before[0] + 1, before[1] + 1)
