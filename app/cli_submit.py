@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -33,16 +34,21 @@ RETRY_AFTER_MAX_S = 30.0
 
 
 def parse_params(pairs: list[str]) -> dict[str, Any]:
-    """`k=v` pairs; values that read as JSON (numbers, true/false) are taken as such, else text."""
+    """`k=v` pairs; values that read as JSON (numbers, true/false) are taken as such, else text. A
+    name given twice is refused: which value was meant is not ours to guess."""
     params: dict[str, Any] = {}
+    names = Counter(pair.partition("=")[0].strip() for pair in pairs)
     for pair in pairs:
         name, sep, raw = pair.partition("=")
-        if not sep or not name.strip():
+        name = name.strip()
+        if not sep or not name:
             client.fail(f"--param {pair!r}: write it as name=value")
+        if names[name] > 1:
+            client.fail(f"--param {name!r} is given {names[name]} times; give it once")
         try:
-            params[name.strip()] = json.loads(raw)
+            params[name] = json.loads(raw)
         except ValueError:
-            params[name.strip()] = raw
+            params[name] = raw
     return params
 
 

@@ -7,6 +7,7 @@ import contextlib
 import decimal
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -34,12 +35,44 @@ class Limits:
     queue_limit_per_key: int = 0  # 0: no limit per principal
 
 
+class _Keys:
+    """json.loads' object_pairs_hook: each object as a dict, noting the first one that gives a key
+    more than once (JSON takes the last of them, without a word)."""
+
+    def __init__(self) -> None:
+        self.objects = 0  # objects decoded so far: the outermost one comes last
+        self.repeated: tuple[int, str, int] | None = None  # (its object's number, key, times)
+
+    def __call__(self, items: list[tuple[str, Any]]) -> dict[str, Any]:
+        self.objects += 1
+        value = dict(items)
+        if len(value) < len(items) and self.repeated is None:
+            key, times = next((k, n) for k, n in Counter(k for k, _ in items).items() if n > 1)
+            self.repeated = (self.objects, key, times)
+        return value
+
+    def check(self) -> None:
+        """InvalidParams naming the key given twice, if one was."""
+        if self.repeated is None:
+            return
+        number, key, times = self.repeated
+        if number == self.objects:
+            raise errors.InvalidParams(
+                f"params.{key}: given {times} times; send it once", field=f"params.{key}"
+            )
+        raise errors.InvalidParams(
+            f"params: key {key!r} is given {times} times in a nested object; send it once", field="params"
+        )
+
+
 def parse_params(raw: str | None) -> dict[str, Any]:
-    """The `params` form field: a JSON object, or nothing."""
+    """The `params` form field: a JSON object, or nothing; a key given twice is refused, as a form
+    field sent twice is (api/jobs.py, check_fields)."""
     if raw is None or raw.strip() == "":
         return {}
+    keys = _Keys()
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=keys)
     except json.JSONDecodeError as exc:
         raise errors.InvalidParams(
             f"params: not valid JSON ({exc.msg} at {exc.pos})", field="params"
@@ -50,6 +83,7 @@ def parse_params(raw: str | None) -> dict[str, Any]:
         raise errors.InvalidParams("params: nested too deeply", field="params") from exc
     if not isinstance(value, dict):
         raise errors.InvalidParams('params: must be a JSON object such as {"width_mm": 80}', field="params")
+    keys.check()
     if "\\u" in raw:  # only an escape can spell half a surrogate pair: no text, and no jsonb
         try:
             json.dumps(value, ensure_ascii=False).encode()

@@ -139,6 +139,14 @@ def test_params_are_typed_like_json():
     }
 
 
+def test_a_param_given_twice_is_refused(capsys):
+    """`-p width_mm=80 -p width_mm=90` sent 90 without a word; now the command stops, naming it."""
+    with pytest.raises(typer.Exit) as caught:
+        cli_submit.parse_params(["width_mm=80", "steps=2", " width_mm =90"])
+    assert caught.value.exit_code == 2
+    assert capsys.readouterr().err == "error: --param 'width_mm' is given 2 times; give it once\n"
+
+
 def test_server_sent_events_are_parsed():
     from app import cli_submit
 

@@ -51,3 +51,28 @@ def test_params_nested_too_deeply_are_refused():
         deep = [deep]
     with pytest.raises(errors.InvalidParams, match="nested too deeply"):
         intake.fingerprint("m", {"x": deep}, 0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "message"),
+    [
+        (
+            '{"width_mm": 80, "width_mm": 90}',
+            "params.width_mm",
+            "params.width_mm: given 2 times; send it once",
+        ),
+        ('{"a": 1, "a": 1, "a": 2}', "params.a", "params.a: given 3 times; send it once"),
+        (
+            '{"a": [{"x": 1}, {"x": 2, "x": 3}]}',
+            "params",
+            "params: key 'x' is given 2 times in a nested object",
+        ),
+    ],
+)
+def test_a_key_repeated_in_params_is_refused_naming_it(raw, field, message):
+    """`{"width_mm": 80, "width_mm": 90}` was taken as 90 without a word, as a form field sent twice
+    took its last value before: the model ran with a value the client may not have meant."""
+    with pytest.raises(errors.InvalidParams) as caught:
+        intake.parse_params(raw)
+    assert caught.value.field == field
+    assert caught.value.message.startswith(message)
