@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 
 from app import errors, retention, storage
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, require_admin
@@ -161,8 +162,9 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
 
 
 @router.post("/prune", response_model=PrunePublic, responses={409: {"model": ErrorPublic}})
-async def prune(body: PruneRequest, request: Request) -> PrunePublic:
+async def prune(request: Request, body: Annotated[PruneRequest | None, Body()] = None) -> PrunePublic:
     """Delete the files, logs and unused inputs of finished jobs older than the retention age, now."""
+    body = body or PruneRequest()  # no body: as `{}`, every field at its default
     settings: Settings = request.app.state.settings
     older_than_s = body.older_than_s
     if older_than_s is None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Resp
 from starlette.datastructures import FormData
 
 from app import errors, intake
-from app.api import limits
+from app.api import forms
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
 from app.queue.jobs import JobState
@@ -20,7 +20,7 @@ from app.queue.jobs import JobState
 router = APIRouter(
     prefix="/jobs",
     tags=["jobs"],
-    route_class=limits.UploadRoute,  # POST /jobs parses its upload in memory
+    route_class=forms.FormRoute,  # POST /jobs parses its upload in memory; says how to send one
     dependencies=[Depends(get_caller)],
     responses={
         401: {"model": ErrorPublic, "description": "Missing, invalid or revoked API key"},

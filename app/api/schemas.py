@@ -353,13 +353,13 @@ class PruneRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt `dry_run` must not delete for real
 
     older_than_s: float | None = Field(
-        None,
+        default=None,
         ge=0,
         le=100 * 365 * 86_400,
         allow_inf_nan=False,  # else NaN is refused as "should be less than or equal to ..."
         description="Finished longer ago than this; default: the retention_days setting",
     )
-    dry_run: bool = Field(False, description="Only report what would be deleted")
+    dry_run: bool = Field(default=False, description="Only report what would be deleted")
 
 
 class PrunePublic(BaseModel):

@@ -1,0 +1,76 @@
+"""Routes that take a multipart form (POST /jobs): a body that is not their form gets one sentence
+that says how to send it.
+
+FastAPI answers such a body with its list of field errors: a JSON body, `model` "Field required"
+though the body held one, never saying that the route takes multipart/form-data; a file sent as a
+text field (`curl -F image=abc`, the @ forgotten), "Expected UploadFile, received: <class 'str'>".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import params
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app import errors
+from app.api import limits
+
+MULTIPART = "multipart/form-data"
+
+
+class FormRoute(limits.UploadRoute):
+    """An upload route (parsed in memory) whose refusals of a body that is not its form say what
+    to send instead; routes of its router that take no form are left as they are."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        fields = [f for f in self.dependant.body_params if isinstance(f.field_info, params.Form)]
+        if not fields:
+            return handler
+        files = {f.alias for f in fields if isinstance(f.field_info, params.File)}
+        listed = ", ".join(f"{f.alias} (a file part)" if f.alias in files else f.alias for f in fields)
+        example = " ".join(
+            f"-F {f.alias}=@photo.png" if f.alias in files else f"-F {f.alias}=…"
+            for f in fields
+            if f.field_info.is_required()
+        )
+        takes = f"{self.path} takes {MULTIPART}, not {{sent}}: {listed}; e.g. curl {example}"
+
+        async def form_only(request: Request) -> Response:
+            sent = _content_type(request)
+            if sent != MULTIPART:
+                raise errors.InvalidRequest(f"{request.method} " + takes.format(sent=sent))
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                _refuse_text_for_file(exc, files)
+                raise
+
+        return form_only
+
+
+def _content_type(request: Request) -> str:
+    """The request's media type, lower case, without parameters; else what it sent, in words."""
+    value = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if value:
+        return value
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return "an empty body"
+    return "a body without a Content-Type"
+
+
+def _refuse_text_for_file(exc: RequestValidationError, files: set[str]) -> None:
+    """InvalidRequest naming the first file field that came as a text field, if one did."""
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        if len(loc) == 2 and loc[0] == "body" and loc[1] in files and isinstance(error.get("input"), str):
+            name = loc[1]
+            raise errors.InvalidRequest(
+                f"{name}: sent as a text field, not a file; send it as a file part"
+                f" (curl -F {name}=@photo.png: the @ sends the file)",
+                field=str(name),
+            ) from exc

@@ -1,0 +1,48 @@
+"""A body that is not what a route takes gets a 422 that says how to send it, as one sentence."""
+
+from __future__ import annotations
+
+from tests.conftest import png_bytes
+from tests.integration.test_api_intake import counts
+
+
+async def test_a_json_body_on_post_jobs_is_told_to_send_a_multipart_form(client, engine):
+    """A JSON body got FastAPI's list of field errors, `model` "Field required" though the body held
+    one, and never said that the route takes multipart/form-data."""
+    answer = await client.post("/jobs", json={"model": "toy", "image": "photo.png"})
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"]
+    assert isinstance(detail, str), detail
+    assert detail.startswith("POST /jobs takes multipart/form-data, not application/json:"), detail
+    for named in ("image (a file part)", "model", "priority", "params", "curl -F image=@photo.png"):
+        assert named in detail, detail
+    no_body = await client.post("/jobs")
+    assert (
+        no_body.status_code == 422
+        and "takes multipart/form-data, not an empty body" in no_body.json()["detail"]
+    )
+    assert await counts(engine) == (0, 0, 0)
+
+
+async def test_an_image_sent_as_a_text_field_is_told_to_send_a_file_part(client, engine):
+    """`curl -F image=abc` (the @ forgotten) got "Value error, Expected UploadFile, received: <class
+    'str'>": a Python class name, and no word on how to send the image."""
+    answer = await client.post("/jobs", files={"image": (None, "photo.png"), "model": (None, "toy")})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"] == (
+        "image: sent as a text field, not a file; send it as a file part"
+        " (curl -F image=@photo.png: the @ sends the file)"
+    )
+    good = await client.post(
+        "/jobs", files={"image": ("a.png", png_bytes(), "image/png"), "model": (None, "toy")}
+    )
+    assert good.status_code == 201, good.text
+    assert (await counts(engine))[:2] == (1, 1)
+
+
+async def test_a_prune_with_no_body_prunes_as_with_an_empty_object(client):
+    """Both fields of POST /admin/prune are optional, yet no body at all was a 422 list ("body:
+    Field required"); it now runs retention now, as `{}` does."""
+    answer = await client.post("/admin/prune")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["jobs"] == 0 and answer.json()["dry_run"] is False
