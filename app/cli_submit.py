@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -33,10 +33,15 @@ TRY_AGAIN = frozenset({429, 502, 503, 504})
 RETRY_AFTER_MAX_S = 30.0
 
 
-def parse_params(pairs: list[str]) -> dict[str, Any]:
-    """`k=v` pairs; values that read as JSON (numbers, true/false) are taken as such, else text. A
-    name given twice is refused: which value was meant is not ours to guess."""
-    params: dict[str, Any] = {}
+def parse_params(pairs: list[str], types: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`k=v` pairs, typed (see `typed`). A malformed pair, or a name given twice, exits 2."""
+    return {name: typed(raw, (types or {}).get(name)) for name, raw in split_params(pairs).items()}
+
+
+def split_params(pairs: list[str]) -> dict[str, str]:
+    """`k=v` pairs as name -> the text after `=`. A name given twice is refused: which value was
+    meant is not ours to guess."""
+    params: dict[str, str] = {}
     names = Counter(pair.partition("=")[0].strip() for pair in pairs)
     for pair in pairs:
         name, sep, raw = pair.partition("=")
@@ -45,11 +50,19 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
             client.fail(f"--param {pair!r}: write it as name=value")
         if names[name] > 1:
             client.fail(f"--param {name!r} is given {names[name]} times; give it once")
-        try:
-            params[name] = json.loads(raw)
-        except ValueError:
-            params[name] = raw
+        params[name] = raw
     return params
+
+
+def typed(raw: str, kind: str | None) -> Any:
+    """A value that reads as JSON (numbers, true/false) is taken as such, else as text; for a param
+    of type `str` (the model's schema, from GET /models) text it stays, unless quoted as a JSON
+    string: `-p output=true` sends "true", as the server wants it."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return raw if kind == "str" and not isinstance(value, str) else value
 
 
 def submit(
@@ -69,16 +82,20 @@ def submit(
     as_json: client.AsJson = False,
 ) -> None:
     """Upload an image and queue a job; with --wait, show its progress and download the results."""
+    given = split_params(param or [])  # a malformed --param is refused before any request
     with client.connect(url, key) as http, image.open("rb") as f:
+        entry = catalog_entry(http, model)
+        types = param_types(entry)
+        params = {name: typed(raw, types.get(name)) for name, raw in given.items()}
         job = client.call(
             http,
             "POST",
             "/jobs",
             files={"image": (image.name, f, "application/octet-stream")},
-            data={"model": model, "priority": str(priority), "params": json.dumps(parse_params(param or []))},
+            data={"model": model, "priority": str(priority), "params": json.dumps(params)},
             expect=cli_jobs.JOB_KEYS,
         )
-        warn_if_unserved(http, model)
+        warn_if_unserved(entry, model)
         if not (wait or out):
             cli_jobs.show(job, as_json)
             return
@@ -88,17 +105,34 @@ def submit(
         finish(http, job, out, as_json)
 
 
-def warn_if_unserved(http: httpx.Client, model: str) -> None:
-    """Say so when no live worker serves `model`: its job waits until one starts. Nothing is said
-    when the catalog cannot be read or does not count workers (an older server)."""
+def catalog_entry(http: httpx.Client, model: str) -> dict[str, Any] | None:
+    """`model`'s entry in GET /models; None where the catalog cannot be read or lacks it."""
     import httpx
 
     try:
         response = http.get("/models")
         entry = next(m for m in response.json()["models"] if m.get("name") == model)
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
-        return
-    if entry.get("live_workers") == 0:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def param_types(entry: dict[str, Any] | None) -> dict[str, str]:
+    """Each param's type in a catalog entry (`str`, `int`...); none known without one."""
+    params = entry.get("params") if entry is not None else None
+    if not isinstance(params, dict):
+        return {}
+    return {
+        name: spec["type"]
+        for name, spec in params.items()
+        if isinstance(spec, dict) and isinstance(spec.get("type"), str)
+    }
+
+
+def warn_if_unserved(entry: dict[str, Any] | None, model: str) -> None:
+    """Say so when no live worker serves `model` (its catalog entry): its job waits until one
+    starts. Nothing is said without an entry, or one that does not count workers (an older server)."""
+    if entry is not None and entry.get("live_workers") == 0:
         client.stderr().print(
             f"warning: no live worker serves the model {model} now; the job waits until one starts",
             highlight=False,

@@ -87,6 +87,32 @@ async def test_submit_says_when_no_live_worker_serves_the_model(settings, make_k
     assert "no live worker serves the model toy now" in stderr, stderr
 
 
+async def test_submit_sends_a_text_param_as_text_though_it_reads_as_json(settings, make_key, tmp_path):
+    """`-p trace=123` for a text param sent the number 123, and the server's 422 ("must be a
+    string, not an integer") did not say to quote it. The client now reads the model's params in
+    GET /models and sends a text param's value as text."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    async with api_client(settings) as http:
+        args = ("submit", str(image), "-m", "toy", "-p", "trace=123", "-p", "steps=3", "--json")
+        code, stdout, stderr = await gpujobs(http, await make_key("u"), *args)
+    assert code == 0, stderr
+    assert {k: json.loads(stdout)["params"][k] for k in ("trace", "steps")} == {"trace": "123", "steps": 3}
+
+
+def test_params_of_a_text_type_stay_text():
+    """A param the model's schema says is text is sent as written, unless quoted as a JSON string."""
+    types = {"output": "str", "signal": "str", "label": "str", "steps": "int"}
+    pairs = ["output=true", "signal=1", 'label="x y"', "steps=2", "other=null"]
+    assert cli_submit.parse_params(pairs, types) == {
+        "output": "true",
+        "signal": "1",
+        "label": "x y",
+        "steps": 2,
+        "other": None,
+    }
+
+
 async def test_a_failed_job_exits_non_zero_with_its_error(settings, make_key, tmp_path):
     image = tmp_path / "in.png"
     image.write_bytes(png_bytes())
