@@ -6,6 +6,11 @@ stops it (the wheel keeps the list of processes holding it in the data folder). 
 drops a process that died without leaving (kill -9, a power cut): with it on the list, no process
 would be the last again, and the server would stay up for good. Such processes are dropped from
 the list whenever a process joins or leaves.
+
+Run by root, the wheel runs the server as its own user, and lets that user reach the data folder,
+its binaries and its socket by `chmod g+rx,o+rx` on every folder above them up to `/`: a checkout
+in /root left /root open to every local user. That step is replaced (`_NarrowGrants`): the
+wheel's user alone gets search (x), through an ACL entry, on the folders it cannot pass.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from app import errors
+from app import acl, errors
 
 log = logging.getLogger("gpujobs.pgserver")
 
@@ -43,13 +50,20 @@ class EmbeddedPostgres:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         _ensure_system_user(postgres_server.PostgresServer._lock)
         _forget_the_dead(self.data_dir, postgres_server.PostgresServer._lock)
+        grants = _NarrowGrants()
+        # The wheel's widening, replaced for good: its module looks the name up at each call.
+        postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
         try:
             self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
+        except errors.ConfigError:
+            raise  # a folder the wheel's user cannot pass, said as it is
         except Exception as exc:  # the wheel raises CalledProcessError, OSError, AssertionError...
             log_file = self.data_dir / "log"
             raise errors.ConfigError(
                 f"the embedded PostgreSQL in {self.data_dir} did not start ({exc}); see {log_file}"
             ) from exc
+        finally:
+            grants.report()
         url = self.url()
         log.info("embedded PostgreSQL ready", extra={"action": "pg_started", "data_dir": str(self.data_dir)})
         return url
@@ -73,6 +87,45 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _NarrowGrants:
+    """Stands in for the wheel's `ensure_prefix_permissions(path)` (called as root, under the
+    wheel's lock, for the data folder, the binaries and the socket folder): where the wheel's
+    user cannot pass a folder above `path`, it gets search (x) through an ACL entry, and no
+    one else gains anything. Where no ACL can be set, a ConfigError says what to do."""
+
+    def __init__(self) -> None:
+        self.granted: list[Path] = []
+
+    def __call__(self, path: Path) -> None:
+        uid = pwd.getpwnam(SYSTEM_USER).pw_uid
+        # The wheel switches only the user id (subprocess's `user=`): the server keeps our groups.
+        gids = {os.getgid(), *os.getgroups()}
+        for folder in dict.fromkeys([*path.absolute().parents, *path.resolve().parents]):
+            if acl.can_search(folder, uid, gids):
+                continue
+            try:
+                acl.grant_search(folder, uid)
+            except OSError as exc:
+                mode = stat.S_IMODE(folder.stat().st_mode)
+                raise errors.ConfigError(
+                    f"the embedded PostgreSQL runs as the user {SYSTEM_USER}, which cannot pass "
+                    f"through {folder} (mode {mode:04o}) to {path}, and no ACL entry can be set there "
+                    f"({exc.strerror}): let it pass (chmod o+x {folder}), put the checkout and the "
+                    "storage folder elsewhere, or set GPUJOBS_DATABASE_URL"
+                ) from exc
+            self.granted.append(folder)
+
+    def report(self) -> None:
+        """One warning naming the folders given to the wheel's user, if any."""
+        if self.granted:
+            folders = ", ".join(str(folder) for folder in self.granted)
+            log.warning(
+                "gave the user %s (the embedded PostgreSQL runs as it) search permission, through an ACL "
+                "entry, on %s: it could not pass through them; no other user gained any access",
+                SYSTEM_USER, folders, extra={"action": "pg_search_granted", "folders": folders},
+            )  # fmt: skip
 
 
 def _ensure_system_user(lock: Any) -> None:

@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import asyncpg
 import pytest
 
-from app import db, pgserver
+from app import db, errors, pgserver
 from tests.conftest import free_port, wait_until_serving
 from tests.integration.test_durability import alive
+
+# Tags of a POSIX ACL's entries (linux/posix_acl.h), and the id of those that name no one.
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_OTHER = 0x02, 0x04, 0x20
+_NO_ID = 0xFFFFFFFF
 
 
 async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
@@ -110,3 +118,69 @@ def test_a_process_that_died_holding_the_embedded_server_does_not_keep_it_up(tmp
         assert time.monotonic() < deadline, "the embedded PostgreSQL outlived its last live holder"
         time.sleep(0.1)
     assert json.loads(holders.read_text()) == []
+
+
+def _acl(folder: Path) -> dict[tuple[int, int], int]:
+    """The POSIX access ACL of `folder` as {(tag, id): perms}; {} when it has none."""
+    try:
+        raw = os.getxattr(folder, "system.posix_acl_access")
+    except OSError:
+        return {}
+    return {(tag, ident): perm for tag, perm, ident in struct.iter_unpack("<HHI", raw[4:])}
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="the wheel widens modes only as root")
+async def test_embedded_server_as_root_opens_no_folder_above_its_storage_to_other_users(tmp_path, caplog):
+    """As root, the wheel runs PostgreSQL as its own user and, to let it through, did `chmod
+    g+rx,o+rx` on every folder above the data folder up to `/`: a checkout in /root (0700) left
+    /root 0755, readable by every local user, silently. Now the wheel's user alone is given
+    search (x) through an ACL entry on the folders it could not pass, and their modes stay."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    home.chmod(0o700)  # whatever the umask
+    secret = home / "notes.txt"
+    secret.write_text("secret")
+    secret.chmod(0o644)
+    data = home / "storage" / "pgdata"
+    server = pgserver.EmbeddedPostgres(data)
+    url = await asyncio.to_thread(server.start)
+    try:
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        assert await conn.fetchval("SELECT 1") == 1
+        await conn.close()
+    finally:
+        server.stop()
+    mode = stat.S_IMODE(home.stat().st_mode)
+    assert mode & 0o707 == 0o700, oct(mode)  # the group bits show the ACL's mask
+    acl = _acl(home)
+    uid = pwd.getpwnam(pgserver.SYSTEM_USER).pw_uid
+    assert acl[(_ACL_USER, uid)] == 1  # x for the wheel's user, nothing more
+    assert acl[(_ACL_GROUP_OBJ, _NO_ID)] == 0  # the folder's group gained nothing
+    assert acl[(_ACL_OTHER, _NO_ID)] == 0
+    nobody = await asyncio.to_thread(subprocess.run, ["cat", str(secret)], user="nobody", capture_output=True)
+    assert nobody.returncode != 0 and nobody.stdout == b""
+    [said] = [r for r in caplog.records if getattr(r, "action", None) == "pg_search_granted"]
+    assert said.levelname == "WARNING" and str(home) in said.getMessage()
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="the wheel widens modes only as root")
+def test_embedded_server_as_root_stops_where_no_acl_can_be_set_and_says_what_to_do(tmp_path):
+    """Where the wheel's user cannot pass a folder that takes no ACL entry (here an immutable one,
+    as a file system without ACLs refuses them), the start stops with one line naming the folder
+    and the ways out. Before, the wheel's `chmod` failed there with a bare "did not start
+    (Operation not permitted)", and where the chmod succeeded it opened the folder to all."""
+    home = tmp_path / "home"
+    (home / "storage").mkdir(parents=True)
+    home.chmod(0o700)
+    if subprocess.run(["chattr", "+i", str(home)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(errors.ConfigError) as caught:
+            pgserver.EmbeddedPostgres(home / "storage" / "pgdata").start()
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    finally:
+        subprocess.run(["chattr", "-i", str(home)], check=True)
+    message = caught.value.message
+    assert f"cannot pass through {home} (mode 0700)" in message
+    assert f"chmod o+x {home}" in message and "GPUJOBS_DATABASE_URL" in message
+    assert "\n" not in message
