@@ -13,17 +13,16 @@ from typing import TYPE_CHECKING
 from sqlalchemy import exc, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import errors
+from app import checkout, errors
 
 if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-ROOT = Path(__file__).resolve().parent.parent
 # One process migrates at a time (migrations/env.py holds this session advisory lock throughout):
 # `serve` and a `worker` started together on a new data folder both migrate.
 MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
-VERSIONS = ROOT / "migrations" / "versions"
+VERSIONS = checkout.ROOT / "migrations" / "versions"
 # `revision: str = "0004"` and `down_revision: str | None = "0003"` (or None) in a migration script.
 _REVISION = re.compile(
     r"^(down_)?revision\b[^=\n]*=\s*(?:\"([^\"\n]+)\"|'([^'\n]+)'|(None))\s*$", re.MULTILINE

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app import dsn, errors, gpu
+from app import checkout, dsn, errors, gpu
 
 # The longest duration a setting may name: ten years. Longer ones are mistakes, and reach past what
 # PostgreSQL's timestamps hold once added to or taken from now() (a lease of 1e12 s killed the reaper).
@@ -41,7 +41,11 @@ class Settings(BaseSettings):
         "target_session_attrs and ssl (or libpq's sslmode: disable ... verify-full); unset = embedded "
         "PostgreSQL in <storage_dir>/pgdata",
     )
-    storage_dir: Path = Field(Path("storage"), description="Result files, logs, scratch, embedded database")
+    storage_dir: Path = Field(
+        checkout.STORAGE,
+        description="Result files, logs, scratch, embedded database; unset = the `storage` folder of the "
+        "gpujobs checkout, wherever a command runs (a relative path is taken from the current folder)",
+    )
     host: str = Field("127.0.0.1", description="Address the API binds to")
     port: int = Field(8000, ge=1, le=65535, description="Port the API binds to")
     max_upload_mb: float = Field(20, gt=0, le=4096, description="Largest accepted upload, in MB")
@@ -353,11 +357,14 @@ def markdown_table() -> str:
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for name, field in Settings.model_fields.items():
         default = field.default
-        shown = (
-            "unset"
-            if default is None
-            else (str(default) if not isinstance(default, bool) else str(default).lower())
-        )
+        if default is None:
+            shown = "unset"
+        elif isinstance(default, bool):
+            shown = str(default).lower()
+        elif isinstance(default, Path) and default.is_relative_to(checkout.ROOT):
+            shown = f"{default.relative_to(checkout.ROOT)} (in the checkout)"  # no path of this machine
+        else:
+            shown = str(default)
         rows.append(f"| `GPUJOBS_{name.upper()}` | `{shown}` | {field.description or ''} |")
     return "\n".join(rows)
 

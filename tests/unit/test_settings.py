@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app import errors
@@ -82,8 +84,6 @@ def test_cli_refuses_bad_settings_with_the_name(monkeypatch):
 
 def test_readme_configuration_table_is_current():
     """The README's table is `python -m app.settings`: every setting, its default and meaning."""
-    from pathlib import Path
-
     from app.settings import markdown_table
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -259,3 +259,17 @@ def test_a_blank_setting_is_its_default(monkeypatch, name, blank):
     `.`, a blank GPUJOBS_LINK_SECRET of spaces the secret. Blank means unset, for every setting."""
     monkeypatch.setenv(f"GPUJOBS_{name.upper()}", blank)
     assert getattr(load_settings(), name) == Settings.model_fields[name].default
+
+
+def test_the_default_storage_dir_is_the_checkouts_wherever_a_command_runs(monkeypatch, tmp_path):
+    """The default was the relative path `storage`, taken from the current folder: `gpujobs keys
+    create bob` run from $HOME (or anywhere after activating the venv) made and migrated a new,
+    empty embedded database there and printed a key the running service refused (401), and
+    `serve` from there started a second, empty service. The default is now the checkout's
+    `storage` folder; a relative GPUJOBS_STORAGE_DIR set on purpose is still the current folder's."""
+    checkout = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().storage_dir == checkout / "storage"
+    monkeypatch.setenv("GPUJOBS_STORAGE_DIR", "mine")
+    assert load_settings().storage_dir.resolve() == tmp_path / "mine"
+    assert not (tmp_path / "storage").exists()
