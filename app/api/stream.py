@@ -24,9 +24,11 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Annotated, Any
 
 import prometheus_client
+import pydantic
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -55,6 +57,8 @@ KIND_STATE = {
     "cancel_requested": "running",
 }
 FINAL = frozenset(s.value for s in JobState if s.final)
+# Times as every other answer writes them (`...Z`, README "HTTP API"): the response schemas' own.
+_TIME = pydantic.TypeAdapter(datetime)
 EXITING = "exiting"  # JobStream._next: the server is exiting
 
 
@@ -89,7 +93,7 @@ def _of_event(job: Job, event: manager_.Event, progress: float, *, newest: bool)
         "state": state,
         "attempt": event.attempt,
         "progress": progress,
-        "at": event.at.isoformat(),
+        "at": _TIME.dump_python(event.at, mode="json"),
     }
     if newest and job.state.final and job.error:
         data["error"] = job.error

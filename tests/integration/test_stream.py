@@ -168,3 +168,17 @@ async def test_event_streams_of_one_key_are_capped(settings, make_key):
                     break
             await asyncio.sleep(0.1)
     assert again.status_code == 200
+
+
+async def test_the_streams_times_are_written_as_the_history_writes_them(settings, make_worker):
+    """The stream wrote an event's `at` as `...+00:00`, while the history (GET /jobs/{id}/events)
+    and every other answer write UTC times as `...Z`, as the README promises: a client reading both
+    with one strict format broke on the stream."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        await make_worker().run()
+        history = (await http.get(f"/jobs/{job_id}/events")).json()
+        async with http.stream("GET", f"/jobs/{job_id}/stream", headers={"Last-Event-ID": "0"}) as response:
+            replay = [e async for e in events(response)]
+    assert [e["data"]["at"] for e in replay] == [e["at"] for e in history]
+    assert all(e["at"].endswith("Z") for e in history)
