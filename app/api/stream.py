@@ -9,7 +9,8 @@ Events, each `data:` a JSON object {job, kind, state, attempt, progress, ...}:
 
 On connect the stream sends the current state (with the newest event id), then live events; after
 a reconnect with `Last-Event-ID: n` it sends the events after `n` from the history instead, so
-nothing is repeated or skipped. It closes after a final state. Live events come from the process's
+nothing is repeated or skipped (an `n` past the job's newest event is not the job's: the stream
+starts as on a first connect). It closes after a final state. Live events come from the process's
 one LISTEN connection (`notify.JobFeed`); the database is read only on connect and after the feed
 lost notifications (RESYNC), never polled. A client that reconnects to a finished job having seen
 its last event gets 204, which tells a browser's EventSource to stop reconnecting. When the server
@@ -142,6 +143,7 @@ class JobStream:
     async def catch_up(self, after: int | None) -> list[str]:
         """From the database: the current state (after=None), or every event after `after`."""
         job, events = await self._manager.job_and_events(self._job_id, owner=self._owner)
+        after = _known(after, events)
         replayed = list(zip(events, _replayed(events), strict=True))
         if after is None:
             replayed = replayed[-1:]
@@ -252,6 +254,14 @@ class JobStream:
         return item.result()
 
 
+def _known(after: int | None, events: list[manager_.Event]) -> int | None:
+    """`after`, or None (a fresh start) when it is past the job's newest event. Ids come from one
+    sequence for every job, so a client may bring another job's: taken as seen, it dropped every
+    later event of this job as already sent, the final one too, and the stream never ended."""
+    newest = events[-1].id if events else 0
+    return None if after is None or after > newest else after
+
+
 def _last_event_id(value: str | None) -> int | None:
     # Header bytes arrive as latin-1: '²' passes str.isdigit() and int() refuses it, so ASCII only
     digits = (value or "").strip()
@@ -281,7 +291,7 @@ async def stream_job(
     after = _last_event_id(last_event_id)
     if after is not None and job.state.final:
         events = await services.manager.events(job_id, owner=caller.owner_filter)
-        if all(e.id <= after for e in events):  # it has seen the end: an EventSource stops on 204
+        if after == (events[-1].id if events else 0):  # it has seen the end: an EventSource stops on 204
             return Response(status_code=204)
     stream = JobStream(
         services.manager,

@@ -285,3 +285,28 @@ async def test_a_stream_whose_reread_meets_a_database_error_ends_its_body_cleanl
         assert feed.subscribers == 0
     warned = [r for r in caplog.records if getattr(r, "action", None) == "stream_db_error"]
     assert [r.levelname for r in warned] == ["WARNING"], caplog.records
+
+
+async def test_a_last_event_id_beyond_the_jobs_events_still_gets_the_end(settings, make_worker):
+    """A Last-Event-ID past the job's newest event (ids come from one sequence for every job: a
+    client or a proxy may replay another job's) was taken as seen: every later event of the job,
+    the final one included, was dropped as already sent, and the stream sent keepalives for ever.
+    An id the job never had is now ignored, as one that is not a number: the stream starts afresh,
+    sends the final state and ends, for a running job and for a finished one."""
+    beyond = {"Last-Event-ID": str(10**12)}
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        feed = http.app.state.feed  # type: ignore[attr-defined]
+        async with http.stream("GET", f"/jobs/{job_id}/stream", headers=beyond) as response:
+            stream = events(response)
+            first = await asyncio.wait_for(anext(stream), 10)
+            assert first["data"]["state"] == "queued", first  # the current state, as on a first connect
+            assert feed.subscribers
+            await make_worker().run()
+            async with asyncio.timeout(20):
+                rest = [e async for e in stream]  # ends when the server closes the stream
+        assert rest and rest[-1]["data"]["state"] == "succeeded", rest
+        async with http.stream("GET", f"/jobs/{job_id}/stream", headers=beyond) as response:
+            assert response.status_code == 200  # not 204: it never saw the end
+            [again] = [e async for e in events(response)]
+        assert again["data"]["state"] == "succeeded"
