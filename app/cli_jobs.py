@@ -137,9 +137,18 @@ def retry_many(
 
 def retried_line(count: dict[str, Any]) -> str:
     """What a bulk retry did, and what is left for the operator to do."""
-    done = f"retried {count['retried']} jobs"
+    line = _left_line(f"retried {count['retried']} jobs", count)
+    unserved = count.get("unserved", 0)  # an API of before it counted them says nothing
+    if unserved:
+        registry = "their model is not in the API's model registry; add it back to retry them"
+        return f"{line}; {unserved} not retried: {registry}"
+    return line if count["left"] else f"{line}; none left"
+
+
+def _left_line(done: str, count: dict[str, Any]) -> str:
+    """`done`, and the jobs left to a later run of the same retry (`left`), with why."""
     if not count["left"]:
-        return f"{done}; none left"
+        return done
     if count["queue_full"]:
         full = "the queue is full (GPUJOBS_QUEUE_LIMIT); run this again once it has room"
         return f"{done}; {count['left']} left: {full}"

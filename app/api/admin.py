@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Request
@@ -54,8 +55,11 @@ async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep)
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
         raise _expired(job_id)
-    attempts = services.models.get(job.model).max_attempts
-    await services.manager.retry(job_id, by=caller.principal, attempts=attempts)  # 410 if expired since
+    spec = services.models.models.get(job.model)
+    if spec is None:  # no worker of this registry would run it; queued, it would wait for good
+        raise _unserved(job_id, job.model, services.models.models)
+    # 410 if retention expired it since the read above
+    await services.manager.retry(job_id, by=caller.principal, attempts=spec.max_attempts)
     return JobPublic.of(await services.manager.get(job_id), services.signer)
 
 
@@ -63,10 +67,26 @@ def _expired(job_id: uuid.UUID) -> errors.Gone:
     return errors.Gone(f"job {job_id} expired: retention deleted its input and files")
 
 
+def _unserved(job_id: uuid.UUID, model: str, known: Iterable[str]) -> errors.Conflict:
+    # About the job: the registry's own UnknownModel named a `model` field the admin never sent.
+    names = ", ".join(sorted(known)) or "none"
+    return errors.Conflict(
+        f"job {job_id} is of model {model!r}, which this API's model registry does not have "
+        f"(known: {names}): add the model back (GPUJOBS_MODELS_FILE) to retry the job"
+    )
+
+
 @router.post("/jobs/retry", response_model=RetryCount)
 async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep) -> RetryCount:
     """Queue again the failed jobs matching the filter, up to the queue limit; how many, how many left."""
+    # Jobs of models this registry lacks are never queued again (no worker of it would run them):
+    # counted apart, as `unserved`, so the answer never reads "none left" while they stay failed.
     names = [body.model] if body.model is not None else list(services.models.models)
+    unserved = 0
+    if body.model is None:  # a `model` this registry lacks is 422 below (UnknownModel)
+        unserved = await services.manager.count_unserved(
+            known=names, error_contains=body.error_contains, since=body.since, until=body.until
+        )
     retried, left, full = 0, 0, False
     for name in names:
         spec = services.models.get(name)
@@ -80,7 +100,7 @@ async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep
             until=body.until,
         )
         retried, left, full = retried + done.retried, left + done.left, full or done.queue_full
-    return RetryCount(retried=retried, left=left, queue_full=full)
+    return RetryCount(retried=retried, left=left, unserved=unserved, queue_full=full)
 
 
 @router.post("/jobs/cancel", response_model=CancelCount)

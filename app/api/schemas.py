@@ -195,6 +195,10 @@ class RetryCount(BaseModel):
         description="Matching jobs not queued again: the queue reached GPUJOBS_QUEUE_LIMIT, or another "
         "request held them; the same filter asked again takes them"
     )
+    unserved: int = Field(
+        description="Matching jobs not queued again because their model is not in this API's model "
+        "registry (no worker of it would run them): add the model back to retry them"
+    )
     queue_full: bool = Field(description="It stopped because the queue reached GPUJOBS_QUEUE_LIMIT")
 
 

@@ -838,6 +838,27 @@ class JobManager:
             left = (await conn.execute(sql.RETRYABLE_LEFT, values)).scalar_one()
         return records.Retried(retried=retried, left=left, queue_full=left > 0 and room <= 0)
 
+    async def count_unserved(
+        self,
+        *,
+        known: Sequence[str],
+        error_contains: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> int:
+        """How many failed and quarantined jobs matching the filter are of none of the `known`
+        models (sql.RETRYABLE_UNSERVED), which a bulk retry over those models leaves."""
+        values = {
+            "known": list(known),
+            "model": None,
+            "error_contains": error_contains,
+            "since": since,
+            "until": until,
+            "before": await self.now(),
+        }
+        async with self._auto.connect() as conn:
+            return int((await conn.execute(sql.RETRYABLE_UNSERVED, values)).scalar_one())
+
     # -- observability --------------------------------------------------------------------
 
     async def events_for_metrics(self, *, after: int, limit: int) -> list[Any]:

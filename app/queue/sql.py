@@ -831,6 +831,13 @@ RETRY_BATCH = text(
 # How many jobs a bulk retry leaves: matching ones held by other statements, or beyond the room.
 RETRYABLE_LEFT = text(f"SELECT count(*) AS remaining FROM ({_RETRYABLE}) AS matching")
 
+# How many of the jobs a bulk retry matches are of none of the :known models (the API's registry):
+# it leaves them, as no worker of that registry would run them, and says how many.
+RETRYABLE_UNSERVED = text(
+    f"SELECT count(*) AS unserved FROM ({_RETRYABLE}) AS matching JOIN jobs USING (id)"
+    " WHERE jobs.model <> ALL(CAST(:known AS text[]))"
+)
+
 # The jobs waiting (queued or scheduled), up to :queue_limit, counted as ENQUEUE counts them.
 WAITING_UP_TO = text(f"SELECT {_WAITING}")
 

@@ -353,3 +353,28 @@ async def test_a_phone_sized_list_and_a_keyboard_only_sign_in(make_site, open_co
         await row.get_by_role("link").click()
         await expect(page.locator("#job-status .badge")).to_have_text("succeeded")
         assert await page.evaluate("document.documentElement.scrollWidth") <= 390
+
+
+async def test_retry_all_says_how_many_it_left_for_a_model_gone_from_the_registry(make_site, page):
+    """Failed jobs of a model the API's registry no longer has are not queued again (no worker of
+    it would run them); the bulk retry did not count them, and the page said "0 jobs queued
+    again." as good news while they stayed listed as failed. It now says how many and why."""
+    async with make_site(run_worker=False) as site:
+        failed = [await submit_api(site) for _ in range(2)]
+        async with site.app.state.engine.begin() as conn:  # failed, of a model dropped since
+            await conn.execute(
+                text(
+                    "UPDATE jobs SET state = 'failed', model = 'gone', finished_at = now()"
+                    " WHERE id = ANY(:ids)"
+                ),
+                {"ids": [uuid.UUID(i) for i in failed]},
+            )
+        await sign_in(page, site, site.admin_key, path="/ui/admin")
+        page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+        await page.get_by_role("button", name="Retry all").click()
+        flash = page.locator("#flash")
+        await expect(flash).to_have_text(
+            "0 jobs queued again; 2 not: their model is not in the API's model registry. "
+            "Add it back to retry them."
+        )
+        await expect(flash).to_have_class(re.compile(r"\berror\b"))

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from app import cli_jobs
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from tests.conftest import api_client, client_for, png_bytes
@@ -138,9 +139,9 @@ async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make
 # -- the bulk retry (POST /admin/jobs/retry) ------------------------------------------------------
 
 
-async def failed_jobs(manager: JobManager, engine, count: int) -> list[uuid.UUID]:
+async def failed_jobs(manager: JobManager, engine, count: int, model: str = "toy") -> list[uuid.UUID]:
     """`count` jobs ended failed, as a run that failed for good leaves them (none of them run)."""
-    jobs = [await enqueue(manager, vram_mb=BIG) for _ in range(count)]
+    jobs = [await enqueue(manager, model=model, vram_mb=BIG) for _ in range(count)]
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -168,14 +169,14 @@ async def test_a_bulk_retry_stops_at_the_queue_limit_and_says_how_many_are_left(
     failed = await failed_jobs(manager, engine, 6)
     async with api_client(settings, queue_limit=4) as api:
         first = await api.post("/admin/jobs/retry", json={"model": "toy"})
-        assert first.json() == {"retried": 3, "left": 3, "queue_full": True}, first.text
+        assert first.json() == {"retried": 3, "left": 3, "unserved": 0, "queue_full": True}, first.text
         assert await waiting(engine) == 4
         again = await api.post("/admin/jobs/retry", json={})
-        assert again.json() == {"retried": 0, "left": 3, "queue_full": True}, again.text
+        assert again.json() == {"retried": 0, "left": 3, "unserved": 0, "queue_full": True}, again.text
 
         assert (await api.post(f"/jobs/{first_waiting}/cancel")).status_code == 200
         rest = await api.post("/admin/jobs/retry", json={"model": "toy"})
-        assert rest.json() == {"retried": 1, "left": 2, "queue_full": True}, rest.text
+        assert rest.json() == {"retried": 1, "left": 2, "unserved": 0, "queue_full": True}, rest.text
         still_failed = [j for j in failed if (await manager.get(j)).state is JobState.failed]
         assert len(still_failed) == 2
 
@@ -231,3 +232,30 @@ async def test_two_bulk_retries_at_once_do_not_both_fill_the_same_room(manager, 
     assert sorted(d.retried for d in done) == [0, 3]
     assert all(d.left == 5 and d.queue_full for d in done)
     assert len([j for j in failed if (await manager.get(j)).state is JobState.queued]) == 3
+
+
+async def test_failed_jobs_of_a_model_gone_from_the_registry_are_counted_and_refused_by_name(
+    manager, engine, api
+):
+    """A bulk retry looked only at the models in the API's registry: failed jobs of a model dropped
+    from it were neither retried nor counted ({"retried": 0, "left": 0}, "none left") while they
+    stayed listed as failed, and a single retry of one answered 422 "model: unknown model", about a
+    field the admin never sent. No worker of this registry would run them, so they are still not
+    queued again, but the bulk answer counts them (`unserved`), and the single retry says why, in
+    terms of the job, with a 409 that changes nothing."""
+    gone = await failed_jobs(manager, engine, 2, model="gone")
+    served = await failed_jobs(manager, engine, 1)
+    answer = await api.post("/admin/jobs/retry", json={})
+    assert answer.json() == {"retried": 1, "left": 0, "unserved": 2, "queue_full": False}, answer.text
+    line = cli_jobs.retried_line(answer.json())
+    assert "none left" not in line and "2 not retried" in line and "registry" in line, line
+    assert await states(manager, [*gone, *served]) == [JobState.failed] * 2 + [JobState.queued]
+    filtered = await api.post("/admin/jobs/retry", json={"error_contains": "boom"})
+    assert filtered.json()["unserved"] == 2, filtered.text  # the filter applies to them too
+
+    one = await api.post(f"/admin/jobs/{gone[0]}/retry")
+    assert one.status_code == 409, one.text
+    detail = one.json()["detail"]
+    assert str(gone[0]) in detail and "'gone'" in detail and "registry" in detail, detail
+    assert not detail.startswith("model:"), detail
+    assert await states(manager, gone) == [JobState.failed] * 2

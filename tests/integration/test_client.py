@@ -536,7 +536,12 @@ async def test_retry_many_says_how_many_it_left_and_why(settings, manager, engin
     admin = await make_key("ops", admin=True)
     async with api_client(settings, queue_limit=1) as http:
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--json")
-        assert code == 0 and json.loads(stdout) == {"retried": 0, "left": 1, "queue_full": True}, stderr
+        assert code == 0 and json.loads(stdout) == {
+            "retried": 0,
+            "left": 1,
+            "unserved": 0,
+            "queue_full": True,
+        }, stderr
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many")
     assert code == 0, stderr
     assert stdout.strip() == (
@@ -565,7 +570,12 @@ async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path
         assert states == {"canceled"}
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy", "--json")
         assert code == 0, stderr
-        assert json.loads(stdout) == {"retried": 0, "left": 0, "queue_full": False}  # canceled: one by one
+        assert json.loads(stdout) == {
+            "retried": 0,
+            "left": 0,
+            "unserved": 0,
+            "queue_full": False,
+        }  # canceled: one by one
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy")
         assert code == 0 and stdout.strip() == "retried 0 jobs; none left", stderr
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--all", "--json")

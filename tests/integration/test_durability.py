@@ -478,9 +478,9 @@ async def test_admin_bulk_retry_by_filter(manager, make_worker, api):
     await enqueue(manager)  # succeeds: never retried
     await make_worker().run()
     none = await api.post("/admin/jobs/retry", json={"error_contains": "no such text"})
-    assert none.json() == {"retried": 0, "left": 0, "queue_full": False}
+    assert none.json() == {"retried": 0, "left": 0, "unserved": 0, "queue_full": False}
     some = await api.post("/admin/jobs/retry", json={"model": "toy", "error_contains": "exit code 65"})
-    assert some.json() == {"retried": 3, "left": 0, "queue_full": False}
+    assert some.json() == {"retried": 3, "left": 0, "unserved": 0, "queue_full": False}
     assert [(await manager.get(j)).state for j in bad] == [JobState.queued] * 3
 
 
@@ -530,7 +530,7 @@ async def test_a_bulk_retry_reads_a_time_without_a_zone_as_utc(
     finally:
         monkeypatch.undo()
         time.tzset()
-    assert response.json() == {"retried": 1, "left": 0, "queue_full": False}, response.text
+    assert response.json() == {"retried": 1, "left": 0, "unserved": 0, "queue_full": False}, response.text
 
 
 async def test_restart_cleans_scratch_left_by_a_previous_life(manager, make_worker, store):

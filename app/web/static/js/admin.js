@@ -41,12 +41,18 @@ document.addEventListener('change', (event) => {
 });
 
 // What a bulk retry did, and what it left: it stops at the queue limit, and passes over jobs that
-// another request holds, so the admin knows to retry again.
-function retried({ retried: done, left, queue_full: full }) {
-  if (!left) return `${done} jobs queued again.`;
-  const why = full ? 'the queue is full (GPUJOBS_QUEUE_LIMIT). Retry again once it has room.'
-    : 'another request held them. Retry again.';
-  return `${done} jobs queued again; ${left} left: ${why}`;
+// another request holds, so the admin knows to retry again; it never queues jobs of a model the
+// API's registry lacks (no worker of it would run them), and counts them apart.
+function retried({ retried: done, left, unserved = 0, queue_full: full }) {
+  if (!left && !unserved) return `${done} jobs queued again.`;
+  const said = [];
+  if (left) {
+    const why = full ? 'the queue is full (GPUJOBS_QUEUE_LIMIT). Retry again once it has room.'
+      : 'another request held them. Retry again.';
+    said.push(`${left} left: ${why}`);
+  }
+  if (unserved) said.push(`${unserved} not: their model is not in the API's model registry. Add it back to retry them.`);
+  return `${done} jobs queued again; ${said.join(' ')}`;
 }
 
 document.addEventListener('click', async (event) => {
@@ -65,7 +71,8 @@ document.addEventListener('click', async (event) => {
     if (!window.confirm(`Queue ${which} again?`)) return;
     target.disabled = true;
     const answer = await request('/admin/jobs/retry', { method: 'POST', json: model ? { model } : {} });
-    flash(answer.ok ? retried(answer.data) : answer.detail, answer.ok && !answer.data.left ? 'info' : 'error');
+    const whole = answer.ok && !answer.data.left && !answer.data.unserved;
+    flash(answer.ok ? retried(answer.data) : answer.detail, whole ? 'info' : 'error');
     await refresh({ failed: true });
   }
 });
