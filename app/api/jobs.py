@@ -115,7 +115,7 @@ async def list_jobs(
     caller: CallerDep,
     request: Request,
     state: JobState | None = None,
-    model: Annotated[Text | None, Query(max_length=64)] = None,
+    model: Annotated[Text | None, Query(min_length=1, max_length=64)] = None,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobsPublic:

@@ -498,6 +498,16 @@ async def test_a_list_filter_misspelt_or_sent_twice_is_422(client, png, query, n
     assert (await client.get("/jobs?state=queued&model=toy&limit=5")).json()["jobs"]
 
 
+@pytest.mark.parametrize("name", ["state", "model"])
+async def test_an_empty_list_filter_is_422_naming_it(client, png, name):
+    """`GET /jobs?model=` (an empty value) listed no job, as if the filter were a model's name, while
+    `state=` was 422: an empty filter reads as a mistake, so both are now 422, naming the filter."""
+    await submit(client, png(), model="toy")
+    answer = await client.get(f"/jobs?{name}=")
+    assert answer.status_code == 422, answer.text
+    assert [e["loc"] for e in answer.json()["detail"]] == [["query", name]], answer.text
+
+
 @pytest.mark.parametrize("value", [1e23, 1e300, 123456789012345680.0, -2.5e-7])
 async def test_a_repeat_with_a_large_float_param_is_the_same_request(manager: JobManager, value: float):
     """PostgreSQL keeps a JSON number by its decimal value, so 1e23 comes back as the integer
