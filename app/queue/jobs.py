@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import struct
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -118,6 +119,8 @@ class Job:
         data = {k: v for k, v in data.items() if k in _JOB_FIELDS}  # e.g. vram_class, joined columns
         data["state"] = JobState(data["state"])
         data["results"] = tuple(ResultFile.from_json(r) for r in data.get("results") or ())
+        if "progress" in data:
+            data["progress"] = _shortest_real(data["progress"])
         return cls(**data)
 
     @property
@@ -134,6 +137,17 @@ class Job:
 
 
 _JOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Job))
+
+
+def _shortest_real(value: float) -> float:
+    """The shortest decimal that a REAL (4-byte float) column's `value` stands for, as PostgreSQL
+    writes it (in the NOTIFYs the streams relay): 0.1, where Python reads 0.10000000149011612."""
+    as_real = struct.unpack("f", struct.pack("f", value))[0]
+    for digits in range(1, 10):  # 9 significant digits tell every 4-byte float apart
+        short = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == as_real:
+            return short
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+from sqlalchemy import text
 
 from app import db
 from tests.conftest import api_client, client_for, png_bytes
@@ -182,3 +183,18 @@ async def test_the_streams_times_are_written_as_the_history_writes_them(settings
             replay = [e async for e in events(response)]
     assert [e["data"]["at"] for e in replay] == [e["at"] for e in history]
     assert all(e["at"].endswith("Z") for e in history)
+
+
+async def test_progress_is_served_as_the_model_reported_it(settings, engine):
+    """The job row keeps progress as a 4-byte float (REAL), which reads back into Python as
+    0.10000000149011612 for a reported 0.1: GET /jobs/{id} and the stream served that noise, while
+    the stream's live notes (written by PostgreSQL) said 0.1. A job's progress is now read as the
+    shortest decimal its REAL stands for, as PostgreSQL writes it."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE jobs SET progress = 0.1 WHERE id = :id"), {"id": job_id})
+        assert (await http.get(f"/jobs/{job_id}")).json()["progress"] == 0.1
+        async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
+            first = await anext(events(response))
+        assert first["data"]["progress"] == 0.1, first
