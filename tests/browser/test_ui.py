@@ -378,3 +378,24 @@ async def test_retry_all_says_how_many_it_left_for_a_model_gone_from_the_registr
             "Add it back to retry them."
         )
         await expect(flash).to_have_class(re.compile(r"\berror\b"))
+
+
+async def test_an_expired_failed_job_cannot_be_selected_for_a_retry(make_site, page):
+    """A failed job that retention expired (its input deleted) had no Retry button, but had a
+    checkbox: "Retry selected" took it, and its retry failed with 410 ("1 of 2 jobs queued
+    again."). It is still listed, but cannot be selected."""
+    async with make_site(run_worker=False) as site:
+        failed = [await submit_api(site) for _ in range(2)]
+        async with site.app.state.engine.begin() as conn:
+            ids = [uuid.UUID(i) for i in failed]
+            await conn.execute(
+                text("UPDATE jobs SET state = 'failed', finished_at = now() WHERE id = ANY(:ids)"),
+                {"ids": ids},
+            )
+            await conn.execute(text("UPDATE jobs SET expired_at = now() WHERE id = :id"), {"id": ids[0]})
+        await sign_in(page, site, site.admin_key, path="/ui/admin")
+        await expect(page.locator("#admin-failed tbody tr")).to_have_count(2)
+        await expect(page.locator("#admin-failed .select-job")).to_have_count(1)
+        await page.locator("#select-all").check()
+        await page.get_by_role("button", name="Retry 1 selected").click()
+        await expect(page.locator("#flash")).to_have_text("1 of 1 jobs queued again.")
