@@ -25,6 +25,8 @@ WholeSeconds = Annotated[int, Field(le=LONGEST_S)]
 # The bound of every count among the settings: PostgreSQL's integer. Those that reach SQL as a
 # parameter failed there past it (a worker's start, every POST /jobs), far from the variable.
 PG_INT_MAX = 2**31 - 1
+# The priority of a job that asks for none (POST /jobs, `gpujobs submit`, the web form's default).
+DEFAULT_PRIORITY = 0
 
 
 class Settings(BaseSettings):
@@ -82,8 +84,12 @@ class Settings(BaseSettings):
         "first come first served (0 = no limit)",
     )
     # Within PostgreSQL's integer, with room for what aging adds: -10^9 to 10^9.
-    priority_min: int = Field(-100, ge=-(10**9), le=10**9, description="Lowest priority a job may ask for")
-    priority_max: int = Field(100, ge=-(10**9), le=10**9, description="Highest priority a job may ask for")
+    priority_min: int = Field(
+        -100, ge=-(10**9), le=10**9, description="Lowest priority a job may ask for (at most 0)"
+    )
+    priority_max: int = Field(
+        100, ge=-(10**9), le=10**9, description="Highest priority a job may ask for (at least 0)"
+    )
     lease_s: Seconds = Field(20, gt=0, description="How long a claimed job's lease lasts without a heartbeat")
     heartbeat_interval_s: Seconds = Field(5, gt=0, description="How often a worker renews its leases")
     poll_interval_s: Seconds = Field(2, gt=0, description="Claim poll when no NOTIFY arrives (fallback)")
@@ -305,7 +311,22 @@ class Settings(BaseSettings):
                 f"GPUJOBS_PRIORITY_MIN ({self.priority_min}) must not exceed "
                 f"GPUJOBS_PRIORITY_MAX ({self.priority_max})"
             )
+        self._default_priority_allowed()
         return self
+
+    def _default_priority_allowed(self) -> None:
+        """The range must hold the priority of a job that asks for none, or every such upload (the
+        README's curl, `submit` without --priority, the web form) is refused over a field not sent."""
+        if self.priority_min > DEFAULT_PRIORITY:
+            raise ValueError(
+                f"GPUJOBS_PRIORITY_MIN ({self.priority_min}) must be at most {DEFAULT_PRIORITY}, "
+                "the priority of a job that asks for none"
+            )
+        if self.priority_max < DEFAULT_PRIORITY:
+            raise ValueError(
+                f"GPUJOBS_PRIORITY_MAX ({self.priority_max}) must be at least {DEFAULT_PRIORITY}, "
+                "the priority of a job that asks for none"
+            )
 
     @property
     def max_upload_bytes(self) -> int:

@@ -273,3 +273,27 @@ def test_the_default_storage_dir_is_the_checkouts_wherever_a_command_runs(monkey
     monkeypatch.setenv("GPUJOBS_STORAGE_DIR", "mine")
     assert load_settings().storage_dir.resolve() == tmp_path / "mine"
     assert not (tmp_path / "storage").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"GPUJOBS_PRIORITY_MIN": "10"},
+            "GPUJOBS_PRIORITY_MIN (10) must be at most 0, the priority of a job that asks for none",
+        ),
+        (
+            {"GPUJOBS_PRIORITY_MAX": "-5"},
+            "GPUJOBS_PRIORITY_MAX (-5) must be at least 0, the priority of a job that asks for none",
+        ),
+    ],
+)
+def test_a_priority_range_without_the_default_priority_is_refused_at_start(monkeypatch, env, expected):
+    """GPUJOBS_PRIORITY_MIN=10 (or GPUJOBS_PRIORITY_MAX=-5) was taken at start; then every upload that
+    asked for no priority (the README's curl, `gpujobs submit` without --priority, the web form's
+    default) was refused with a 422 about a priority the user never sent."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(errors.ConfigError) as caught:
+        load_settings()
+    assert caught.value.message == "invalid configuration: " + expected
