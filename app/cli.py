@@ -41,6 +41,7 @@ def _setup_logging(settings: Settings) -> None:
 
 
 def _settings() -> Settings:
+    from app import variables
     from app.settings import get_settings
 
     try:
@@ -49,6 +50,8 @@ def _settings() -> Settings:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from exc
     _setup_logging(settings)
+    for line in variables.unknown_variables(os.environ):  # a misspelt name is dropped, not refused
+        log.warning("%s", line, extra={"action": "unknown_setting"})
     return settings
 
 

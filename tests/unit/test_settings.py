@@ -297,3 +297,56 @@ def test_a_priority_range_without_the_default_priority_is_refused_at_start(monke
     with pytest.raises(errors.ConfigError) as caught:
         load_settings()
     assert caught.value.message == "invalid configuration: " + expected
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_resembles():
+    """GPUJOBS_PORTT=18200 was ignored without a word (pydantic-settings drops unknown names), and
+    the server came up on 8000; now each GPUJOBS_* name that is no setting gets a line naming the
+    closest one. The names read on purpose elsewhere are left alone."""
+    from app.variables import unknown_variables
+
+    environ = {
+        "GPUJOBS_PORTT": "18200",
+        "gpujobs_storage_dri": "x",  # pydantic-settings reads these names in any case
+        "GPUJOBS_ZZZ": "1",
+        "GPUJOBS_API_KEYS": "gpj_x",
+        "GPUJOBS_PORT": "1",
+        "gpujobs_port": "1",
+        "GPUJOBS_URL": "http://h",
+        "GPUJOBS_API_KEY": "gpj_x",
+        "GPUJOBS_JOB": "j:1",
+        "GPUJOBS_WORKER": "h:w",
+        "GPUJOBS_RUNNER": "h:w:m:0",
+        "GPUJOBS_FUZZ_EXAMPLES": "5",
+        "PATH": "/bin",
+    }
+    assert unknown_variables(environ) == [
+        "GPUJOBS_API_KEYS is not a setting (did you mean GPUJOBS_API_KEY?)",
+        "GPUJOBS_PORTT is not a setting (did you mean GPUJOBS_PORT?)",
+        "GPUJOBS_ZZZ is not a setting (no setting has a name like it; `python -m app.settings` lists them)",
+        "gpujobs_storage_dri is not a setting (did you mean GPUJOBS_STORAGE_DIR?)",
+    ]
+
+
+@pytest.mark.parametrize("command", ["serve", "models"])
+def test_commands_that_read_the_settings_warn_of_a_misspelt_variable(command, tmp_path):
+    """`GPUJOBS_PORTT=9 gpujobs serve` started on 8000 with no hint of the typo. `serve` here
+    stops at once (its port is taken), after the settings were read and the warning logged."""
+    import socket
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "GPUJOBS_PORTT": "9", "GPUJOBS_STORAGE_DIR": str(tmp_path)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["--port", str(taken.getsockname()[1])] if command == "serve" else []
+        result = subprocess.run(
+            [sys.executable, "-m", "app", command, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert "GPUJOBS_PORTT is not a setting (did you mean GPUJOBS_PORT?)" in result.stderr, result.stderr
+    assert "WARNING" in result.stderr and result.stderr.count("GPUJOBS_PORTT") == 1, result.stderr
