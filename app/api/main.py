@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, modelsfile, storage
-from app.api import admin, admission, catalog, deps, docs, files, health, jobs, ops, security, stream
+from app.api import admin, admission, catalog, deps, docs, files, health, jobs, ops, paths, security, stream
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import factory
@@ -272,6 +272,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # app/api/docs.py serves /docs from the package, not a CDN; no /redoc
         redoc_url=None,
+        redirect_slashes=False,  # a path's slash twin is a 404 that names it (app/api/paths.py)
     )
     app.state.settings = settings
     for router in (jobs.router, stream.router, files.router, catalog.router, admin.router, health.router):
@@ -281,6 +282,7 @@ def create_app(settings: Settings) -> FastAPI:
     web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(404, paths.not_found)
     for kind in (
         sqlalchemy.exc.DBAPIError,
         sqlalchemy.exc.TimeoutError,  # no pooled connection came free

@@ -6,8 +6,10 @@ read, so an anonymous client cannot make the service parse an upload. Only these
 `/metrics` and the API docs; for the web page (`app/web`), `/`, its sign-in page and route and its
 static files (the sign-in route's body is cut off past a few kB before it is parsed: `BodyLimit`
 in app/api/limits.py). `/admin/...` needs an admin key. New routes are therefore protected by
-default. The routes' `CallerDep` / `AdminDep` check the same thing again and document the bearer
-scheme in OpenAPI.
+default. A path no route serves is a 404 without a key while the docs are public (app/api/paths.py:
+/openapi.json names the paths anyway; the routes' patterns decide, so no job id is looked up).
+The routes' `CallerDep` / `AdminDep` check the same thing again and document the bearer scheme in
+OpenAPI.
 
 The key comes from `Authorization: Bearer <key>` or, for the web page, from its HttpOnly session
 cookie: `__Host-gpujobs_key` over HTTPS (a browser refuses that name with a `Domain`, so a sibling
@@ -37,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import auth, db
-from app.api import deps, docs, limits
+from app.api import deps, docs, limits, paths
 from app.settings import Settings
 
 log = logging.getLogger("gpujobs.security")
@@ -57,6 +59,10 @@ METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/admin"
 CHALLENGE = 'Bearer realm="gpujobs"'
 MISSING_KEY = "missing API key: send `Authorization: Bearer <key>` (make one with `gpujobs keys create`)"
+NO_BEARER = (
+    "the Authorization header has no Bearer scheme: send the key as `Authorization: Bearer <key>` "
+    "(the word Bearer, a space, then the key)"
+)
 BAD_KEY = "invalid or revoked API key"
 ADMIN_ONLY = "this needs an admin key"
 CROSS_SITE = "refused: a request signed in by the web page's cookie must carry X-Requested-With"
@@ -156,9 +162,11 @@ async def send_sign_in(scope: Scope, send: Send) -> None:
 class Authenticate:
     """ASGI middleware: every request outside the public paths needs a valid key (see module doc)."""
 
-    def __init__(self, app: ASGIApp, *, public: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, *, public: frozenset[str], paths_public: bool = True) -> None:
         self.app = app
         self.public = public
+        # Whether a path no route serves is a 404 without a key (it is with the docs public).
+        self.paths_public = paths_public
 
     def is_public(self, path: str) -> bool:
         """Whether `path` is served without a key."""
@@ -177,7 +185,10 @@ class Authenticate:
         try:
             identity = await keys.verify(token)
         except auth.Unauthorized:
-            await self._refuse_key(scope, receive, send, token)
+            if self.paths_public and not paths.served(scope):  # asked only once refused: it costs
+                await paths.refuse(scope, receive, send)
+            else:
+                await self._refuse_key(scope, receive, send, token)
             return
         except Exception as exc:
             if (down := deps.unavailable(exc)) is None:
@@ -199,12 +210,23 @@ class Authenticate:
         if page_navigation(scope):
             await send_sign_in(scope, send)
             return
-        if token is None and len(session_cookies(scope)) > 1:
-            detail = TWO_SESSIONS
-        else:
-            detail = MISSING_KEY if token is None else BAD_KEY
-        challenge = CHALLENGE if detail == MISSING_KEY else f'{CHALLENGE}, error="invalid_token"'
+        detail, error = _what_is_wrong(scope, token)
+        challenge = f'{CHALLENGE}, error="{error}"' if error else CHALLENGE
         await limits.refuse(scope, receive, send, 401, detail, [("www-authenticate", challenge)])
+
+
+def _what_is_wrong(scope: Scope, token: str | None) -> tuple[str, str | None]:
+    """A refused request's 401: its detail and the challenge's RFC 6750 error (None: no credentials)."""
+    if token is not None:
+        return BAD_KEY, "invalid_token"
+    if len(session_cookies(scope)) > 1:
+        return TWO_SESSIONS, "invalid_token"
+    # A key sent bare (`Authorization: gpj_...`) or under another scheme was "missing": the user
+    # then looked for a fault in the key, not in the header.
+    scheme = Headers(scope=scope).get("authorization", "").strip().partition(" ")[0]
+    if scheme and scheme.lower() != "bearer":
+        return NO_BEARER, "invalid_request"
+    return MISSING_KEY, None
 
 
 class SecurityHeaders:
@@ -286,7 +308,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.add_exception_handler(auth.Unauthorized, _unauthorized)
     public = public_paths(app, settings)
     document(app, public)
-    app.add_middleware(Authenticate, public=public)
+    app.add_middleware(Authenticate, public=public, paths_public=settings.public_docs)
     app.add_middleware(SecurityHeaders)
     origins = settings.cors_origin_list
     if origins:  # outermost, so that 401, 413 and 429 answers carry the CORS headers too

@@ -77,6 +77,13 @@ async def root() -> RedirectResponse:
     return RedirectResponse(HOME, status_code=303)
 
 
+@router.get("/ui")
+async def page_without_slash() -> RedirectResponse:
+    """The web page's address typed without its slash opens it (the app redirects no other path:
+    app/api/paths.py)."""
+    return RedirectResponse(HOME, status_code=303)
+
+
 def two_sessions(request: Request) -> bool:
     """Whether the browser sent the session cookie twice (see `security.session_cookies`)."""
     return len(security.session_cookies(request.scope)) > 1

@@ -148,10 +148,11 @@ async def test_every_route_needs_a_key_except_the_public_ones(settings):
             assert response.status_code == 401, (method, path, response.status_code)
             assert response.headers["www-authenticate"].startswith("Bearer"), path
             assert "Authorization: Bearer" in response.json()["detail"]
-        # The docs are public by default, and so is a path nobody serves... only with a key.
+        # The docs are public by default, and so (tests/integration/test_api_paths.py) is which
+        # paths exist: one nobody serves is a 404 without a key.
         assert (await anonymous.get("/openapi.json")).status_code == 200
         assert (await anonymous.get("/docs")).status_code == 200
-        assert (await anonymous.get("/no/such/path")).status_code == 401
+        assert (await anonymous.get("/no/such/path")).status_code == 404
 
 
 @pytest.mark.parametrize(
@@ -171,6 +172,18 @@ async def test_bad_keys_are_401(client, header):
     assert response.status_code == 401
     assert response.headers["www-authenticate"].startswith('Bearer realm="gpujobs"')
     assert "key" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("header", ["gpj_" + "A" * 43, "Basic YWRtaW46YWRtaW4=", "Token gpj_x"])
+async def test_a_key_sent_without_the_bearer_scheme_is_told_so(client, header):
+    """`Authorization: gpj_…` (the key without `Bearer `) was told "missing API key", though a key
+    was sent: the user looked for a fault in the key. Now the answer says the scheme is missing."""
+    response = await client.get("/jobs", headers={"Authorization": header})
+    assert response.status_code == 401
+    detail = response.json()["detail"]
+    assert detail == security.NO_BEARER and "missing" not in detail
+    assert "Authorization: Bearer <key>" in detail
+    assert response.headers["www-authenticate"] == 'Bearer realm="gpujobs", error="invalid_request"'
 
 
 async def test_a_changed_character_makes_a_key_invalid(settings, make_key):
