@@ -2,7 +2,8 @@
 
 `submit --wait` follows the job's event stream (GET /jobs/{id}/stream) with a progress bar, resuming
 with Last-Event-ID when the connection drops (and after Retry-After when the stream answers 429 or
-a 5xx of an API or database away for a moment), then downloads the results.
+a 5xx of an API or database away for a moment), then downloads the results into a folder of
+`--out` named for the image, never over files already there unless `--force` (`results_folder`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 
 # httpx and rich are imported by the functions that use them, as in app/client.py: every `gpujobs`
 # process loads this module (a worker too).
+
+# submit's --out and --force (results_folder)
+Out = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        file_okay=False,
+        help="Download the results into OUT/<image name without extension>/ (implies --wait)",
+    ),
+]
+Force = Annotated[bool, typer.Option("--force", help="Replace results already in that folder (else: exit 2)")]
+
 
 FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
 RECONNECTS = 20
@@ -73,16 +86,15 @@ def submit(
     ] = None,
     priority: Annotated[int, typer.Option(help="Higher runs first")] = 0,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends")] = False,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", file_okay=False, help="Download the results here (implies --wait)"),
-    ] = None,
+    out: Out = None,
+    force: Force = False,
     url: client.Url = client.DEFAULT_URL,
     key: client.Key = None,
     as_json: client.AsJson = False,
 ) -> None:
     """Upload an image and queue a job; with --wait, show its progress and download the results."""
     given = split_params(param or [])  # a malformed --param is refused before any request
+    folder = results_folder(out, image, force)
     with client.connect(url, key) as http, image.open("rb") as f:
         entry = catalog_entry(http, model)
         types = param_types(entry)
@@ -102,7 +114,7 @@ def submit(
         client.stderr().print(f"job {job['id']} queued", highlight=False)
         follow(http, job["id"])
         job = client.call(http, "GET", f"/jobs/{job['id']}", expect=cli_jobs.JOB_KEYS)
-        finish(http, job, out, as_json)
+        finish(http, job, folder, as_json, replace=force)
 
 
 def catalog_entry(http: httpx.Client, model: str) -> dict[str, Any] | None:
@@ -139,8 +151,35 @@ def warn_if_unserved(entry: dict[str, Any] | None, model: str) -> None:
         )
 
 
-def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: bool) -> None:
-    """Download the results of a succeeded job; exit 1 with its error otherwise."""
+def results_folder(out: Path | None, image: Path, force: bool) -> Path | None:
+    """Where `--out` puts this image's results: OUT/<image name without extension>/, so that a loop
+    over a folder of photos keeps each one's (every relief result is named mesh.<format>: in OUT
+    itself the next job's replaced the last one's). Exit 2 before anything is uploaded when that
+    folder already holds files (an earlier job's, or another image of the same name's), unless
+    `force`."""
+    if out is None:
+        return None
+    folder = out / image.stem
+    if folder.exists() and not folder.is_dir():
+        client.fail(f"{folder} is a file: the results of {image.name} go into a folder of that name")
+    try:
+        there = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    except OSError as exc:
+        client.fail(f"cannot read the folder {folder} for the results: {exc}")
+    if there and not force:
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        client.fail(
+            f"{folder} already holds {shown} (the results of an earlier job?): "
+            "use another --out, or --force to replace them"
+        )
+    return folder
+
+
+def finish(
+    http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: bool, *, replace: bool = False
+) -> None:
+    """Download the results of a succeeded job into `out` (replacing files there only if
+    `replace`); exit 1 with its error if it did not succeed."""
     if job["state"] != "succeeded":
         cli_jobs.show(job, as_json)
         client.fail(f"job {job['id']} {job['state']}: {job.get('error') or 'no error recorded'}", code=1)
@@ -150,13 +189,14 @@ def finish(http: httpx.Client, job: dict[str, Any], out: Path | None, as_json: b
         except OSError as exc:
             client.fail(f"cannot make the folder {out} for the results of job {job['id']}: {exc}")
         for file in job["files"]:
-            path = download(http, file["url"], out / Path(file["name"]).name)
+            path = download(http, file["url"], out / Path(file["name"]).name, replace=replace)
             client.stderr().print(f"wrote {path} ({file['bytes']} bytes)", highlight=False)
     cli_jobs.show(job, as_json)
 
 
-def download(http: httpx.Client, link: str, path: Path) -> Path:
-    """Save a signed link to `path` (written to a temporary name, then renamed)."""
+def download(http: httpx.Client, link: str, path: Path, *, replace: bool = False) -> Path:
+    """Save a signed link to `path`: written to a temporary name, then put in place whole; an
+    existing file there is replaced only if `replace` (else exit 2, naming it)."""
     import httpx
 
     partial = path.with_name(f".{path.name}.partial")
@@ -169,7 +209,9 @@ def download(http: httpx.Client, link: str, path: Path) -> Path:
             with partial.open("wb") as f:
                 for chunk in response.iter_bytes():
                     f.write(chunk)
-        os.replace(partial, path)
+        _put_in_place(partial, path, replace=replace)
+    except FileExistsError:
+        client.fail(f"{path} exists (written meanwhile by another job?): kept; use --force to replace it")
     except httpx.HTTPError as exc:
         client.fail(f"download of {path.name} failed: {exc}")
     except OSError as exc:  # the folder is not writable, the disk is full
@@ -177,6 +219,23 @@ def download(http: httpx.Client, link: str, path: Path) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def _put_in_place(partial: Path, path: Path, *, replace: bool) -> None:
+    """Give the written file its name at once; without `replace`, raise FileExistsError rather than
+    replace a file of that name (a hard link is made only if the name is free: no race with another
+    `submit` writing into the folder at the same moment)."""
+    if replace:
+        os.replace(partial, path)
+        return
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links on this file system (FAT, some network shares)
+        if path.exists():
+            raise FileExistsError(path) from None
+        os.replace(partial, path)
 
 
 # -- following a job ----------------------------------------------------------------------------

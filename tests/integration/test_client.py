@@ -68,12 +68,58 @@ async def test_submit_wait_out_writes_the_mesh(settings, make_key, tmp_path):
     assert job["state"] == "succeeded" and job["priority"] == 3 and job["params"]["resolution"] == 48
     assert f"job {job_id} queued" in stderr and "wrote" in stderr
     assert "no live worker" not in stderr, stderr
-    mesh_path = out / "mesh.glb"
+    mesh_path = out / "ramp" / "mesh.glb"  # the image's own folder in --out
     assert mesh_path.stat().st_size == job["files"][0]["bytes"]
     mesh = trimesh.load(mesh_path, force="mesh")
     assert mesh.is_watertight
     assert abs((mesh.bounds[1] - mesh.bounds[0])[0] - 60) < 0.01
-    assert not list(out.glob(".*partial"))
+    assert not list(out.glob("**/.*partial"))
+
+
+async def test_photos_submitted_into_one_out_folder_keep_every_result(settings, make_key, tmp_path):
+    """`submit a.png --out d` then `submit b.png --out d` (a loop over a folder of photos) wrote
+    both results to d/out.txt: the second replaced the first without a word. Each image's results
+    now go to d/<image name without extension>/."""
+    key = await make_key("cli-user")
+    out = tmp_path / "d"
+    async with api_client(settings, run_worker=True) as http:
+        ids = {}
+        for name, color in (("a", (1, 2, 3)), ("b", (4, 5, 6))):
+            image = tmp_path / f"{name}.png"
+            image.write_bytes(png_bytes(color=color))
+            code, stdout, stderr = await gpujobs(
+                http, key, "submit", str(image), "-m", "toy", "--out", str(out)
+            )
+            assert code == 0, stderr
+            ids[name] = stdout.split()[0]
+            assert f"wrote {out / name / 'out.txt'}" in stderr, stderr
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b"]
+    for name, job_id in ids.items():
+        assert (out / name / "out.txt").read_text() == f"done {job_id}:1\n"
+
+
+async def test_results_already_in_the_out_folder_are_kept_unless_forced(settings, make_key, tmp_path):
+    """Submitting the same photo again into the same --out replaced the first job's result without
+    a word. Now the second submit is refused before it uploads (exit 2, naming what is there);
+    `--force` replaces it."""
+    key = await make_key("cli-user")
+    image = tmp_path / "photo.png"
+    image.write_bytes(png_bytes())
+    out = tmp_path / "meshes"
+    async with api_client(settings, run_worker=True) as http:
+        code, stdout, stderr = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--out", str(out))
+        assert code == 0, stderr
+        first = (out / "photo" / "out.txt").read_text()
+        code, _, stderr = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--out", str(out))
+        assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+        assert f"{out / 'photo'} already holds out.txt" in stderr and "--force" in stderr, stderr
+        assert (out / "photo" / "out.txt").read_text() == first
+        assert len((await http.get("/jobs")).json()["jobs"]) == 1  # nothing was uploaded
+        code, stdout, stderr = await gpujobs(
+            http, key, "submit", str(image), "-m", "toy", "--out", str(out), "--force"
+        )
+        assert code == 0, stderr
+    assert (out / "photo" / "out.txt").read_text() == f"done {stdout.split()[0]}:1\n" != first
 
 
 async def test_submit_says_when_no_live_worker_serves_the_model(settings, make_key, tmp_path):
@@ -264,7 +310,7 @@ async def test_submit_wait_rides_out_a_503_from_the_stream(settings, make_key, t
             http, key, "submit", str(image), "-m", "toy", "-p", "sleep=0.5", "--wait", "--out", str(tmp_path)
         )
     assert code == 0, stderr
-    assert "succeeded" in stdout and (tmp_path / "out.txt").exists()
+    assert "succeeded" in stdout and (tmp_path / "in" / "out.txt").exists()
     assert stderr.count("503") == 2 and "retrying" in stderr
 
 
@@ -580,3 +626,17 @@ async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path
         assert code == 0 and stdout.strip() == "retried 0 jobs; none left", stderr
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--all", "--json")
         assert code == 0 and json.loads(stdout) == {"canceled": 0, "stopping": 0}, stderr
+
+
+def test_a_result_written_meanwhile_by_another_job_is_not_replaced(tmp_path):
+    """The download was put in place with os.replace: a file of that name written by another
+    `submit` after the folder was checked was replaced without a word. It is kept (FileExistsError,
+    said as exit 2 by `download`) unless --force."""
+    theirs, partial = tmp_path / "mesh.glb", tmp_path / ".mesh.glb.partial"
+    theirs.write_text("theirs")
+    partial.write_text("mine")
+    with pytest.raises(FileExistsError):
+        cli_submit._put_in_place(partial, theirs, replace=False)
+    assert theirs.read_text() == "theirs"
+    cli_submit._put_in_place(partial, theirs, replace=True)
+    assert theirs.read_text() == "mine" and not partial.exists()
