@@ -53,10 +53,19 @@ class SignedIn(BaseModel):
     admin: bool
 
 
+# Worded for these routes: security.CROSS_SITE speaks of a request signed in by the cookie, and a
+# sign-in has none yet.
+SESSION_CROSS_SITE = (
+    "refused: signing in or out must carry the header X-Requested-With (the web page's sign-in form "
+    "sends it; a form on another site cannot)"
+)
+
+
 def same_origin(request: Request) -> None:
-    """Refuse (403) a request without `X-Requested-With`: a form or link from another site."""
+    """Refuse (403) a sign-in or sign-out without `X-Requested-With`: a form or link from another
+    site (login CSRF, a forced sign-out)."""
     if security.CSRF_HEADER not in request.headers:
-        raise errors.Forbidden(security.CROSS_SITE)
+        raise errors.Forbidden(SESSION_CROSS_SITE)
 
 
 def safe_next(target: str | None) -> str:

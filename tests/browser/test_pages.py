@@ -162,6 +162,19 @@ async def test_changes_signed_in_by_the_cookie_need_x_requested_with(settings, m
         assert (await api.post(f"/jobs/{await submit(api)}/cancel")).status_code in (200, 409)
 
 
+async def test_a_sign_in_without_x_requested_with_is_told_what_a_sign_in_needs(settings, make_key):
+    """POST /ui/session without X-Requested-With was told "a request signed in by the web page's
+    cookie must carry X-Requested-With", though a sign-in has no cookie yet: the message now speaks
+    of signing in (and out), and still names the header."""
+    alice = await make_key("alice")
+    async with api_client(settings, key=None) as browser:
+        for method, body in (("POST", {"key": alice}), ("DELETE", None)):
+            refused = await browser.request(method, "/ui/session", json=body)
+            detail = refused.json()["detail"]
+            assert refused.status_code == 403 and "cookie" not in detail, detail
+            assert "X-Requested-With" in detail and detail == session.SESSION_CROSS_SITE, detail
+
+
 async def test_a_large_sign_in_body_is_refused_before_it_is_parsed(settings, make_key):
     """The sign-in route needs no key, yet took bodies up to the 20 MB upload limit and parsed them
     as JSON first: one anonymous body of `[{},{},...]` held the event loop for 18 s, took 1.5 GB,
