@@ -29,6 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -341,7 +346,30 @@ async def announce_missing_admin(keys: auth.KeyStore, public: frozenset[str]) ->
     if not has_admin:
         log.warning(
             "no admin API key exists yet; every request needs a key except %s, signed links and the "
-            "sign-in page. Make the first one with: gpujobs keys create admin --admin",
+            "sign-in page. Make the first one with: %s keys create admin --admin",
             ", ".join(sorted(public)),
+            gpujobs_command(),
             extra={"action": "no_admin_key"},
         )
+
+
+def gpujobs_command() -> str:
+    """`gpujobs` as it can be typed here: its name when PATH finds it; else the script beside this
+    Python (after `make run` that is .venv/bin/gpujobs, not on PATH: "gpujobs" was "command not
+    found"), else this Python with `-m app`; a path as seen from the working folder."""
+    if shutil.which("gpujobs"):
+        return "gpujobs"
+    script = Path(sys.executable).with_name("gpujobs")
+    if os.access(script, os.X_OK):
+        return _typed(script)
+    return f"{_typed(Path(sys.executable))} -m app"
+
+
+def _typed(path: Path) -> str:
+    """`path` as a command typed in the working folder: relative inside it (with a slash, or the
+    shell would look it up on PATH), else whole; quoted for a shell."""
+    try:
+        shown = str(path.relative_to(Path.cwd()))
+    except (ValueError, OSError):  # elsewhere, or the working folder is gone
+        shown = str(path)
+    return shlex.quote(shown if "/" in shown else f"./{shown}")

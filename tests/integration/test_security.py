@@ -301,6 +301,26 @@ async def test_first_start_without_an_admin_key_says_how_to_make_one(settings, c
     assert "keys create" not in caplog.text
 
 
+async def test_the_first_run_warning_names_a_command_that_runs_from_here(settings, caplog, monkeypatch):
+    """After `make run`, `gpujobs` is not on PATH (it is .venv/bin/gpujobs), yet the warning said
+    "Make the first one with: gpujobs keys create admin --admin": copied, it was "command not
+    found". It names the command as it runs from the working folder."""
+    import shlex
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with caplog.at_level("WARNING", logger="gpujobs.security"):
+        async with api_client(settings, key=None):
+            pass
+    [said] = [r.getMessage() for r in caplog.records if "Make the first one with: " in r.getMessage()]
+    words = shlex.split(said.split("Make the first one with: ")[1])
+    assert words[-4:] == ["keys", "create", "admin", "--admin"], words
+    program = words[0]
+    assert "/" in program and os.access(program, os.X_OK), program  # runnable as typed, from here
+    help_ = [program, *words[1:-4], "--help"]
+    ran = await asyncio.to_thread(subprocess.run, help_, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and "serve" in ran.stdout, ran.stderr
+
+
 def _gpujobs(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "app", "keys", *args],
