@@ -279,8 +279,8 @@ async def check_repeat(
         differs.insert(0, "image")
     if differs:
         raise errors.Conflict(
-            f"Idempotency-Key {new.idempotency_key!r} was already used for job {job.id}, with a "
-            f"different {', '.join(differs)}; send a new key to queue a new job"
+            f"Idempotency-Key {new.idempotency_key!r} was already used for job {job.id}, whose "
+            f"{' and '.join(differs)} differ from this request's; send a new key to queue a new job"
         )
 
 
