@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -427,7 +428,8 @@ async def test_relief_serves_two_jobs_in_one_process(tmp_path: Path, pool: warmp
         assert isinstance(mesh, trimesh.Trimesh) and mesh.is_watertight and mesh.volume > 0
     assert bad.outcome is warm.Outcome.BAD_INPUT and "params.resolution" in (bad.error or "")
     assert unreadable.outcome is warm.Outcome.BAD_INPUT and "cannot read image" in (unreadable.error or "")
-    assert (0.4, "heightmap") in jobs.progress and jobs.progress.count((1.0, "written")) == 2
+    # Its updates come faster than the feed hands them on (app/progress.py): each job's last arrives.
+    assert jobs.progress.count((1.0, "written")) == 2
     assert "relief: device cpu" in (tmp_path / "runners" / "relief.log").read_text()
 
 
@@ -792,4 +794,5 @@ async def test_a_runner_logs_its_life_after_its_first_job_under_no_job(
         logger.removeHandler(handler)
     [ended] = [seen for seen in handler.seen if seen[0] == "runner_ended"]
     assert ended == ("runner_ended", None, None, "test:w"), handler.seen
-    assert progress_of == ["job-a", "job-a", "job-b", "job-b"]
+    # One or two updates of each (a second printed at once is coalesced), each under its own job.
+    assert [name for name, _ in itertools.groupby(progress_of)] == ["job-a", "job-b"]
