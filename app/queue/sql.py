@@ -696,12 +696,15 @@ SET_WORKER_STATE = text("UPDATE workers SET state = :state, heartbeat_at = now()
 # -- user and admin actions -------------------------------------------------------------------
 
 # Cancel: a queued or scheduled job ends `canceled` at once; a running one is flagged and its
-# worker told (CANCEL_CHANNEL) to kill it. {seen}: the jobs asked for, (id, state), each locked;
-# only those queued, scheduled or running change.
+# worker told (CANCEL_CHANNEL) to kill it. {seen}: the jobs asked for, (id, state,
+# cancel_requested), each locked; only those queued, scheduled or running change, and a running
+# one only once: asked again while its worker kills it (a client repeating its cancel), it wrote
+# an event and two NOTIFYs every time, for as long as the kill or a dead worker's lease took.
 _CANCEL = f"""
     WITH seen AS ({{seen}}
     ), target AS (
-        SELECT id, state AS old_state FROM seen WHERE state IN ('queued', 'scheduled', 'running')
+        SELECT id, state AS old_state FROM seen
+        WHERE state IN ('queued', 'scheduled') OR (state = 'running' AND NOT cancel_requested)
     ), changed AS (
         UPDATE jobs AS j
         SET cancel_requested = true,
@@ -726,16 +729,19 @@ _CANCEL = f"""
 # found (it locks the row, so it is the newest), `state` the job's after it, NULL when that state
 # refused the cancel. A refusal is worded from `seen_state`: the job read again afterwards may have
 # moved on (an admin retry), and the 409 contradicted itself ("is queued; only queued ... can be
-# canceled").
+# canceled"). A running job already asked to stop is not changed, and answers as it did then.
 CANCEL = text(
     _CANCEL.format(
         seen="""
-        SELECT id, state FROM jobs
+        SELECT id, state, attempt, cancel_requested FROM jobs
         WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
         FOR UPDATE"""
     )
     + """
-    SELECT seen.state AS seen_state, changed.state, changed.attempt,
+    SELECT seen.state AS seen_state,
+           COALESCE(changed.state, CASE WHEN seen.state = 'running' AND seen.cancel_requested
+                                        THEN seen.state END) AS state,
+           COALESCE(changed.attempt, seen.attempt) AS attempt,
            (SELECT count(*) FROM wake) AS woken, (SELECT count(*) FROM told) AS told
     FROM seen LEFT JOIN changed ON changed.id = seen.id
     """
@@ -745,7 +751,7 @@ CANCEL = text(
 # cannot keep it going), of :model and :owner (NULL: any), not already asked to stop (a running
 # job stays running until its worker ends it, and must not be taken again).
 _CANCELABLE = """
-        SELECT id, state FROM jobs
+        SELECT id, state, cancel_requested FROM jobs
         WHERE state = CAST(:state AS job_state) AND created_at <= :before
           AND (CAST(:model AS text) IS NULL OR model = :model)
           AND (CAST(:owner AS text) IS NULL OR owner = :owner)

@@ -1,4 +1,5 @@
-"""An admin cancels many jobs at once (`POST /admin/jobs/cancel`): by model, by owner, or all."""
+"""An admin cancels many jobs at once (`POST /admin/jobs/cancel`): by model, by owner, or all. A
+cancel of a job already asked to stop, one or many, writes nothing."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import httpx
 import pytest
 from sqlalchemy import text
 
-from app import cli_jobs
+from app import cli_jobs, db
+from app.queue import sql
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from tests.conftest import api_client, client_for, png_bytes
+from tests.integration.test_batching import CLAIM
 from tests.integration.test_durability import alive, kinds, running, until
 from tests.integration.test_worker import enqueue
 
@@ -134,6 +138,27 @@ async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make
     assert not any(alive(j.pid or 0) for j in jobs)
     for job_id in slow:
         assert (await kinds(manager, job_id))[-2:] == ["cancel_requested", "canceled"]
+
+
+async def test_a_repeated_cancel_of_a_running_job_writes_one_request(manager, api, settings):
+    """Before, every POST /jobs/{id}/cancel of a running job wrote another `cancel_requested` event
+    and sent two NOTIFYs (every worker woke to look, every stream of the job got an event), for as
+    long as the job ran: the kill grace, or a dead worker's whole lease. Now a repeat of a cancel
+    still pending answers as the first did (200, running) and writes nothing."""
+    job_id = await enqueue(manager)
+    await manager.claim(**CLAIM, budgets={0: 10_000}, limit=1)  # running, with no worker to end it
+    woken: list[str] = []
+    listener = await asyncpg.connect(db.asyncpg_dsn(settings.database_url))
+    try:
+        await listener.add_listener(sql.CANCEL_CHANNEL, lambda *args: woken.append(args[3]))
+        answers = [await api.post(f"/jobs/{job_id}/cancel") for _ in range(20)]
+        await asyncio.sleep(0.2)  # the notes arrive
+    finally:
+        await listener.close()
+    assert {(a.status_code, a.json()["state"]) for a in answers} == {(200, "running")}
+    assert (await kinds(manager, job_id)).count("cancel_requested") == 1
+    assert woken == [str(job_id)]
+    assert (await manager.get(job_id)).state is JobState.running
 
 
 # -- the bulk retry (POST /admin/jobs/retry) ------------------------------------------------------
