@@ -48,19 +48,25 @@ def read(folder: Path) -> Entries:
 
 def can_search(folder: Path, uid: int, gids: set[int]) -> bool:
     """Whether a process of user `uid` in groups `gids` may pass through `folder`, as the kernel
-    decides (acl(5), "access check algorithm"): the first class that names it decides."""
+    decides (fs/namei.c, acl_permission_check): its owner by the owner's bits; else, where the
+    folder has an ACL and its mask (the mode's group bits) is not empty, the first class of entries
+    that names it (acl(5)); else the mode's group bits for its group, the other bits for the rest."""
     info = os.stat(folder)
     if info.st_uid == uid:
         return bool(info.st_mode & stat.S_IXUSR)
     entries = read(folder)
-    mask = entries.get((MASK, NO_ID), 0o7)
-    if (USER, uid) in entries:
-        return bool(entries[(USER, uid)] & mask & SEARCH)
-    groups = [perm for (tag, ident), perm in entries.items() if tag == GROUP and ident in gids]
+    mask = entries.get((MASK, NO_ID))
+    if mask:  # an ACL the kernel applies
+        if (USER, uid) in entries:
+            return bool(entries[(USER, uid)] & mask & SEARCH)
+        groups = [perm for (tag, ident), perm in entries.items() if tag == GROUP and ident in gids]
+        if info.st_gid in gids:
+            groups.append(entries[(GROUP_OBJ, NO_ID)])
+        if groups:  # a group entry that matches, and none lets it pass: denied, whatever others have
+            return any(perm & mask & SEARCH for perm in groups)
+        return bool(info.st_mode & stat.S_IXOTH)
     if info.st_gid in gids:
-        groups.append(entries[(GROUP_OBJ, NO_ID)])
-    if groups:  # a group entry that matches, and none lets it pass: denied, whatever others have
-        return any(perm & mask & SEARCH for perm in groups)
+        return bool(info.st_mode & stat.S_IXGRP)
     return bool(info.st_mode & stat.S_IXOTH)
 
 
@@ -68,12 +74,17 @@ def grant_search(folder: Path, uid: int) -> None:
     """Give user `uid` search (x) on `folder` through a named entry, keeping every other entry.
 
     A named entry needs a mask, which limits it and the group entries: a new mask is what those
-    entries already grant (plus x), an existing one only gains x, so the folder's group keeps
-    exactly its access. The mode's group bits then show the mask (0700 reads 0710). Raises
-    OSError where the file system keeps no ACLs (EOPNOTSUPP) or refuses them."""
+    entries already grant (plus x); an existing one gains x, and where it held x back, the other
+    entries it limits lose the x it held back, so no one else gains anything. The mode's group bits
+    then show the mask (0700 reads 0710). Raises OSError where the file system keeps no ACLs
+    (EOPNOTSUPP) or refuses them."""
     entries = read(folder)
     entries[(USER, uid)] = entries.get((USER, uid), 0) | SEARCH
     if (MASK, NO_ID) in entries:
+        if not entries[(MASK, NO_ID)] & SEARCH:
+            for key in entries:
+                if key[0] in (USER, GROUP_OBJ, GROUP) and key != (USER, uid):
+                    entries[key] &= ~SEARCH
         entries[(MASK, NO_ID)] |= SEARCH
     else:
         limited = [perm for (tag, _), perm in entries.items() if tag in (USER, GROUP_OBJ, GROUP)]

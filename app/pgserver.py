@@ -108,14 +108,19 @@ class _NarrowGrants:
             try:
                 acl.grant_search(folder, uid)
             except OSError as exc:
-                mode = stat.S_IMODE(folder.stat().st_mode)
-                raise errors.ConfigError(
-                    f"the embedded PostgreSQL runs as the user {SYSTEM_USER}, which cannot pass "
-                    f"through {folder} (mode {mode:04o}) to {path}, and no ACL entry can be set there "
-                    f"({exc.strerror}): let it pass (chmod o+x {folder}), put the checkout and the "
-                    "storage folder elsewhere, or set GPUJOBS_DATABASE_URL"
-                ) from exc
+                raise self._refused(folder, path, f"no ACL entry can be set there ({exc.strerror})") from exc
+            if not acl.can_search(folder, uid, gids):  # its own folder, without the owner's x
+                raise self._refused(folder, path, "an ACL entry does not let it through")
             self.granted.append(folder)
+
+    @staticmethod
+    def _refused(folder: Path, path: Path, why: str) -> errors.ConfigError:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        return errors.ConfigError(
+            f"the embedded PostgreSQL runs as the user {SYSTEM_USER}, which cannot pass through "
+            f"{folder} (mode {mode:04o}) to {path}, and {why}: let it pass (chmod o+x {folder}), "
+            "put the checkout and the storage folder elsewhere, or set GPUJOBS_DATABASE_URL"
+        )
 
     def report(self) -> None:
         """One warning naming the folders given to the wheel's user, if any."""

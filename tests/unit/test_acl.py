@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +48,74 @@ def test_a_matching_group_that_denies_wins_over_others_search(tmp_path):
     assert not acl.can_search(folder, STRANGER, {group})
     assert acl.can_search(folder, STRANGER, {STRANGER})
     assert acl.can_search(folder, os.stat(folder).st_uid, set())  # its owner: the owner's bits
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A folder every user can pass through to (pytest's own are closed to all but root)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp"))
+    folder.chmod(0o711)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def write(folder, entries) -> None:
+    """Set `folder`'s access ACL to `entries` ({(tag, id): perm}), as setfacl would."""
+    raw = acl._HEADER.pack(acl.VERSION) + b"".join(
+        acl._ENTRY.pack(tag, perm, ident) for (tag, ident), perm in sorted(entries.items())
+    )
+    os.setxattr(folder, acl.XATTR, raw)
+
+
+def kernel_lets_through(folder, uid: int, gid: int) -> bool:
+    """Whether the kernel lets a process of `uid` in group `gid` alone look inside `folder`."""
+    (folder / "inside").mkdir(exist_ok=True)
+    probe = subprocess.run(
+        ["stat", str(folder / "inside")], user=uid, group=gid, extra_groups=[], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a probe as other users")
+def test_a_grant_under_a_mask_without_search_lets_no_one_else_through(reachable):
+    """A folder whose mask held back a named user's x (`setfacl -m u:alice:rwx; chmod 700`): the
+    grant added x to the mask, and alice and the folder's group, denied until then, could pass.
+    The others' entries now lose the x the mask held back, so only the granted user gains."""
+    folder = reachable / "home"
+    folder.mkdir()
+    group = os.stat(folder).st_gid
+    try:
+        write(folder, {
+            (acl.USER_OBJ, acl.NO_ID): 0o7, (acl.USER, STRANGER): 0o7, (acl.GROUP_OBJ, acl.NO_ID): 0o5,
+            (acl.MASK, acl.NO_ID): 0o4, (acl.OTHER, acl.NO_ID): 0,
+        })  # fmt: skip
+    except OSError as exc:
+        pytest.skip(f"no ACLs here: {exc}")
+    granted = STRANGER + 1
+    before = [kernel_lets_through(folder, STRANGER, STRANGER), kernel_lets_through(folder, granted, group)]
+    assert before == [False, False]
+    acl.grant_search(folder, granted)
+    assert kernel_lets_through(folder, granted, granted)
+    assert not kernel_lets_through(folder, STRANGER, STRANGER)
+    assert not kernel_lets_through(folder, STRANGER + 2, group)
+    assert not acl.can_search(folder, STRANGER, {STRANGER})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a probe as other users")
+def test_an_acl_whose_mask_is_empty_is_read_as_the_kernel_reads_it(reachable):
+    """With no bit in the mask (the mode's group bits), the kernel checks the mode alone; the check
+    applied the ACL's named entry and denied a user the mode lets through, then granted it for
+    nothing."""
+    folder = reachable / "f"
+    folder.mkdir()
+    try:
+        write(folder, {
+            (acl.USER_OBJ, acl.NO_ID): 0o7, (acl.USER, STRANGER): 0o1, (acl.GROUP_OBJ, acl.NO_ID): 0,
+            (acl.MASK, acl.NO_ID): 0, (acl.OTHER, acl.NO_ID): 0o1,
+        })  # fmt: skip
+    except OSError as exc:
+        pytest.skip(f"no ACLs here: {exc}")
+    assert kernel_lets_through(folder, STRANGER, STRANGER)
+    assert acl.can_search(folder, STRANGER, {STRANGER})
