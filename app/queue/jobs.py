@@ -119,7 +119,7 @@ class Job:
         data = {k: v for k, v in data.items() if k in _JOB_FIELDS}  # e.g. vram_class, joined columns
         data["state"] = JobState(data["state"])
         data["results"] = tuple(ResultFile.from_json(r) for r in data.get("results") or ())
-        if "progress" in data:
+        if data.get("progress") is not None:  # the column is NOT NULL; a partial mapping may lack it
             data["progress"] = _shortest_real(data["progress"])
         return cls(**data)
 
