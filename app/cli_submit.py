@@ -8,8 +8,10 @@ a 5xx of an API or database away for a moment), then downloads the results into 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -199,16 +201,16 @@ def download(http: httpx.Client, link: str, path: Path, *, replace: bool = False
     existing file there is replaced only if `replace` (else exit 2, naming it)."""
     import httpx
 
-    partial = path.with_name(f".{path.name}.partial")
+    partial: Path | None = None
     try:
-        with http.stream("GET", link) as response:
+        partial = _partial(path)
+        with partial.open("wb") as f, http.stream("GET", link) as response:
             if response.status_code != 200:
                 client.fail(
                     f"download of {path.name} answered {response.status_code}{client.refusal(response)}"
                 )
-            with partial.open("wb") as f:
-                for chunk in response.iter_bytes():
-                    f.write(chunk)
+            for chunk in response.iter_bytes():
+                f.write(chunk)
         _put_in_place(partial, path, replace=replace)
     except FileExistsError:
         client.fail(f"{path} exists (written meanwhile by another job?): kept; use --force to replace it")
@@ -217,8 +219,21 @@ def download(http: httpx.Client, link: str, path: Path, *, replace: bool = False
     except OSError as exc:  # the folder is not writable, the disk is full
         client.fail(f"cannot write {path}: {exc}")
     finally:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     return path
+
+
+def _partial(path: Path) -> Path:
+    """A new, empty file beside `path`, named for it and for no one else: two submits writing the
+    same file name into one folder at once (images of one name from two folders) each wrote into
+    the other's partial file. With the mode a plain `open` gives (mkstemp's is 0600)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    os.close(fd)
+    return Path(name)
 
 
 def _put_in_place(partial: Path, path: Path, *, replace: bool) -> None:
@@ -230,9 +245,10 @@ def _put_in_place(partial: Path, path: Path, *, replace: bool) -> None:
         return
     try:
         os.link(partial, path)
-    except FileExistsError:
-        raise
-    except OSError:  # no hard links on this file system (FAT, some network shares)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # FileExistsError among them
+        # no hard links on this file system (FAT, some network shares)
         if path.exists():
             raise FileExistsError(path) from None
         os.replace(partial, path)
