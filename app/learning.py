@@ -39,13 +39,13 @@ class VramLearner:
         self._manager = manager
         self._config = config
         self._ratios: dict[str, tuple[list[float], int]] = {}
-        self._largest: dict[str, int] = {}
+        self._offered: dict[str, int] = {}  # per model: the most a GPU of its workers gives one job
         self._read_at = -float("inf")
 
     async def _observed(self) -> dict[str, tuple[list[float], int]]:
         if time.monotonic() - self._read_at > self._config.ttl_s:
             self._ratios = await self._manager.vram_ratios()
-            self._largest = await self._manager.largest_gpus()
+            self._offered = await self._manager.largest_gpus(buffer_mb=self._config.buffer_mb)
             self._read_at = time.monotonic()
         return self._ratios
 
@@ -56,12 +56,11 @@ class VramLearner:
         return self._admitted(spec, declared), declared
 
     async def offered_mb(self, model: str) -> int | None:
-        """The most a job of `model` may be admitted on and still be claimed: the largest GPU its
-        workers reported in the last day, less the buffer (the claim takes a job of at most that).
-        None with no such worker. From the cache: no query of its own."""
+        """The most a job of `model` may be admitted on and still be claimed: what the largest GPU
+        its workers reported in the last day offers, each worker by its own buffer (the claim takes
+        a job of at most that). None with no such worker. From the cache: no query of its own."""
         await self._observed()
-        largest = self._largest.get(model)
-        return None if largest is None else largest - self._config.buffer_mb
+        return self._offered.get(model)
 
     def largest_megapixels(self, spec: registry.ModelSpec, offered_mb: int, below: float) -> float | None:
         """The most megapixels, under `below`, whose estimate is at most `offered_mb`, rounded down
@@ -86,8 +85,8 @@ class VramLearner:
         # reported lately can give (less the buffer), so that some GPU can take the job; with none
         # known (its workers away for a day), not above it at all. By default, not above the
         # model's declared maximum either.
-        largest = self._largest.get(spec.name)
-        cap = declared if largest is None else max(declared, largest - self._config.buffer_mb)
+        offered = self._offered.get(spec.name)
+        cap = declared if offered is None else max(declared, offered)
         if not self._config.above_declared:
             cap = min(cap, spec.max_vram_mb or declared)
         return scheduler.learned_vram_mb(

@@ -273,6 +273,11 @@ class WorkerGpuPublic(BaseModel):
         description="Why NVML could not read it at the last heartbeat (fallen off the bus, say): it is "
         "shown full and takes no jobs meanwhile; null when read",
     )
+    offered_mb: int | None = Field(
+        None,
+        description="The most one job may be given on it: its size less the worker's "
+        "GPUJOBS_VRAM_BUFFER_MB (null from a worker of an earlier version)",
+    )
     reserved_mb: int = Field(
         description="VRAM promised to the jobs running on it and held by its idle warm runners"
     )
@@ -294,6 +299,7 @@ class WorkerGpuPublic(BaseModel):
             total_mb=int(gpu.get("total_mb", 0)),
             free_mb=int(gpu.get("free_mb", 0)),
             error=gpu.get("error"),
+            offered_mb=None if gpu.get("offered_mb") is None else int(gpu["offered_mb"]),
             reserved_mb=int(gpu.get("reserved_mb", 0)),
             running_jobs=int(gpu.get("running_jobs", 0)),
             warm=[WarmRunnerPublic.model_validate(runner) for runner in gpu.get("warm") or ()],

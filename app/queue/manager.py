@@ -966,12 +966,15 @@ class JobManager:
             rows = (await conn.execute(sql.RUN_TIMES)).all()
         return {r.model: (r.samples, float(r.mean_s), r.intercept_s, r.slope_s) for r in rows}
 
-    async def largest_gpus(self, *, recent_s: float = 86_400) -> dict[str, int]:
-        """Per model: the largest GPU (total MB) among the workers that serve it, alive or seen
-        within `recent_s` (a model no such worker serves is left out)."""
+    async def largest_gpus(self, *, buffer_mb: int, recent_s: float = 86_400) -> dict[str, int]:
+        """Per model: the most one job may be given on a GPU of the workers that serve it, alive or
+        seen within `recent_s` (a model no such worker serves is left out): what each worker's
+        heartbeat says its GPU offers (its size less that worker's buffer), or for a worker of an
+        earlier version, its size less `buffer_mb`."""
+        values = {"recent_s": recent_s, "buffer_mb": buffer_mb}
         async with self._auto.connect() as conn:
-            rows = (await conn.execute(sql.LARGEST_GPUS, {"recent_s": recent_s})).all()
-        return {r.model: int(r.total_mb) for r in rows if r.total_mb is not None}
+            rows = (await conn.execute(sql.LARGEST_GPUS, values)).all()
+        return {r.model: max(0, int(r.offered_mb)) for r in rows if r.offered_mb is not None}
 
     async def vram_ratios(self) -> dict[str, tuple[list[float], int]]:
         """Per model: observed peak ÷ declared estimate of recent successes, and the largest peak."""

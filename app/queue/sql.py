@@ -1160,7 +1160,9 @@ RUN_TIMES = text(
 # or seen within :recent_s: what a learned estimate above the declared one may grow to.
 LARGEST_GPUS = text(
     """
-    SELECT m.model, max(CAST(g.gpu ->> 'total_mb' AS integer)) AS total_mb
+    SELECT m.model,
+           max(coalesce(CAST(g.gpu ->> 'offered_mb' AS integer),
+                        CAST(g.gpu ->> 'total_mb' AS integer) - :buffer_mb)) AS offered_mb
     FROM workers AS w
     CROSS JOIN LATERAL jsonb_array_elements_text(w.models) AS m(model)
     CROSS JOIN LATERAL jsonb_array_elements(w.gpus) AS g(gpu)

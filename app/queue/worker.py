@@ -192,8 +192,9 @@ class Worker:
             self._serving.cancel()
 
     def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
-        """The GPU snapshot stored on each heartbeat: NVML's reading, what this worker reserved, and
-        its warm runners on each GPU (WarmPool.report, starts_on)."""
+        """The GPU snapshot stored on each heartbeat: NVML's reading, the most one job may be given
+        there (its size less this worker's buffer: what the API's intake holds uploads to), what
+        this worker reserved, and its warm runners on each GPU (WarmPool.report, starts_on)."""
         reserved: Counter[int] = Counter()
         count: Counter[int] = Counter()
         for a in self._on_gpus():
@@ -202,6 +203,7 @@ class Worker:
         return [
             {
                 **asdict(g),
+                "offered_mb": max(0, g.total_mb - self._config.scheduling.vram_buffer_mb),
                 "reserved_mb": reserved[g.index] + self.pool.reserved_mb(g.index),
                 "running_jobs": count[g.index],
                 "warm": self.pool.report(g.index),

@@ -36,7 +36,7 @@ async def test_a_learned_estimate_stays_within_the_largest_gpu_by_default(
     marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
     for _ in range(3):
         await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)
-    await make_worker(inventory=ModelMemory([24_576], 23_800, marker)).run()
+    await make_worker(inventory=ModelMemory([24_576], 23_800, marker), vram_buffer_mb=512).run()
     overrides = {"learned_vram_min_samples": 3, "learned_vram_margin_mb": 1024, "vram_buffer_mb": 512}
     async with api_client(settings, **overrides) as http:
         response = await http.post(
@@ -61,7 +61,7 @@ async def test_an_image_too_large_for_every_gpu_of_its_model_is_refused_at_intak
         )
     assert unknown.status_code == 201, unknown.text
     before = await counts(engine)
-    await make_worker([4096]).run()  # offers 4096 - 512 = 3584 MB: 0.64 MP at most
+    await make_worker([4096], vram_buffer_mb=512).run()  # offers 4096 - 512 = 3584 MB: 0.64 MP at most
     async with api_client(settings, vram_buffer_mb=512) as http:
         refused = await http.post("/jobs", files=image, data={"model": "big"})
         small = await http.post(
@@ -78,3 +78,14 @@ async def test_an_image_too_large_for_every_gpu_of_its_model_is_refused_at_intak
     assert small.status_code == 201, small.text  # 0.36 MP: 2440 MB
     assert (repeat.status_code, repeat.json()["id"]) == (200, unknown.json()["id"])  # its job, as ever
     assert (await counts(engine))[:2] == (before[0] + 1, before[1] + 1)
+
+
+async def test_the_refusal_goes_by_what_the_workers_offer_not_by_the_apis_buffer(make_worker, settings):
+    """The API took the largest GPU a model's workers reported less its own GPUJOBS_VRAM_BUFFER_MB;
+    a worker on another host with a smaller buffer claims more, and the API refused jobs it would
+    have run. Each worker now reports what each of its GPUs offers, by its own buffer."""
+    await make_worker([4096], vram_buffer_mb=0).run()  # offers all 4096 MB
+    image = {"image": ("a.png", png_bytes((866, 866)), "image/png")}  # 0.75 MP: 4000 MB
+    async with api_client(settings, vram_buffer_mb=512) as http:
+        taken = await http.post("/jobs", files=image, data={"model": "big"})
+    assert taken.status_code == 201, taken.text

@@ -428,12 +428,12 @@ async def test_a_learned_estimate_above_the_declared_one_stays_within_the_larges
     """With GPUJOBS_LEARNED_VRAM_ABOVE_DECLARED, the percentile plus its margin could pass every
     GPU's size (a model seen at 23.8 GB on 24 GB cards, plus 1 GB): no worker could ever take the
     job, which stayed queued for good. Now it is capped at the largest GPU a worker of the model
-    has reported in the last day, less the buffer. With no such worker (the model's workers away
+    has reported in the last day, less that worker's buffer. With no such worker (the model's workers away
     for longer), there was no cap at all; the declared estimate stands then."""
     marker = str(tmp_path / f"trace-{uuid.uuid4().hex}")
     for _ in range(3):
         await enqueue(manager, vram_mb=1000, sleep=1.2, steps=1, trace=marker)
-    await make_worker(inventory=ModelMemory([24_576], 23_800, marker)).run()
+    await make_worker(inventory=ModelMemory([24_576], 23_800, marker), vram_buffer_mb=512).run()
     async with engine.begin() as conn:
         last_seen = text("UPDATE workers SET heartbeat_at = now() - CAST(:ago AS interval)")
         await conn.execute(last_seen, {"ago": seen_ago})
