@@ -280,7 +280,8 @@ async def check_repeat(
     if differs:
         raise errors.Conflict(
             f"Idempotency-Key {new.idempotency_key!r} was already used for job {job.id}, whose "
-            f"{' and '.join(differs)} differ from this request's; send a new key to queue a new job"
+            f"{' and '.join(differs)} {'differ' if len(differs) > 1 else 'differs'} from this request's;"
+            " send a new key to queue a new job"
         )
 
 

@@ -522,7 +522,7 @@ async def test_a_repeat_with_a_large_float_param_is_the_same_request(manager: Jo
     again, created = await manager.enqueue(new, image, queue_limit=10_000)
     assert (again.id, created) == (job.id, False)
     await intake.check_repeat(manager, again, new, image)  # no Conflict
-    with pytest.raises(errors.Conflict, match="whose params differ"):
+    with pytest.raises(errors.Conflict, match="whose params differs"):
         await intake.check_repeat(manager, again, dataclasses.replace(new, params={"x": value * 2}), image)
 
 
