@@ -43,4 +43,9 @@ async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def not_found(request: Request, exc: Exception) -> JSONResponse:
     """The router's 404 (no route took the path, or a static file is not there), saying which."""
-    return JSONResponse({"detail": not_found_detail(request.scope)}, status_code=404)
+    scope = request.scope
+    if served({**scope, "root_path": ""}):  # a mount took the path (as the app saw it): no such file
+        path: str = scope["path"]
+        shown = path if len(path) <= SHOWN_PATH_CHARS else path[:SHOWN_PATH_CHARS] + "…"
+        return JSONResponse({"detail": f"no such file: {shown}"}, status_code=404)
+    return JSONResponse({"detail": not_found_detail(scope)}, status_code=404)

@@ -47,3 +47,14 @@ async def test_an_unknown_path_is_a_404_without_a_key(settings):
     async with api_client(settings, public_docs=False) as http, client_for(http, None) as anonymous:
         assert (await anonymous.get("/redoc")).status_code == 401
         assert (await http.get("/redoc")).status_code == 404
+
+
+async def test_a_missing_file_of_the_pages_is_a_404_that_says_so(settings):
+    """A file the web page's assets do not have was answered "no such path: … (the API's paths are
+    listed at /docs)", which does not apply: the path is the assets' own. It says no such file."""
+    from app.web import views
+
+    async with api_client(settings) as http:
+        answer = await http.get(f"{views.STATIC_URL}/no-such.js")
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["detail"] == f"no such file: {views.STATIC_URL}/no-such.js"
