@@ -78,7 +78,7 @@ class OutputInvalid(errors.AppError):
 
 @dataclass(frozen=True, slots=True)
 class FoundOutput:
-    """A declared output the model wrote, checked but for its hash (ResultStore.find_outputs)."""
+    """A declared output the model wrote, staged and checked but for its hash (ResultStore.stage)."""
 
     spec: ExpectedOutput
     path: Path
@@ -96,6 +96,32 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _staged(out_dir: Path, staging: Path, spec: ExpectedOutput) -> FoundOutput | None:
+    """Move one declared output into `staging` and check it there; None for an optional output the
+    model did not write. (A link is moved as a link, and refused: never followed.)"""
+    path = staging / spec.name
+    try:
+        os.rename(out_dir / spec.name, path)
+        info: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    if info is None or not stat.S_ISREG(info.st_mode):
+        if info is not None:  # a link, a folder, a FIFO: not an output
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(info.st_mode):
+                    folders.remove_tree(path)
+                else:
+                    os.unlink(path)
+        if spec.required:
+            raise OutputInvalid(f"output {spec.name!r} was not written")
+        return None
+    if info.st_size == 0:
+        raise OutputInvalid(f"output {spec.name!r} is empty")
+    if info.st_size > spec.max_bytes:
+        raise OutputInvalid(f"output {spec.name!r} is {info.st_size} bytes, over the {spec.max_bytes} cap")
+    return FoundOutput(spec, path, info.st_size)
 
 
 def full_disk_line(text: str) -> str | None:
@@ -116,6 +142,7 @@ class ResultStore:
         self.root = root.resolve()
         self.lanes = lanes.Lanes(self.root / "scratch")
         self._made: set[Path] = set()  # runner folders known to exist
+        self._new_jobs: set[uuid.UUID] = set()  # jobs whose results folder `stage` made: flushed at `publish`
         for part in PARTS:
             folder = self.root / part
             try:
@@ -150,42 +177,59 @@ class ResultStore:
         app/runlog.py)."""
         return log_file(self.root, job_id, attempt)
 
-    @staticmethod
-    def find_outputs(out_dir: Path, expected: Sequence[ExpectedOutput]) -> list[FoundOutput]:
-        """The declared outputs found, with their sizes (`hash_outputs` describes them whole);
-        OutputInvalid if one is missing, empty or too large, or if the output folder itself was
-        replaced (a link to elsewhere is never followed)."""
+    def stage(
+        self, job_id: uuid.UUID, attempt: int, out_dir: Path, expected: Sequence[ExpectedOutput]
+    ) -> list[FoundOutput]:
+        """Move the declared outputs out of `out_dir` into the attempt's hidden staging folder,
+        then check them there: not a link, not empty, not too large (`hash_outputs` then
+        describes them whole, `publish` puts them in place). Checked and hashed in `out_dir`, an
+        output could be replaced by path (by a process the run left behind) between its hash and
+        its publishing, so the file served did not match its sha256; moved first (one rename each,
+        and no folder made for a job that wrote none), it is what its hash says. OutputInvalid if one is
+        missing, empty or too large, or if the output folder itself was replaced (a link to
+        elsewhere is never followed); nothing stays staged then. StorageError if the staging
+        folder cannot be made."""
         if out_dir.is_symlink() or not out_dir.is_dir():
             raise OutputInvalid("the output folder was replaced by the model: it is not a folder")
-        found = []
         for spec in expected:
-            path = out_dir / spec.name
-            if path.is_symlink() or not path.is_file():
-                if spec.required:
-                    raise OutputInvalid(f"output {spec.name!r} was not written")
-                continue
-            size = path.stat().st_size
-            if size == 0:
-                raise OutputInvalid(f"output {spec.name!r} is empty")
-            if size > spec.max_bytes:
-                raise OutputInvalid(f"output {spec.name!r} is {size} bytes, over the {spec.max_bytes} cap")
-            found.append(FoundOutput(spec, path, size))
-        return found
+            if spec.required and not os.path.lexists(out_dir / spec.name):
+                raise OutputInvalid(f"output {spec.name!r} was not written")
+        written = [spec for spec in expected if os.path.lexists(out_dir / spec.name)]
+        if not written:  # no folder made and removed for nothing (as for /bin/true)
+            return []
+        staging = self._staging(job_id, attempt)
+        try:
+            if not staging.parent.is_dir():
+                self._new_jobs.add(job_id)
+            shutil.rmtree(staging, ignore_errors=True)
+            folders.make_folder(staging)
+        except OSError as exc:
+            raise errors.StorageError(f"could not stage results of job {job_id}: {exc}") from exc
+        try:
+            staged = [found for spec in written if (found := _staged(out_dir, staging, spec)) is not None]
+        except BaseException:
+            self.unstage(job_id, attempt)
+            raise
+        if not staged:  # optional outputs only, none a file: nothing to publish
+            self.unstage(job_id, attempt)
+        return staged
 
-    def publish(self, job_id: uuid.UUID, attempt: int, out_dir: Path, files: Iterable[ResultFile]) -> Path:
-        """Move the outputs into results/<job>/<attempt>/ in one atomic rename.
+    def _staging(self, job_id: uuid.UUID, attempt: int) -> Path:
+        """The hidden folder an attempt's outputs are gathered in before they are put in place."""
+        return self.root / "results" / str(job_id) / f".{attempt}.partial"
+
+    def publish(self, job_id: uuid.UUID, attempt: int, files: Iterable[ResultFile]) -> Path:
+        """Put the staged outputs (`stage`) in place: results/<job>/<attempt>/, in one atomic rename.
 
         Files and folders are on disk (fsync) before this returns, so the success written next
         never names files that a crash of the host would leave empty or missing. Each file gets
         folders.FILE_MODE, whatever mode its model gave it."""
         final = self.root / "results" / str(job_id) / str(attempt)
-        staging = final.parent / f".{attempt}.partial"
-        new_job = not final.parent.is_dir()
+        staging = self._staging(job_id, attempt)
+        new_job = job_id in self._new_jobs
+        self._new_jobs.discard(job_id)
         try:
-            shutil.rmtree(staging, ignore_errors=True)
-            folders.make_folder(staging)
             for f in files:
-                os.replace(out_dir / f.name, staging / f.name)
                 folders.fsync(staging / f.name, mode=folders.FILE_MODE)
             folders.fsync(staging)
             shutil.rmtree(final, ignore_errors=True)
@@ -197,6 +241,11 @@ class ResultStore:
             shutil.rmtree(staging, ignore_errors=True)
             raise errors.StorageError(f"could not publish results of job {job_id}: {exc}") from exc
         return final
+
+    def unstage(self, job_id: uuid.UUID, attempt: int) -> None:
+        """Remove an attempt's staged outputs that will not be published."""
+        self._new_jobs.discard(job_id)
+        shutil.rmtree(self._staging(job_id, attempt), ignore_errors=True)
 
     def unpublish(self, job_id: uuid.UUID, attempt: int) -> None:
         """Remove an attempt's published results (its completion lost to fencing)."""

@@ -679,12 +679,15 @@ class Attempt:
                 except storage.OutputInvalid as exc:
                     await self._failure(f"bad output: {exc.message}", retryable=False)()
                     return
+                except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
+                    await self._storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
+                    return
                 except OSError as exc:  # as in _run_model: not to be taken for a database outage
                     await self._failure(f"could not read the outputs: {exc}", retryable=True)()
                     return
             if not published and files:
                 try:  # in a thread: its fsyncs may take a while on a busy disk
-                    await asyncio.to_thread(self._store.publish, job.id, job.attempt, out_dir, files)
+                    await asyncio.to_thread(self._store.publish, job.id, job.attempt, files)
                 except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
                     await self._storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
                     return
@@ -709,13 +712,20 @@ class Attempt:
     async def _checked_outputs(
         self, out_dir: Path, expected: list[storage.ExpectedOutput]
     ) -> list[ResultFile]:
-        """The outputs checked (store.find_outputs) and hashed; the hashing, which reads every
-        output whole, in a thread once they are large, so the worker's loop (its heartbeats, the
-        other jobs' pipes, the API under `serve`) goes on."""
-        found = self._store.find_outputs(out_dir, expected)
-        if sum(f.size for f in found) <= _HASH_ON_LOOP_BYTES:
-            return storage.hash_outputs(found)
-        return await asyncio.to_thread(storage.hash_outputs, found)
+        """The outputs moved out of the lane into the attempt's staging folder, checked there
+        (store.stage) and hashed; the hashing, which reads every output whole, in a thread once
+        they are large, so the worker's loop (its heartbeats, the other jobs' pipes, the API under
+        `serve`) goes on. Hashed in the lane, an output could be replaced by path (by a process the
+        run left behind) between its hash and its publishing."""
+        job = self.job
+        found = self._store.stage(job.id, job.attempt, out_dir, expected)
+        try:
+            if sum(f.size for f in found) <= _HASH_ON_LOOP_BYTES:
+                return storage.hash_outputs(found)
+            return await asyncio.to_thread(storage.hash_outputs, found)
+        except BaseException:
+            self._store.unstage(job.id, job.attempt)
+            raise
 
     async def _succeeded_already(self) -> bool:
         """Whether this attempt's success is in the database (written by a try whose answer was lost)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -148,8 +149,37 @@ def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in
     os.rmdir(lane / "out")
     os.symlink(victim, lane / "out")
     with pytest.raises(storage.OutputInvalid, match="not a folder"):
-        store.find_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+        store.stage(uuid.uuid4(), 1, lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
     assert (victim / "mesh.glb").read_bytes() == b"not the model's output"
+
+
+def test_outputs_are_hashed_where_no_writer_by_the_lanes_path_reaches_them(tmp_path: Path):
+    """The outputs were checked and hashed in the lane's out/, then moved at publishing: a process
+    the run left behind, writing by path, replaced one between its hash and its publishing, and
+    the file served did not match its recorded sha256. They are now moved into the attempt's
+    staging folder first (a rename each), then checked and hashed there; optional outputs the
+    model did not write leave no staging folder behind, nor do refused ones."""
+    store = storage.ResultStore(tmp_path)
+    lane, job = store.lanes.path("w", 0), uuid.uuid4()
+    store.lanes.prepare(lane, "input.png", b"x")
+    (lane / "out" / "mesh.glb").write_bytes(b"the run's own")
+    expected = [
+        storage.ExpectedOutput("mesh.glb", "model/gltf-binary"),
+        storage.ExpectedOutput("a.png", "image/png", False),
+    ]
+    [found] = store.stage(job, 1, lane / "out", expected)
+    (lane / "out" / "mesh.glb").write_bytes(
+        b"a leftover's, by path"
+    )  # after the move: reaches nothing staged
+    [described] = storage.hash_outputs([found])
+    final = store.publish(job, 1, [described])
+    served = (final / "mesh.glb").read_bytes()
+    assert served == b"the run's own" and described.sha256 == hashlib.sha256(served).hexdigest()
+    assert store.stage(job, 2, lane / "out", expected[1:]) == []
+    (lane / "out" / "empty.glb").write_bytes(b"")
+    with pytest.raises(storage.OutputInvalid, match="empty"):
+        store.stage(job, 3, lane / "out", [storage.ExpectedOutput("empty.glb", "model/gltf-binary")])
+    assert sorted(os.listdir(final.parent)) == ["1"]
 
 
 def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: Path, monkeypatch):
@@ -176,9 +206,9 @@ def test_published_results_are_on_disk_before_the_success_is_written(tmp_path: P
     lane, job = store.lanes.path("w", 0), uuid.uuid4()
     store.lanes.prepare(lane, "input.png", b"x")
     (lane / "out" / "mesh.glb").write_bytes(b"glTF")
-    found = store.find_outputs(lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    found = store.stage(job, 1, lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
     files = storage.hash_outputs(found)
-    final = store.publish(job, 1, lane / "out", files)
+    final = store.publish(job, 1, files)
     assert (final / "mesh.glb").read_bytes() == b"glTF"
     wanted = {final / "mesh.glb", final, final.parent, final.parent.parent}
     assert {p.stat().st_ino for p in wanted} <= synced
