@@ -15,6 +15,8 @@ import sys
 import warnings
 from typing import Any
 
+from app import subreaper
+
 
 class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
     """asyncio's stream protocol, plus a future done as soon as the process has exited."""
@@ -51,7 +53,11 @@ async def spawn(*argv: str, limit: int, **kwargs: Any) -> Process:
     """`asyncio.create_subprocess_exec`, giving a `Process` whose exit is noticed at once."""
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.subprocess_exec(lambda: _ExitProtocol(limit, loop), *argv, **kwargs)
-    return Process(transport, protocol, loop)
+    process = Process(transport, protocol, loop)
+    pid = process.pid
+    subreaper.spawned(pid)  # asyncio's to wait for: never taken for a stray
+    protocol.exited.add_done_callback(lambda _: subreaper.exited(pid))
+    return process
 
 
 def prefer_pidfd_watcher() -> None:

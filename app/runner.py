@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from app import outputpipe, procgroup, progress
+from app import outputpipe, procgroup, progress, subreaper
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.runner")
@@ -226,6 +226,7 @@ class ModelProcess:
         self._exited, self._stopped, self._pipes_closed = (loop.create_future() for _ in range(3))
         if self._stop_reason is not None:
             self._stopped.set_result(None)
+        subreaper.spawned(popen.pid)  # its own to wait for: never taken for a stray
         _LOG.debug("model started", extra={"action": "model_started", "pid": popen.pid})  # also in its log
         self._log.note(f"started pid {popen.pid}: {' '.join(self._argv)}")
         self._pipes = [
@@ -255,6 +256,7 @@ class ModelProcess:
 
     def _set_exited(self, code: int) -> None:
         """Record the return code of the reaped child."""
+        subreaper.exited(self._group)
         if not self._exited.done():
             self._exited.set_result(code)
 

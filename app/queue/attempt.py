@@ -14,7 +14,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -117,6 +117,7 @@ class Attempt:
         room: asyncio.Event | None = None,
         on_model_end: Callable[[Attempt], None] | None = None,
         on_storage_trouble: Callable[[Attempt], None] | None = None,
+        live_runs: Callable[[], Set[str]] = frozenset,
     ) -> None:
         self.job = job
         # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
@@ -133,6 +134,7 @@ class Attempt:
         self._room = room  # set once the worker has evicted the idle runners whose memory it needs
         self._on_model_end = on_model_end
         self._on_storage_trouble = on_storage_trouble
+        self._live_runs = live_runs  # the worker's runs still going, as `<job id>:<attempt>`
         self.spec = spec
         self._manager = manager
         self._store = store
@@ -316,12 +318,21 @@ class Attempt:
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
         result = await self._watched(pid, process.wait())
+        await self._kill_adopted()  # before its outputs are read, and its lane reused
         if result.escaped or not result.ok:  # what left the run's group dies before the lane is reused
             await leftovers.kill_run_strays(job.id, job.attempt)
         failed = not result.ok and not result.timed_out and self._stopped_by(result.stopped) is None
         if failed and (trouble := await self._disk_trouble(result.log_tail)) is not None:
             return self._after_peak(self._storage_failed(trouble))
         return self._after_peak(self._outcome(result, scratch / "out"))
+
+    async def _kill_adopted(self) -> None:
+        """Kill what the run left that came to the worker (a subreaper, app/subreaper.py) as the
+        run's process exited: a daemon with its pipes let go of, which neither the group's kill
+        nor the run's end saw, lived until the next reap round, while its lane went to the next
+        job (another user's), whose outputs it replaced, as it did its own run's between their
+        hash and their publishing. A look at the worker's own children: no scan of /proc."""
+        await leftovers.kill_adopted(self._config.worker_id, self._live_runs, job=self.job)
 
     def _oneshot_env(self) -> dict[str, str]:
         """The environment of a one-shot run: the minimal one, its GPU, and the markers a restart

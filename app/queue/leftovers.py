@@ -15,8 +15,9 @@ import struct
 from collections.abc import Callable, Set
 from pathlib import Path
 
-from app import errors, procgroup
+from app import errors, procgroup, subreaper
 from app.queue import manager as manager_
+from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
 
@@ -77,6 +78,34 @@ def _run_of(job_id: object, attempt: int | None) -> Callable[[bytes], bool]:
         return lambda environ: any(v.startswith(prefix) for v in environ.split(b"\0"))
     marker = f"GPUJOBS_JOB={job_id}:{attempt}".encode()
     return lambda environ: marker in environ.split(b"\0")
+
+
+async def kill_adopted(worker_id: str, live: Callable[[], Set[str]], *, job: Job | None = None) -> int:
+    """Kill (and reap) the worker's children (app/subreaper.py) that runs of `worker_id` started
+    and that outlived their run: `job`'s run (which just ended), or one `live()` does not name."""
+    own = None if job is None else f"{job.id}:{job.attempt}"
+    extra = {} if job is None else {"job_id": str(job.id)}
+    return await subreaper.kill_strays(_ended_run(worker_id, live, own), **extra)
+
+
+def _ended_run(worker_id: str, live: Callable[[], Set[str]], own: str | None) -> Callable[[bytes], bool]:
+    """Whether an environment is that of a process a run of `worker_id` started, of a run that is
+    over: the run `own` (`<job id>:<attempt>`, which just ended), or one `live()` does not name
+    (asked only for a marked process). A process of another worker, or with no marker, is not."""
+    worker = f"GPUJOBS_WORKER={worker_id}".encode()
+    job = b"GPUJOBS_JOB="
+
+    def stray(environ: bytes) -> bool:
+        if job not in environ:
+            return False
+        variables = environ.split(b"\0")
+        run = next((v[len(job) :] for v in variables if v.startswith(job)), None)
+        if run is None or worker not in variables:
+            return False
+        marker = run.decode(errors="replace")
+        return marker == own or marker not in live()
+
+    return stray
 
 
 def is_model_of(pid: int, job_id: object, attempt: int | None = None) -> bool:

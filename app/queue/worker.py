@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, warm, warmpool
+from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
 from app.queue import leftovers, sql
 from app.queue import manager as manager_
@@ -141,6 +141,7 @@ class Worker:
         # Held while claiming and starting what was claimed, and while handing back what a lost
         # claim took: that compares the jobs running under this worker's name with `_running`.
         self._claiming = asyncio.Lock()
+        self._zombies: set[int] = set()  # this process's zombie children at the last reap round
         self._strays_seen = leftovers.LastLook()  # a reap round looks through /proc only after a change
         # Set when a job's files could not be written (a full disk, a folder gone read-only): claims
         # pause until a probe of the storage folder passes, or every job would spend its attempts here.
@@ -232,6 +233,7 @@ class Worker:
         previous life left. ConfigError if it cannot run here: another live worker has its id, or
         no GPU can run any model. `run()` calls it when it was not called before."""
         childprocess.prefer_pidfd_watcher()
+        subreaper.become()  # what escapes a run comes to the worker as the run ends
         logs.bind(worker=self.id)
         self._identity = leftovers.hold_identity(self.id)  # before _start takes what the id left
         try:
@@ -587,6 +589,7 @@ class Worker:
             room=room,
             on_model_end=self._model_ended,
             on_storage_trouble=self._storage_failed,
+            live_runs=self._live_runs,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         older = self._running.get(job.id)
@@ -774,6 +777,15 @@ class Worker:
             return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
 
         await leftovers.kill_strays(self.id, live, last=self._strays_seen)
+        # Those that came to the worker after their run's own look (a subreaper: app/subreaper.py),
+        # and the zombies of those that ended by themselves (a zombie for a round: asyncio's own last
+        # milliseconds).
+        await leftovers.kill_adopted(self.id, self._live_runs)
+        self._zombies = subreaper.reap_zombies(self._zombies)
+
+    def _live_runs(self) -> set[str]:
+        """The one-shot runs of this worker still going, as their GPUJOBS_JOB marker's value."""
+        return {f"{a.job.id}:{a.job.attempt}" for a, _ in self._running.values() if not a.model_ended}
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;

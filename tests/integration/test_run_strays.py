@@ -5,6 +5,7 @@ the next job's scratch lane; the files it left in its lane are removed off the e
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import sys
@@ -67,10 +68,75 @@ LITTER = textwrap.dedent(
 )
 
 
+# Writes out.txt into argv[1], then starts a daemon (a session of its own, its stdin, stdout and
+# stderr on /dev/null) that writes its pid to argv[2] and, for 5 s, rewrites out.txt every 10 ms,
+# both by the output folder's path and relative to its working folder; the run itself ends at once.
+DAEMON = textwrap.dedent(
+    """
+    import os, sys, time
+    out_dir, pid_file = sys.argv[1:3]
+    with open(os.path.join(out_dir, "out.txt"), "w") as f:
+        f.write("the daemon job's own")
+    if os.fork() == 0:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
+        end, n = time.monotonic() + 5, 0
+        while time.monotonic() < end:
+            for folder in (out_dir, "out"):
+                n += 1
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    with open(os.path.join(folder, "out.txt.tmp"), "w") as f:
+                        f.write("written by an earlier job's daemon: " + str(n))
+                    os.replace(os.path.join(folder, "out.txt.tmp"), os.path.join(folder, "out.txt"))
+                except OSError:
+                    pass
+            time.sleep(0.01)
+        os._exit(0)
+    else:
+        time.sleep(0.2)  # the daemon has started writing
+    """
+)
+
+# Writes its own out.txt and takes half a second more.
+OWN = "import sys, time; open(sys.argv[1] + '/out.txt', 'w').write('bob: its own result'); time.sleep(0.5)"
+
+# Writes out.txt, then starts a process in a session of its own that writes its pid to argv[2] and
+# becomes, its environment cleared (so no marker tells whose it is), a shell that ends by itself
+# after argv[3] seconds.
+UNMARKED = textwrap.dedent(
+    """
+    import os, sys, time
+    out_dir, pid_file, after_s = sys.argv[1:4]
+    with open(os.path.join(out_dir, "out.txt"), "w") as f:
+        f.write("done")
+    if os.fork() == 0:
+        os.setsid()
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
+        os.execve("/bin/sh", ["sh", "-c", "sleep " + after_s], dict())
+    while not os.path.exists(pid_file):  # the run ends once its stray said who it is
+        time.sleep(0.01)
+    """
+)
+
+
+def _no_output_model(name: str, argv: list[str]) -> str:
+    """A one-shot model with one optional output, which it does not write (as /bin/true)."""
+    return script_model(name, argv).replace('name = "out.txt"', 'name = "out.txt"\nrequired = false')
+
+
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
     """`toy`; `stray`, which leaves a process behind (see STRAY; timeout 10 s, its `then`, `delay_s`
-    and `quiet` as params); `silent`, which waits 2 s and writes nothing."""
+    and `quiet` as params); `silent`, which waits 2 s and writes nothing; `daemon` (DAEMON), `own`
+    (OWN) and `unmarked` (UNMARKED); `true` and `false`."""
     path = tmp_path / "models.toml"
     stray = [
         "{python}",
@@ -94,12 +160,28 @@ def models_file(tmp_path: Path) -> Path:
         + script_model("stray_timeout", stray).replace("timeout_s = 10", "timeout_s = 1")
         + params.replace("models.stray.", "models.stray_timeout.")
         + script_model("litter", ["{python}", "-c", LITTER, "{output_dir}", "100"])
+        + script_model("daemon", ["{python}", "-c", DAEMON, "{output_dir}", str(tmp_path / "stray.pid")])
+        + script_model("own", ["{python}", "-c", OWN, "{output_dir}"])
+        + script_model(
+            "unmarked", ["{python}", "-c", UNMARKED, "{output_dir}", str(tmp_path / "stray.pid"), "1"]
+        )
+        + _no_output_model("true", ["/bin/true"])
+        + _no_output_model("false", ["/bin/false"])
     )
     return path
 
 
 def _stray_pid(tmp_path: Path) -> int:
     return int((tmp_path / "stray.pid").read_text())
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of process `pid` (None: there is no such process, not even a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except FileNotFoundError:
+        return None
 
 
 async def _gone(pid: int, within_s: float) -> bool:
@@ -151,6 +233,65 @@ async def test_a_quiet_stray_of_a_run_that_ended_well_is_killed_within_a_reap_ro
     async with running(make_worker(burst=False, reap_interval_s=0.3)):
         await until(manager, job_id, lambda j: j.state.final)
         assert await _gone(_stray_pid(tmp_path), within_s=3)
+
+
+async def test_a_daemon_of_a_run_that_ended_well_changes_neither_its_results_nor_the_next_jobs(
+    manager, make_worker, store, tmp_path, strays
+):
+    """A daemon left by a run that succeeded (its pipes let go of, so not seen as the run ended)
+    lived until the next reap round, and the lane went to the next job meanwhile: writing by path
+    into the lane's out/, it replaced that job's output, which succeeded with the daemon's text
+    (another user's) and a sha256 of it; it also replaced its own job's output between its hash
+    and its publishing, so the file served did not match its recorded sha256. The worker, a
+    subreaper, now kills it as the run ends, before its outputs are read (no reap round here)."""
+    async with running(make_worker(burst=False, max_jobs_per_gpu=1, reap_interval_s=60)):
+        first = await enqueue(manager, model="daemon", owner="alice", max_attempts=1)
+        await until(manager, first, lambda j: j.state.final)
+        second = await enqueue(manager, model="own", owner="bob", max_attempts=1)
+        await until(manager, second, lambda j: j.state.final)
+        jobs = [await manager.get(first), await manager.get(second)]
+        assert [j.state for j in jobs] == [JobState.succeeded] * 2, [j.error for j in jobs]
+        served = {}
+        for job in jobs:
+            [result] = job.results
+            download = store.open(job, result.name)
+            assert download.file is not None
+            with download.file as f:
+                served[job.owner] = data = f.read()
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (result.bytes, result.sha256), job.owner
+        assert served["bob"] == b"bob: its own result"
+        assert not alive(_stray_pid(tmp_path))  # dead as its run ended, no reap round having come
+
+
+async def test_a_stray_that_ends_by_itself_is_reaped_and_no_run_loses_its_exit_code(
+    manager, make_worker, tmp_path, strays
+):
+    """A process that escapes a run now comes to the worker (a child subreaper) as the run ends,
+    and one that no marker names (its environment cleared) is left to end by itself: it was a
+    zombie of the worker for good. The reap round now reaps such zombies, only those a round old,
+    so that the worker's own quick runs, which asyncio and the runner reap themselves, keep their
+    exit codes (a status taken from them made `false` succeed, or a run fail)."""
+    first = await enqueue(manager, model="unmarked", max_attempts=1)
+    async with running(make_worker(burst=False, reap_interval_s=0.05, max_jobs_per_gpu=4)):
+        await until(manager, first, lambda j: j.state.final)
+        pid = _stray_pid(tmp_path)
+        assert _parent(pid) == os.getpid()  # the worker's child now (this process runs the worker)
+        quick = [
+            await enqueue(manager, model=("false" if i % 5 == 0 else "true"), max_attempts=1)
+            for i in range(100)
+        ]
+        for job_id in quick:
+            await until(manager, job_id, lambda j: j.state.final)
+        deadline = time.monotonic() + 5
+        while _parent(pid) is not None:  # a zombie until a reap round takes it
+            assert time.monotonic() < deadline, "the stray's zombie was never reaped"
+            await asyncio.sleep(0.05)
+    assert (await manager.get(first)).state is JobState.succeeded
+    ended = [await manager.get(job_id) for job_id in quick]
+    assert [j.state for j in ended] == [
+        JobState.failed if i % 5 == 0 else JobState.succeeded for i in range(100)
+    ], [j.error for j in ended if j.error and "exit code 1" not in j.error]
+    assert all("exit code 1" in (j.error or "") for j in ended[::5])
 
 
 # Folders shutil.rmtree was asked to remove, with the thread that asked (see `_on_audit`).
