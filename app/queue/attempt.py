@@ -336,12 +336,19 @@ class Attempt:
 
     def _oneshot_env(self) -> dict[str, str]:
         """The environment of a one-shot run: the minimal one, its GPU, and the markers a restart
-        and the reaper find its processes by."""
+        and the reaper find its processes by. Its temporary files go in its lane (TMPDIR, and TMP
+        and TEMP that some programs read instead), emptied after it: in the host's /tmp, those of
+        a run killed at its timeout or canceled stayed for good. (The lane itself, not a folder
+        made in it: every folder made and freed per run costs on a busy disk.)"""
         # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
+        lane = str(self.lane)
         return runner.minimal_env(
             self.gpu,
             {
-                "HOME": str(self.lane),
+                "HOME": lane,
+                "TMPDIR": lane,
+                "TMP": lane,
+                "TEMP": lane,
                 "GPUJOBS_JOB": f"{self.job.id}:{self.job.attempt}",
                 "GPUJOBS_WORKER": self._config.worker_id,  # a restart finds its runs by it
                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID",

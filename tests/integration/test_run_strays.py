@@ -5,6 +5,7 @@ the next job's scratch lane; the files it left in its lane are removed off the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -126,6 +127,19 @@ UNMARKED = textwrap.dedent(
     """
 )
 
+# Makes a temporary file where Python's tempfile puts them, says where in argv[1], and outlives its
+# timeout (so it never removes the file itself).
+TEMP_USER = textwrap.dedent(
+    """
+    import os, sys, tempfile, time
+    fd, path = tempfile.mkstemp(suffix=".bin")
+    os.write(fd, b"x" * 4096)
+    with open(sys.argv[1], "w") as f:
+        f.write(path)
+    time.sleep(60)
+    """
+)
+
 
 def _no_output_model(name: str, argv: list[str]) -> str:
     """A one-shot model with one optional output, which it does not write (as /bin/true)."""
@@ -136,7 +150,7 @@ def _no_output_model(name: str, argv: list[str]) -> str:
 def models_file(tmp_path: Path) -> Path:
     """`toy`; `stray`, which leaves a process behind (see STRAY; timeout 10 s, its `then`, `delay_s`
     and `quiet` as params); `silent`, which waits 2 s and writes nothing; `daemon` (DAEMON), `own`
-    (OWN) and `unmarked` (UNMARKED); `true` and `false`."""
+    (OWN), `unmarked` (UNMARKED) and `temp_user` (TEMP_USER, timeout 1 s); `true` and `false`."""
     path = tmp_path / "models.toml"
     stray = [
         "{python}",
@@ -164,6 +178,9 @@ def models_file(tmp_path: Path) -> Path:
         + script_model("own", ["{python}", "-c", OWN, "{output_dir}"])
         + script_model(
             "unmarked", ["{python}", "-c", UNMARKED, "{output_dir}", str(tmp_path / "stray.pid"), "1"]
+        )
+        + script_model("temp_user", ["{python}", "-c", TEMP_USER, str(tmp_path / "temp.path")]).replace(
+            "timeout_s = 10", "timeout_s = 1"
         )
         + _no_output_model("true", ["/bin/true"])
         + _no_output_model("false", ["/bin/false"])
@@ -292,6 +309,25 @@ async def test_a_stray_that_ends_by_itself_is_reaped_and_no_run_loses_its_exit_c
         JobState.failed if i % 5 == 0 else JobState.succeeded for i in range(100)
     ], [j.error for j in ended if j.error and "exit code 1" not in j.error]
     assert all("exit code 1" in (j.error or "") for j in ended[::5])
+
+
+async def test_the_temporary_files_of_a_killed_run_are_removed_with_its_lane(
+    manager, make_worker, store, tmp_path
+):
+    """A model got the host's TMPDIR (none: /tmp), so a run killed at its timeout (or canceled)
+    left its temporary files there for good (100 MB each, seen). TMPDIR, TMP and TEMP are now
+    the run's own scratch lane, emptied after it."""
+    job_id = await enqueue(manager, model="temp_user", max_attempts=1)
+    try:
+        await make_worker().run()
+        job = await manager.get(job_id)
+        assert job.state is JobState.failed and "timed out" in (job.error or ""), job.error
+        made = Path((tmp_path / "temp.path").read_text())
+        assert made.is_relative_to(store.root / "scratch"), made
+        assert not await asyncio.to_thread(made.exists)
+    finally:  # the old way: not to be left in /tmp by this test
+        with contextlib.suppress(OSError):
+            os.unlink((tmp_path / "temp.path").read_text())
 
 
 # Folders shutil.rmtree was asked to remove, with the thread that asked (see `_on_audit`).

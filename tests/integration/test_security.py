@@ -978,10 +978,12 @@ async def test_models_run_with_a_minimal_environment_in_their_scratch_folder(
     leaked = [v for v in probe["env"].values() if "secret" in v.lower()]
     assert leaked == [] and not any(name.startswith(("GPUJOBS_D", "GPUJOBS_L")) for name in probe["env"])
     assert set(probe["env"]) <= {"PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"} | {
-        "PYTHONUNBUFFERED", "HOME", "GPUJOBS_JOB", "GPUJOBS_WORKER", "CUDA_DEVICE_ORDER", "LC_CTYPE"
+        "PYTHONUNBUFFERED", "HOME", "GPUJOBS_JOB", "GPUJOBS_WORKER", "CUDA_DEVICE_ORDER", "LC_CTYPE",
+        "TMP", "TEMP",
     }  # fmt: skip
     scratch = Path(probe["cwd"])
     assert scratch.is_relative_to(store.root / "scratch") and probe["env"]["HOME"] == str(scratch)
+    assert [probe["env"][name] for name in ("TMPDIR", "TMP", "TEMP")] == [str(scratch)] * 3
     assert probe["argv"][probe["argv"].index("--text") + 1] == hostile  # one element, no shell
     assert not await asyncio.to_thread(pwned.exists)
 
