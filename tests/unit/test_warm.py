@@ -137,7 +137,11 @@ async def test_one_process_answers_many_jobs_and_loads_once(tmp_path: Path, pool
     (runner_,) = pool.runners()
     assert runner_.jobs_done == 5 and runner_.state is warm.RunnerState.IDLE
     assert (tmp_path / "out5" / "out.txt").read_text() == f"job5:1 pid {pids.pop()} input in.png\n"
-    assert jobs.progress == [(0.5, "step 1"), (1.0, "step 2")] * 5
+    # Each job's last word reaches the callback; its first may be merged into it (the feed keeps
+    # only the newest update it has not handed on: app/progress.py), as on a busy machine.
+    delivered = jobs.progress
+    assert delivered.count((1.0, "step 2")) == 5 and set(delivered) <= {(0.5, "step 1"), (1.0, "step 2")}
+    assert delivered[-1] == (1.0, "step 2")
     log = jobs.log(3)
     assert log.startswith("[warm] job job3:1 sent to warm runner pid")
     assert "PROGRESS 0.500 step 1" in log and "done after" in log
