@@ -134,7 +134,7 @@ class Attempt:
         self._room = room  # set once the worker has evicted the idle runners whose memory it needs
         self._on_model_end = on_model_end
         self._on_storage_trouble = on_storage_trouble
-        self._live_runs = live_runs  # the worker's runs still going, as `<job id>:<attempt>`
+        self._live_runs = live_runs  # the worker's runs still going, as `run <job id>:<attempt>`
         self.spec = spec
         self._manager = manager
         self._store = store

@@ -82,30 +82,22 @@ def _run_of(job_id: object, attempt: int | None) -> Callable[[bytes], bool]:
 
 async def kill_adopted(worker_id: str, live: Callable[[], Set[str]], *, job: Job | None = None) -> int:
     """Kill (and reap) the worker's children (app/subreaper.py) that runs of `worker_id` started
-    and that outlived their run: `job`'s run (which just ended), or one `live()` does not name."""
-    own = None if job is None else f"{job.id}:{job.attempt}"
+    and that outlived their run: `job`'s run (which just ended), or one `live()` does not name (as
+    `find_marked` names runs). A process of another worker, of a runner, or with no marker is not."""
+    origin = _origin(worker_id)
+    own = None if job is None else f"run {job.id}:{job.attempt}"
+
+    def stray(environ: bytes) -> bool:  # live() asked only for a process a run marked
+        name = origin(environ)
+        return (
+            name is not None
+            and name.startswith("run ")
+            and name != "run "
+            and (name == own or name not in live())
+        )
+
     extra = {} if job is None else {"job_id": str(job.id)}
-    return await subreaper.kill_strays(_ended_run(worker_id, live, own), **extra)
-
-
-def _ended_run(worker_id: str, live: Callable[[], Set[str]], own: str | None) -> Callable[[bytes], bool]:
-    """Whether an environment is that of a process a run of `worker_id` started, of a run that is
-    over: the run `own` (`<job id>:<attempt>`, which just ended), or one `live()` does not name
-    (asked only for a marked process). A process of another worker, or with no marker, is not."""
-    worker = f"GPUJOBS_WORKER={worker_id}".encode()
-    job = b"GPUJOBS_JOB="
-
-    def stray(environ: bytes) -> bool:
-        if job not in environ:
-            return False
-        variables = environ.split(b"\0")
-        run = next((v[len(job) :] for v in variables if v.startswith(job)), None)
-        if run is None or worker not in variables:
-            return False
-        marker = run.decode(errors="replace")
-        return marker == own or marker not in live()
-
-    return stray
+    return await subreaper.kill_strays(stray, **extra)
 
 
 def is_model_of(pid: int, job_id: object, attempt: int | None = None) -> bool:
@@ -136,6 +128,12 @@ def find_marked(worker_id: str) -> dict[int, str]:
     """The process groups of every process `worker_id`'s runs and runners started, each with
     what started it: `run <job id>:<attempt>` (GPUJOBS_WORKER, and GPUJOBS_JOB) or
     `runner <model>:<gpu>` (GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>`)."""
+    return _scan(_origin(worker_id))
+
+
+def _origin(worker_id: str) -> Callable[[bytes], str | None]:
+    """What started a process, from its environment, as `find_marked` names it: `run <job
+    id>:<attempt>`, `runner <model>:<gpu>`, or None (not `worker_id`'s)."""
     worker, runner_ = f"GPUJOBS_WORKER={worker_id}".encode(), f"GPUJOBS_RUNNER={worker_id}:".encode()
     job = b"GPUJOBS_JOB="
 
@@ -151,7 +149,7 @@ def find_marked(worker_id: str) -> dict[int, str]:
         run = next((v[len(job) :] for v in variables if v.startswith(job)), b"")
         return "run " + run.decode(errors="replace")
 
-    return _scan(origin)
+    return origin
 
 
 async def kill_strays(worker_id: str, live: Callable[[], Set[str]], *, last: LastLook | None = None) -> int:

@@ -784,8 +784,9 @@ class Worker:
         self._zombies = subreaper.reap_zombies(self._zombies)
 
     def _live_runs(self) -> set[str]:
-        """The one-shot runs of this worker still going, as their GPUJOBS_JOB marker's value."""
-        return {f"{a.job.id}:{a.job.attempt}" for a, _ in self._running.values() if not a.model_ended}
+        """The one-shot runs of this worker whose model still runs, named as the reap round names
+        runs (`run <job id>:<attempt>`: leftovers.find_marked)."""
+        return {f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values() if not a.model_ended}
 
     async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
         """Kill model processes on this host of jobs about to be taken back, before they are;

@@ -80,7 +80,7 @@ async def test_only_children_with_the_marker_of_an_ended_run_of_this_worker_are_
     ]
     try:
         await asyncio.sleep(0.2)  # each has called exec: its own environment is the one shown
-        assert await leftovers.kill_adopted("w", lambda: {"j:2"}) == 1
+        assert await leftovers.kill_adopted("w", lambda: {"run j:2"}) == 1
         assert _state(ended) is None  # killed and reaped
         assert all(_state(pid) not in (None, "Z") for pid in spared)  # alive, untouched
     finally:
