@@ -15,6 +15,7 @@ from app.api import forms
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
 from app.queue.jobs import JobState
+from app.settings import DEFAULT_PRIORITY
 
 # Every route needs a key (`security.Authenticate` checks it before the body is read).
 router = APIRouter(
@@ -62,7 +63,7 @@ async def submit_job(
     response: Response,
     image: Annotated[UploadFile, File(description="PNG, JPEG or WebP image (checked by content)")],
     model: Annotated[str, Form(description="A registered model, see GET /models", max_length=64)],
-    priority: Annotated[int, Form(description="Higher runs first")] = 0,
+    priority: Annotated[int, Form(description="Higher runs first")] = DEFAULT_PRIORITY,
     params: Annotated[
         str | None, Form(description="Model parameters as a JSON object", max_length=10_000)
     ] = None,
