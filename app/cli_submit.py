@@ -50,7 +50,12 @@ RETRY_AFTER_MAX_S = 30.0
 
 def parse_params(pairs: list[str], types: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`k=v` pairs, typed (see `typed`). A malformed pair, or a name given twice, exits 2."""
-    return {name: typed(raw, (types or {}).get(name)) for name, raw in split_params(pairs).items()}
+    return typed_params(split_params(pairs), types or {})
+
+
+def typed_params(given: Mapping[str, str], types: Mapping[str, str]) -> dict[str, Any]:
+    """`split_params`' values, each typed by its param's type in `types` (see `typed`)."""
+    return {name: typed(raw, types.get(name)) for name, raw in given.items()}
 
 
 def split_params(pairs: list[str]) -> dict[str, str]:
@@ -99,8 +104,7 @@ def submit(
     folder = results_folder(out, image, force)
     with client.connect(url, key) as http, image.open("rb") as f:
         entry = catalog_entry(http, model)
-        types = param_types(entry)
-        params = {name: typed(raw, types.get(name)) for name, raw in given.items()}
+        params = typed_params(given, param_types(entry))
         job = client.call(
             http,
             "POST",
