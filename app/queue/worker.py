@@ -204,7 +204,7 @@ class Worker:
         return [
             {
                 **asdict(g),
-                "offered_mb": max(0, g.total_mb - self._config.scheduling.vram_buffer_mb),
+                "offered_mb": self._offered_mb(g),
                 "reserved_mb": reserved[g.index] + self.pool.reserved_mb(g.index),
                 "running_jobs": count[g.index],
                 "warm": self.pool.report(g.index),
@@ -634,8 +634,11 @@ class Worker:
         """The most a job may use here: the largest GPU's size less the buffer. Not the size of the
         GPU a job ran on: placed on the smallest that fits, a job out of memory there grows onto
         a larger one."""
-        largest = max((g.total_mb for g in self._read_gpus()), default=0)
-        return max(0, largest - self._config.scheduling.vram_buffer_mb)
+        return max((self._offered_mb(g) for g in self._read_gpus()), default=0)
+
+    def _offered_mb(self, g: gpu.Gpu) -> int:
+        """The most one job may be given on `g`: its size less this worker's buffer."""
+        return max(0, g.total_mb - self._config.scheduling.vram_buffer_mb)
 
     def _model_ended(self, run: attempt_.Attempt) -> None:
         """The model of `run` is done with the GPU: its slot may take the next job while the
