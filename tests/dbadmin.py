@@ -15,3 +15,12 @@ async def admin(server_url: str, *statements: str) -> None:
             await conn.execute(statement)
     finally:
         await conn.close()
+
+
+async def up_for_s(server_url: str) -> float:
+    """How long the server at `server_url` has been running since its last start."""
+    conn = await asyncpg.connect(db.asyncpg_dsn(server_url))
+    try:
+        return float(await conn.fetchval("SELECT extract(epoch FROM now() - pg_postmaster_start_time())"))
+    finally:
+        await conn.close()
