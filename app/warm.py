@@ -23,9 +23,9 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
-from app import childprocess, logs, modelkit, procgroup, progress, runner
+from app import childprocess, logs, modelkit, procgroup, progress, runner, warmresult
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
@@ -37,7 +37,6 @@ _READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
 
 ProgressCallback = progress.ProgressCallback
-_Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
 
 
 class RunnerState(StrEnum):
@@ -50,18 +49,6 @@ class RunnerState(StrEnum):
     DEAD = "dead"
 
 
-class Outcome(StrEnum):
-    """How one job in a warm runner ended."""
-
-    DONE = "done"
-    FAILED = "failed"  # the model raised (the runner was ended)
-    BAD_INPUT = "bad_input"
-    OOM = "oom"
-    CRASHED = "crashed"  # the runner died or broke the protocol
-    TIMED_OUT = "timed_out"
-    STOPPED = "stopped"
-
-
 @dataclass(frozen=True, slots=True)
 class Launch:
     """How to start a runner."""
@@ -72,28 +59,6 @@ class Launch:
     cwd: Path
     log_path: Path  # the runner's own log, across its jobs
     load_timeout_s: float = 300.0
-
-
-@dataclass(frozen=True, slots=True)
-class WarmResult:
-    """How one job ended; for CRASHED, the runner's exit code or signal too."""
-
-    outcome: Outcome
-    error: str | None
-    outputs: tuple[str, ...]
-    stopped: str | None  # the reason given to stop()
-    exit_code: int | None
-    signal: int | None
-    duration_s: float
-    log_tail: str  # the last lines of this job's log
-
-    @property
-    def ok(self) -> bool:
-        """Whether the job succeeded."""
-        return self.outcome is Outcome.DONE
-
-
-_EXITED_LOADING = "exited while loading"
 
 
 class StartFailed(Exception):
@@ -128,7 +93,7 @@ class WarmRunner:
         self._log = RunLog(launch.log_path, "warm", eager=True, max_bytes=max_log_bytes, rotate=True)
         self._job: tuple[str, RunLog] | None = None  # the job in flight
         self._stderr_ended = asyncio.Event()  # the kit's last stderr line of the job in flight was read
-        self._events: collections.deque[_Event] = collections.deque()
+        self._events: collections.deque[warmresult.Event] = collections.deque()
         self._progress: progress.ProgressFeed | None = None  # the job's, made with its first update
         self._wakeup: asyncio.Future[None] | None = None  # what `_next` waits on: an event or stop()
         self._tasks: list[asyncio.Task[None]] = []
@@ -184,7 +149,7 @@ class WarmRunner:
             await asyncio.shield(self._end(problem))
             tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
             # Any other end was ours (a kill), whose exit code says nothing of the model.
-            code = proc.returncode if problem == _EXITED_LOADING else None
+            code = proc.returncode if problem == warmresult.EXITED_LOADING else None
             raise StartFailed(f"{problem} ({self.describe_exit()}){tail}", exit_code=code)
         self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
         self.load_s = self.last_used_s - began
@@ -201,11 +166,7 @@ class WarmRunner:
         if isinstance(event, modelkit.Ready):
             self._log.note(f"ready: model {event.model!r}, pid {event.pid}")
             return None
-        if event is Outcome.TIMED_OUT:
-            return f"not ready after {self.launch.load_timeout_s:g} s"
-        if event is Outcome.STOPPED:
-            return f"stopped while loading: {self._stop_reason}"
-        return _EXITED_LOADING if event is None else f"protocol error before ready: {event}"
+        return warmresult.not_ready(event, self.launch.load_timeout_s, self._stop_reason)
 
     def stop(self, reason: str) -> None:
         """Abort loading or the job (also one about to be sent) for `reason`; the runner is then ended."""
@@ -229,7 +190,7 @@ class WarmRunner:
 
     async def run_job(
         self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
-    ) -> WarmResult:
+    ) -> warmresult.WarmResult:
         """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
         if self.state is not RunnerState.IDLE:
             raise RuntimeError(f"run_job() on a runner that is {self.state}")
@@ -244,7 +205,7 @@ class WarmRunner:
         self._stderr_ended.clear()
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
         try:
-            outcome, error, outputs = await self._exchange(job, line, started + timeout_s, timeout_s)
+            judged = await self._exchange(job, line, started + timeout_s, timeout_s)
         except asyncio.CancelledError:
             self._job = None
             if self._progress is not None:
@@ -256,34 +217,35 @@ class WarmRunner:
         finally:
             if self.state is RunnerState.RUNNING:
                 self.state = RunnerState.IDLE  # out-of-turn lines from here on end the runner
-        if outcome in (Outcome.DONE, Outcome.BAD_INPUT, Outcome.OOM):
+        await self._settle(job, *judged[:2])
+        self._job = None
+        if self._progress is not None:  # all of it reaches the callback before run_job() returns
+            feed, self._progress = self._progress, None
+            await feed.drain()
+        return self._result(job_log, judged, time.monotonic() - started)
+
+    async def _settle(self, job: str, outcome: warmresult.Outcome, error: str | None) -> None:
+        """Keep the runner after done, bad input and OOM (its stderr given a moment); else end it."""
+        if outcome in (warmresult.Outcome.DONE, warmresult.Outcome.BAD_INPUT, warmresult.Outcome.OOM):
             self.last_used_s, self.jobs_done = time.monotonic(), self.jobs_done + 1
             if not self._stderr_ended.is_set():  # usually read already: the kit writes it first
                 with contextlib.suppress(TimeoutError):  # a runner without the kit: give stderr a moment
                     await asyncio.wait_for(self._stderr_ended.wait(), _STDERR_SETTLE_S)
         else:
             await asyncio.shield(self._end(f"job {job}: {error}"))
-        self._job = None
-        if self._progress is not None:  # all of it reaches the callback before run_job() returns
-            feed, self._progress = self._progress, None
-            await feed.drain()
-        return self._result(job_log, outcome, error, outputs, time.monotonic() - started)
 
-    def _result(
-        self, log: RunLog, outcome: Outcome, error: str | None, outputs: tuple[str, ...], took_s: float
-    ) -> WarmResult:
+    def _result(self, log: RunLog, judged: warmresult.Judged, took_s: float) -> warmresult.WarmResult:
         """Close the job's log and describe the job's end."""
         assert self._proc is not None
-        code = self._proc.returncode if outcome is Outcome.CRASHED else None  # else the kill was ours
+        outcome, error, _ = judged
         log.note(f"{outcome}{': ' + error if error else ''} after {took_s:.2f} s; runner {self.state}")
-        log.close(keep=outcome is not Outcome.DONE)
-        stopped = self._stop_reason if outcome is Outcome.STOPPED else None
-        exit_code, sig = (code, None) if code is None or code >= 0 else (None, -code)
-        return WarmResult(outcome, error, outputs, stopped, exit_code, sig, took_s, log.tail())
+        log.close(keep=outcome is not warmresult.Outcome.DONE)
+        returncode, stop_reason = self._proc.returncode, self._stop_reason
+        return warmresult.WarmResult.of(
+            judged, stop_reason=stop_reason, returncode=returncode, took_s=took_s, log_tail=log.tail()
+        )
 
-    async def _exchange(
-        self, job: str, line: bytes, deadline: float, timeout_s: float
-    ) -> tuple[Outcome, str | None, tuple[str, ...]]:
+    async def _exchange(self, job: str, line: bytes, deadline: float, timeout_s: float) -> warmresult.Judged:
         """Write the job line, then wait for its final reply, the deadline or a stop."""
         assert self._proc is not None and self._proc.stdin is not None
         stdin = self._proc.stdin
@@ -293,18 +255,14 @@ class WarmRunner:
                 if stdin.transport.get_write_buffer_size() or stdin.is_closing():  # else all in the pipe
                     await asyncio.wait_for(stdin.drain(), deadline - time.monotonic())
         event = await self._next(deadline)
-        if event is Outcome.STOPPED:
-            return event, self._stop_reason, ()
-        if event is Outcome.TIMED_OUT:
-            return event, f"timed out after {timeout_s:g} s", ()
-        return _judge(event, job)
+        return warmresult.judge(event, job, stop_reason=self._stop_reason, timeout_s=timeout_s)
 
-    async def _next(self, deadline: float) -> _Event | Outcome:
+    async def _next(self, deadline: float) -> warmresult.Event | warmresult.Outcome:
         """The next event from stdout, or why there was none (the deadline, or stop()).
 
         It waits on one future that the reader or stop() completes: no task per event."""
         if self._stop.is_set():
-            return Outcome.STOPPED
+            return warmresult.Outcome.STOPPED
         if not self._events:
             self._wakeup = wakeup = asyncio.get_running_loop().create_future()
             try:
@@ -313,7 +271,7 @@ class WarmRunner:
                 self._wakeup = None
         if self._events:
             return self._events.popleft()
-        return Outcome.STOPPED if self._stop.is_set() else Outcome.TIMED_OUT
+        return warmresult.Outcome.STOPPED if self._stop.is_set() else warmresult.Outcome.TIMED_OUT
 
     def _wake(self) -> None:
         """Let `_next` look again."""
@@ -370,7 +328,7 @@ class WarmRunner:
             self._eof = True
             self._hand_on(None)
 
-    def _hand_on(self, event: _Event) -> None:
+    def _hand_on(self, event: warmresult.Event) -> None:
         """Queue an event for whoever waits; while idle, or once the line awaited came (a second
         final reply, a line right after ready), any event (EOF included) ends the runner."""
         if self.state is RunnerState.IDLE or (self._answered and self.state is not RunnerState.CLOSING):
@@ -438,20 +396,3 @@ class WarmRunner:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if (transport := getattr(proc, "_transport", None)) is not None:  # no public close(); it is reaped
             transport.close()
-
-
-def _judge(event: _Event, job: str) -> tuple[Outcome, str | None, tuple[str, ...]]:
-    """The outcome a job's final event means."""
-    if event is None:
-        return Outcome.CRASHED, "the runner exited during the job", ()
-    if isinstance(event, str):
-        return Outcome.CRASHED, f"protocol error: {event}", ()
-    if isinstance(event, modelkit.Failed) and event.protocol:
-        return Outcome.CRASHED, f"protocol error: the runner rejected the job line: {event.error}", ()
-    if isinstance(event, modelkit.Ready) or event.job != job:
-        return Outcome.CRASHED, f"protocol error: unexpected {event!r}", ()
-    if isinstance(event, modelkit.Done):
-        return Outcome.DONE, None, event.outputs
-    assert isinstance(event, modelkit.Failed)
-    outcome = Outcome.OOM if event.oom else Outcome.BAD_INPUT if event.bad_input else Outcome.FAILED
-    return outcome, event.error, ()

@@ -19,7 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app import db, errors, gpu, logs, modelkit, registry, runner, scheduler, storage, warm, warmpool
+from app import (
+    db,
+    errors,
+    gpu,
+    logs,
+    modelkit,
+    registry,
+    runner,
+    scheduler,
+    storage,
+    warm,
+    warmpool,
+    warmresult,
+)
 from app.queue import leftovers
 from app.queue import manager as manager_
 from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job, JobState, ResultFile
@@ -419,10 +432,12 @@ class Attempt:
             self.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
         return await self._unless_disk_trouble(result) or self._warm_outcome(result, out_dir, about)
 
-    async def _unless_disk_trouble(self, result: warm.WarmResult) -> Callable[[], Awaitable[Any]] | None:
+    async def _unless_disk_trouble(
+        self, result: warmresult.WarmResult
+    ) -> Callable[[], Awaitable[Any]] | None:
         """For a warm job that failed by itself (the model's error, or its runner's death) for this
         host's storage (`_disk_trouble`), the storage failure's final write; else None."""
-        failed = result.outcome in (warm.Outcome.FAILED, warm.Outcome.CRASHED)
+        failed = result.outcome in (warmresult.Outcome.FAILED, warmresult.Outcome.CRASHED)
         if not failed or self._stopped_by(result.stopped) is not None:
             return None
         # The error last: its line, the model's own words, is the one quoted (the last found).
@@ -451,25 +466,25 @@ class Attempt:
         )
 
     def _warm_outcome(
-        self, result: warm.WarmResult, out_dir: Path, about: Mapping[str, Any]
+        self, result: warmresult.WarmResult, out_dir: Path, about: Mapping[str, Any]
     ) -> Callable[[], Awaitable[Any]] | None:
         """The final write for a job run in a warm runner."""
         stopped = self._stopped_by(result.stopped)
-        if stopped is not None or result.outcome is warm.Outcome.STOPPED:
+        if stopped is not None or result.outcome is warmresult.Outcome.STOPPED:
             return self._stopped_outcome(stopped or CANCELED)
         error = result.error or str(result.outcome)
         match result.outcome:
-            case warm.Outcome.DONE:
+            case warmresult.Outcome.DONE:
                 return self._success(out_dir, result.duration_s, about)
-            case warm.Outcome.BAD_INPUT:
+            case warmresult.Outcome.BAD_INPUT:
                 return self._failure(f"bad input: {error}", retryable=False)
-            case warm.Outcome.OOM:
+            case warmresult.Outcome.OOM:
                 return self._out_of_memory(error)
-            case warm.Outcome.TIMED_OUT:
+            case warmresult.Outcome.TIMED_OUT:
                 return self._failure(
                     f"timed out after {self.spec.timeout_s:g} s", retryable=True, timed_out=True
                 )
-            case warm.Outcome.CRASHED:
+            case warmresult.Outcome.CRASHED:
                 return self._failure(
                     f"the warm runner died: {error}\n{result.log_tail}".strip(),
                     retryable=True,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app import modelkit, runner, warm, warmpool
+from app import modelkit, runner, warm, warmpool, warmresult
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = warmpool.RunnerKey("toy", 0)
@@ -46,7 +46,7 @@ def _launch(tmp_path: Path, name: str, *, extra: str = "", ready_extra: str = "\
     )
 
 
-async def _run(tmp_path: Path, warm_runner: warm.WarmRunner, n: int) -> warm.WarmResult:
+async def _run(tmp_path: Path, warm_runner: warm.WarmRunner, n: int) -> warmresult.WarmResult:
     progress: list[tuple[float, str]] = []
 
     async def on_progress(fraction: float, message: str) -> None:
@@ -87,7 +87,7 @@ async def test_a_line_after_the_answer_ends_the_runner_not_the_next_job(
         async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
             first = first or warm_runner
             result = await _run(tmp_path, warm_runner, n)
-        assert result.outcome is warm.Outcome.DONE, (n, result.error)
+        assert result.outcome is warmresult.Outcome.DONE, (n, result.error)
     assert await _dead(first), "a runner that spoke out of turn was kept"
 
 
@@ -113,7 +113,7 @@ for line in sys.stdin:
 """
 
 
-async def _one_job(tmp_path: Path, source: str) -> tuple[warm.WarmResult, list[tuple[float, str]]]:
+async def _one_job(tmp_path: Path, source: str) -> tuple[warmresult.WarmResult, list[tuple[float, str]]]:
     """Run one job through a runner made of `source`; its result and the progress it reported."""
     script = tmp_path / "runner.py"
     script.write_text(source)
@@ -140,7 +140,7 @@ async def _one_job(tmp_path: Path, source: str) -> tuple[warm.WarmResult, list[t
 @pytest.mark.asyncio
 async def test_texts_that_are_not_unicode_reach_the_job_replaced(tmp_path: Path) -> None:
     result, progress = await _one_job(tmp_path, UNPAIRED)
-    assert result.outcome is warm.Outcome.BAD_INPUT, result.error  # not a 5 s timeout
+    assert result.outcome is warmresult.Outcome.BAD_INPUT, result.error  # not a 5 s timeout
     assert result.error == "cannot read \ufffd.png"
     assert progress == [(0.5, "reading \ufffd.png")]
     assert "PROGRESS 0.500 reading \ufffd.png" in (tmp_path / "job.log").read_text()
@@ -160,7 +160,7 @@ for line in sys.stdin:
 @pytest.mark.asyncio
 async def test_progress_past_any_float_is_complete_not_a_hang(tmp_path: Path) -> None:
     result, progress = await _one_job(tmp_path, HUGE)
-    assert result.outcome is warm.Outcome.DONE, result.error  # not a 5 s timeout
+    assert result.outcome is warmresult.Outcome.DONE, result.error  # not a 5 s timeout
     assert [fraction for fraction, _ in progress] == [1.0]
 
 

@@ -18,7 +18,7 @@ import pytest
 import trimesh
 from PIL import Image
 
-from app import logs, modelkit, runner, warm, warmpool
+from app import logs, modelkit, runner, warm, warmpool, warmresult
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_TOY = ROOT / "tests" / "models" / "warm_toy.py"
@@ -66,7 +66,7 @@ class Jobs:
 
     async def run(
         self, warm_runner: warm.WarmRunner, timeout_s: float = 10.0, source: Path | None = None, **params: Any
-    ) -> warm.WarmResult:
+    ) -> warmresult.WarmResult:
         self.count += 1
         out = self.tmp_path / f"out{self.count}"
         request = modelkit.Request(f"job{self.count}:1", source or self.tmp_path / "in.png", out, params)
@@ -172,7 +172,7 @@ async def test_a_runner_that_dies_mid_job_is_replaced(tmp_path: Path, pool: warm
     async with pool.use(KEY, _toy(tmp_path), hold_mb=1000) as first:
         assert (await jobs.run(first)).ok
         crashed = await jobs.run(first, crash=True)
-    assert crashed.outcome is warm.Outcome.CRASHED and crashed.exit_code == 13
+    assert crashed.outcome is warmresult.Outcome.CRASHED and crashed.exit_code == 13
     assert crashed.error == "the runner exited during the job"
     assert first.state is warm.RunnerState.DEAD and pool.runners() == {}
     assert pool.reserved_mb(GPU0) == 0
@@ -188,7 +188,7 @@ async def test_timeout_kills_the_group_and_the_next_job_gets_a_fresh_runner(
     jobs = Jobs(tmp_path)
     async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as first:
         result = await jobs.run(first, timeout_s=0.5, spawn=True, hang=True)
-    assert result.outcome is warm.Outcome.TIMED_OUT and result.error == "timed out after 0.5 s"
+    assert result.outcome is warmresult.Outcome.TIMED_OUT and result.error == "timed out after 0.5 s"
     assert result.signal is None and result.exit_code is None  # the kill was ours, not a crash
     child = int((tmp_path / "out1" / "child.pid").read_text())
     assert first.pid is not None and await _gone(first.pid) and await _gone(child)
@@ -206,13 +206,13 @@ async def test_stop_ends_the_job_and_the_runner(tmp_path: Path, pool: warmpool.W
         assert await _eventually(lambda: jobs.progress[-1:] == [(1.0, "step 2")])
         first.stop("canceled")
         result = await task
-    assert result.outcome is warm.Outcome.STOPPED and result.stopped == "canceled"
+    assert result.outcome is warmresult.Outcome.STOPPED and result.stopped == "canceled"
     assert first.state is warm.RunnerState.DEAD and first.pid is not None and await _gone(first.pid)
     assert result.error == "canceled" and "[warm] stopped: canceled after" in result.log_tail
     async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as second:
         second.stop("canceled before the job was sent")
         early = await jobs.run(second)
-    assert early.outcome is warm.Outcome.STOPPED and not (tmp_path / "out2").exists()
+    assert early.outcome is warmresult.Outcome.STOPPED and not (tmp_path / "out2").exists()
     async with pool.use(KEY, _toy(tmp_path), hold_mb=0) as third:
         assert (await jobs.run(third)).ok
         third.stop("too late: the job has ended")  # forgotten when the runner is handed out again
@@ -231,9 +231,12 @@ async def test_model_errors_keep_or_end_the_runner(tmp_path: Path, pool: warmpoo
         oom = await jobs.run(warm_runner, oom=True)
         assert warm_runner.state is warm.RunnerState.IDLE  # bad input and OOM leave the model usable
         failed = await jobs.run(warm_runner, fail=True)
-    assert bad.outcome is warm.Outcome.BAD_INPUT and bad.error == "the input is not what warm_toy wants"
-    assert oom.outcome is warm.Outcome.OOM and "CUDA out of memory" in (oom.error or "")
-    assert failed.outcome is warm.Outcome.FAILED and failed.error == "ValueError: warm_toy failed on purpose"
+    assert bad.outcome is warmresult.Outcome.BAD_INPUT and bad.error == "the input is not what warm_toy wants"
+    assert oom.outcome is warmresult.Outcome.OOM and "CUDA out of memory" in (oom.error or "")
+    assert (
+        failed.outcome is warmresult.Outcome.FAILED
+        and failed.error == "ValueError: warm_toy failed on purpose"
+    )
     assert "Traceback" in failed.log_tail
     assert warm_runner.state is warm.RunnerState.DEAD and _loads(tmp_path) == 1
 
@@ -365,7 +368,7 @@ async def test_protocol_violations_end_the_runner(tmp_path: Path, pool: warmpool
     for name, body in cases.items():
         async with pool.use(KEY, _script(tmp_path, name, body), hold_mb=0) as warm_runner:
             result = await jobs.run(warm_runner)
-        assert result.outcome is warm.Outcome.CRASHED, name
+        assert result.outcome is warmresult.Outcome.CRASHED, name
         assert (result.error or "").startswith("protocol error"), result.error
         assert warm_runner.state is warm.RunnerState.DEAD
     assert "hello from the model" in jobs.log(1)
@@ -404,7 +407,7 @@ async def test_close_lets_the_runner_exit_by_itself_and_close_all_stops_jobs(
     closed = await pool.close_all("worker stopping")
     result = await task
     assert [c.pid for c in closed] == [busy.pid]
-    assert result.outcome is warm.Outcome.STOPPED and result.stopped == "worker stopping"
+    assert result.outcome is warmresult.Outcome.STOPPED and result.stopped == "worker stopping"
     pool.release(busy)
     assert pool.runners() == {}
 
@@ -431,8 +434,10 @@ async def test_relief_serves_two_jobs_in_one_process(tmp_path: Path, pool: warmp
     for n in (1, 2):
         mesh = trimesh.load(tmp_path / f"out{n}" / "mesh.glb", force="mesh")
         assert isinstance(mesh, trimesh.Trimesh) and mesh.is_watertight and mesh.volume > 0
-    assert bad.outcome is warm.Outcome.BAD_INPUT and "params.resolution" in (bad.error or "")
-    assert unreadable.outcome is warm.Outcome.BAD_INPUT and "cannot read image" in (unreadable.error or "")
+    assert bad.outcome is warmresult.Outcome.BAD_INPUT and "params.resolution" in (bad.error or "")
+    assert unreadable.outcome is warmresult.Outcome.BAD_INPUT and "cannot read image" in (
+        unreadable.error or ""
+    )
     # Its updates come faster than the feed hands them on (app/progress.py): each job's last arrives.
     assert jobs.progress.count((1.0, "written")) == 2
     assert "relief: device cpu" in (tmp_path / "runners" / "relief.log").read_text()
@@ -470,7 +475,7 @@ async def test_a_slow_progress_callback_does_not_hold_up_the_jobs_answer(
         result = await warm_runner.run_job(
             request, timeout_s=1.5, log_path=tmp_path / "job.log", on_progress=slow
         )
-        assert result.outcome is warm.Outcome.DONE, result
+        assert result.outcome is warmresult.Outcome.DONE, result
         assert seen == [0.5, 1.0]  # all of it, in order, before run_job() returned
         assert warm_runner.state is warm.RunnerState.IDLE
 
@@ -484,7 +489,7 @@ async def test_a_quiet_job_that_ended_well_makes_no_log_file(tmp_path: Path, poo
     assert quiet.ok and "done after" in quiet.log_tail  # the worker's lines are in the tail ...
     assert not (tmp_path / "logs" / "job1.log").exists()  # ... but made no file for a quiet success
     log = jobs.log(2)  # a failure always has its log, printed or not
-    assert hung.outcome is warm.Outcome.TIMED_OUT
+    assert hung.outcome is warmresult.Outcome.TIMED_OUT
     assert log.startswith("[warm] job job2:1 sent to warm runner pid") and "timed out after 0.3 s" in log
     runner_log = (tmp_path / "runners" / "toy.log").read_text()
     assert "ready: model" in runner_log and "[modelkit] job" not in runner_log
@@ -501,7 +506,7 @@ async def _concurrent_jobs(
 
     async def one() -> int | None:
         async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
-            assert (await jobs.run(warm_runner, **params)).outcome is warm.Outcome.DONE
+            assert (await jobs.run(warm_runner, **params)).outcome is warmresult.Outcome.DONE
             return warm_runner.pid
 
     return set(await asyncio.gather(*(one() for _ in range(count))))
@@ -585,7 +590,7 @@ async def test_a_runner_that_ends_as_it_is_handed_over_is_not_given_to_the_waiti
     got = await asyncio.wait_for(waiting, 10)
     await ended
     assert got is not busy and got.state is warm.RunnerState.IDLE
-    assert (await jobs.run(got)).outcome is warm.Outcome.DONE
+    assert (await jobs.run(got)).outcome is warmresult.Outcome.DONE
     paced.release(got)
     assert _loads(tmp_path) == 2
 
@@ -688,7 +693,7 @@ async def test_a_runner_whose_forked_helper_holds_its_stdout_is_seen_to_exit(
     async with pool.use(KEY, in_job, hold_mb=0) as warm_runner:
         result = await Jobs(tmp_path).run(warm_runner, timeout_s=10)
     assert (result.outcome, result.error, result.exit_code) == (
-        warm.Outcome.CRASHED, "the runner exited during the job", 3,
+        warmresult.Outcome.CRASHED, "the runner exited during the job", 3,
     )  # fmt: skip
     assert result.duration_s < 3 and await _helper_gone(pid_file)
 
