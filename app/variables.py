@@ -15,8 +15,8 @@ from app import settings
 
 PREFIX = "GPUJOBS_"
 # Read on purpose, though they are not settings: the client's server and key (app/client.py), the
-# markers a worker puts in its model processes' environment (app/queue/attempt.py; a restart finds
-# its strays by them, app/queue/leftovers.py), and the fuzz test's example count.
+# markers a worker puts in its model processes' environment (app/queue/oneshot.py, warmrun.py; a
+# restart finds its strays by them, app/queue/leftovers.py), and the fuzz test's example count.
 NOT_SETTINGS = frozenset(
     {
         "GPUJOBS_URL",

@@ -22,7 +22,7 @@ from sqlalchemy import text
 
 from app import errors
 from app.queue import attempt as attempt_
-from app.queue import leftovers
+from app.queue import leftovers, verdict
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.worker import Worker
@@ -685,7 +685,7 @@ async def test_a_worker_that_claims_its_lost_job_again_stops_the_old_run(
 async def storage_returns(manager: JobManager, job_id: uuid.UUID) -> int:
     """How many times the job went back to the queue, unspent, for a worker's storage."""
     events = await manager.events(job_id)
-    return sum(e.kind == "released" and e.detail.get("reason") == attempt_.STORAGE for e in events)
+    return sum(e.kind == "released" and e.detail.get("reason") == verdict.STORAGE for e in events)
 
 
 async def test_results_that_cannot_be_stored_send_the_job_back_a_few_times(manager, make_worker, store):
@@ -700,7 +700,7 @@ async def test_results_that_cannot_be_stored_send_the_job_back_a_few_times(manag
         job = await until(manager, job_id, lambda j: j.state.final, timeout_s=30)
     assert (job.state, job.abnormal_runs) == (JobState.failed, 0)
     assert job.error is not None and job.error.startswith("could not store the results"), job.error
-    assert await storage_returns(manager, job_id) == attempt_.STORAGE_RETURNS_MAX
+    assert await storage_returns(manager, job_id) == verdict.STORAGE_RETURNS_MAX
     assert list((store.root / "results").glob(f"{job_id}*/*")) == []
 
 

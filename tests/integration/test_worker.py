@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from app import errors, images
 from app.queue import attempt as attempt_
+from app.queue import verdict, watch
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager, NewJob
 from app.runlog import TAIL_BYTES
@@ -325,7 +326,7 @@ async def test_a_buffer_larger_than_the_gpu_is_named_not_a_negative_size(manager
 async def test_a_quick_run_skips_the_pid_write(manager, make_worker, monkeypatch):
     # "Quick" is under PID_AFTER_S (0.5 s). The toy model is a Python process, which a host busy
     # with other tests once kept alive longer than that: the test asks for less than 5 s.
-    monkeypatch.setattr(attempt_, "PID_AFTER_S", 5.0)
+    monkeypatch.setattr(watch, "PID_AFTER_S", 5.0)
     job_id = await enqueue(manager, steps=0)
     await make_worker().run()
     job = await manager.get(job_id)
@@ -394,13 +395,13 @@ async def test_a_job_goes_back_for_the_hosts_storage_a_bounded_number_of_times(m
         async with engine.begin() as conn:
             await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": "h:me", "cancel": False})
         job = await manager.get(job_id)
-        back = await manager.release_storage(job, reason=attempt_.STORAGE, error="disk full\nmore", most=2)
+        back = await manager.release_storage(job, reason=verdict.STORAGE, error="disk full\nmore", most=2)
         assert back is (n <= 2)
         job = await manager.get(job_id)
         assert job.state is (JobState.queued if n <= 2 else JobState.running)
     assert (job.max_attempts, job.error) == (5, "disk full\nmore")  # two returns: 3 + 2
     events = [e for e in await manager.events(job_id) if e.kind == "released"]
-    assert [e.detail for e in events] == [{"reason": attempt_.STORAGE, "error": "disk full"}] * 2
+    assert [e.detail for e in events] == [{"reason": verdict.STORAGE, "error": "disk full"}] * 2
     async with engine.begin() as conn:
         await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": "h:me", "cancel": True})
     with pytest.raises(errors.LeaseLost):

@@ -159,8 +159,8 @@ async def test_a_job_whose_outputs_never_fit_ends_after_a_few_returns(
 ) -> None:
     """A job sent back for the host's storage is not sent back for ever: one whose outputs fill
     the disk by themselves would go round the workers, pausing each. After a few returns
-    (attempt.STORAGE_RETURNS_MAX) its attempts are spent as any failure's."""
-    from app.queue import attempt as attempt_
+    (verdict.STORAGE_RETURNS_MAX) its attempts are spent as any failure's."""
+    from app.queue import verdict
 
     settings.models_file.write_text(
         script_model("huge", ["{python}", "-c", WRITES_3_MB.replace("3 <<", "5 <<"), "{output_dir}"])
@@ -171,5 +171,5 @@ async def test_a_job_whose_outputs_never_fit_ends_after_a_few_returns(
     job = await until(manager, job_id, lambda j: j.state.final, timeout_s=60)
     assert (job.state, job.abnormal_runs) == (JobState.failed, 0), job.error
     history = await kinds(manager, job_id)
-    assert history.count("released") == attempt_.STORAGE_RETURNS_MAX, history
-    assert job.attempt == attempt_.STORAGE_RETURNS_MAX + 1
+    assert history.count("released") == verdict.STORAGE_RETURNS_MAX, history
+    assert job.attempt == verdict.STORAGE_RETURNS_MAX + 1
