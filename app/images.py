@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from zlib_ng import zlib_ng  # zlib's interface; its CRC-32 and inflate several times as fast
 
 from app import errors
-from app.queue.manager import NewInput
+from app.queue import records
 
 # PIL's format -> the media type stored. "MPO" is a JPEG with an MPF extension (phone cameras add
 # one, with a second, smaller picture): any JPEG reader sees its first picture, which is what the
@@ -54,21 +54,21 @@ def read_upload(stream: BinaryIO, max_bytes: int) -> Data:
     return data
 
 
-def inspect(data: Data, *, max_pixels: int) -> NewInput:
+def inspect(data: Data, *, max_pixels: int) -> records.NewInput:
     """Check the bytes are a whole PNG, JPEG or WebP image within the pixel limit."""
     checked = _inspect(data, max_pixels, decode=True)
     assert checked is not None
     return checked
 
 
-def inspect_quickly(data: Data, *, max_pixels: int) -> NewInput | None:
+def inspect_quickly(data: Data, *, max_pixels: int) -> records.NewInput | None:
     """inspect(), or None where that takes decoding every pixel (JPEG, WebP, an unusual PNG). The
     quick part costs about 1.2 ms per MB of PNG (SHA-256 most of it, then the inflate and CRC-32,
     in C); a full decode can take a hundred times that."""
     return _inspect(data, max_pixels, decode=False)
 
 
-def _inspect(data: Data, max_pixels: int, *, decode: bool) -> NewInput | None:
+def _inspect(data: Data, max_pixels: int, *, decode: bool) -> records.NewInput | None:
     _allow_pixels(max_pixels)
     kind, width, height = _identify(data)
     if width * height > max_pixels:
@@ -81,7 +81,7 @@ def _inspect(data: Data, max_pixels: int, *, decode: bool) -> NewInput | None:
         if not decode:
             return None
         _decode_fully(data, max_pixels)
-    return NewInput(hashlib.sha256(data).hexdigest(), ACCEPTED[kind], width, height, data)
+    return records.NewInput(hashlib.sha256(data).hexdigest(), ACCEPTED[kind], width, height, data)
 
 
 def _allow_pixels(max_pixels: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 from app import errors, images, learning, registry
 from app.queue import manager as manager_
+from app.queue import records
 from app.queue.jobs import Job
 
 # A plain PNG of up to QUICK_CHECK_BYTES that inflates to at most QUICK_RAW_BYTES is checked on the
@@ -142,7 +143,7 @@ async def submit(
             manager, refused, owner=owner, key=idempotency_key, sent=sent, image=checked, limits=limits
         )
         return job, False
-    new = manager_.NewJob(
+    new = records.NewJob(
         owner=owner,
         model=spec.name,
         params=values,
@@ -163,7 +164,7 @@ async def submit(
 
 
 async def vram_for(
-    spec: registry.ModelSpec, image: manager_.NewInput, learner: learning.VramLearner | None
+    spec: registry.ModelSpec, image: records.NewInput, learner: learning.VramLearner | None
 ) -> tuple[int, int]:
     """(MB to admit the job on, the declared estimate). InvalidRequest where that is more than the
     largest GPU of the model's workers offers: no worker could ever claim the job, which would wait
@@ -195,7 +196,7 @@ async def refused_repeat(
     owner: str,
     key: str | None,
     sent: str | None,
-    image: BinaryIO | manager_.NewInput,
+    image: BinaryIO | records.NewInput,
     limits: Limits,
 ) -> Job:
     """The job of this idempotency key if this request, `refused` now, is the one that made it, as
@@ -209,7 +210,7 @@ async def refused_repeat(
     if job is None or job.request_sha256 != sent:  # NULL: queued before requests were recorded
         raise refused
     try:
-        checked = image if isinstance(image, manager_.NewInput) else await check_image(image, limits)
+        checked = image if isinstance(image, records.NewInput) else await check_image(image, limits)
     except errors.AppError:
         raise refused from None
     if await _other_image(manager, job, checked):
@@ -255,7 +256,7 @@ def _same_json(stored: Any, sent: Any) -> bool:
 
 
 async def check_repeat(
-    manager: manager_.JobManager, job: Job, new: manager_.NewJob, image: manager_.NewInput
+    manager: manager_.JobManager, job: Job, new: records.NewJob, image: records.NewInput
 ) -> None:
     """Conflict unless `job`, the earlier job of this idempotency key, was asked for with the same
     image, model, params and priority as `new`: a key names one request, and answering another
@@ -285,15 +286,15 @@ async def check_repeat(
         )
 
 
-async def _other_image(manager: manager_.JobManager, job: Job, image: manager_.NewInput) -> bool:
+async def _other_image(manager: manager_.JobManager, job: Job, image: records.NewInput) -> bool:
     """Whether `job` was made from another image (not known once retention deleted its image)."""
     if job.input_id is None:
         return False
-    stored = await manager.input_sha256(job.input_id)
+    stored = await manager.inputs.sha256(job.input_id)
     return stored is not None and stored != image.sha256
 
 
-async def check_image(image: BinaryIO, limits: Limits) -> manager_.NewInput:
+async def check_image(image: BinaryIO, limits: Limits) -> records.NewInput:
     """Read, check and hash the upload. A small plain PNG is checked on the event loop (a
     millisecond or two); anything that takes longer goes to a thread, so the loop never stalls on
     a large image, a large inflate or a full decode. A hop to a thread cost more than the check it

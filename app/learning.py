@@ -44,8 +44,8 @@ class VramLearner:
 
     async def _observed(self) -> dict[str, tuple[list[float], int]]:
         if time.monotonic() - self._read_at > self._config.ttl_s:
-            self._ratios = await self._manager.vram_ratios()
-            self._offered = await self._manager.largest_gpus(buffer_mb=self._config.buffer_mb)
+            self._ratios = await self._manager.reports.vram_ratios()
+            self._offered = await self._manager.reports.largest_gpus(buffer_mb=self._config.buffer_mb)
             self._read_at = time.monotonic()
         return self._ratios
 

@@ -106,8 +106,8 @@ class DatabaseMetrics:
                 async with asyncio.timeout(READ_TIMEOUT_S):
                     if await self._start(now + budget_s):
                         await self._tail(now + budget_s)
-                    self._depth = await self._manager.queue_depth()
-                    self._workers = await self._manager.workers(recent_s=DEAD_WORKERS_SHOWN_S)
+                    self._depth = await self._manager.reports.queue_depth()
+                    self._workers = await self._manager.reports.workers(recent_s=DEAD_WORKERS_SHOWN_S)
             except db.ERRORS as exc:  # an outage, or a statement the server cancelled: no 500
                 self._read_failed(exc)
             else:
@@ -127,7 +127,7 @@ class DatabaseMetrics:
 
     async def _start(self, deadline: float) -> bool:
         """Whether the tally has its start: the history up to a cut-off, counted by the database
-        (`JobManager.event_groups_for_metrics`), which the tail goes on from.
+        (`Reports.event_groups_for_metrics`), which the tail goes on from.
 
         The count runs in a task of its own: a refresh waits for it until `deadline`, then leaves
         it running for a later refresh to take (the job series left out until then), so a scrape
@@ -150,7 +150,7 @@ class DatabaseMetrics:
     async def _count_history(self) -> tally.JobTally:
         started = time.monotonic()
         async with asyncio.timeout(HISTORY_TIMEOUT_S):
-            floor, groups = await self._manager.event_groups_for_metrics(
+            floor, groups = await self._manager.reports.event_groups_for_metrics(
                 older_than_s=tally.GAP_WAIT_S,
                 final=tally.FINAL,
                 bucket_starts=tally.BUCKET_STARTS,
@@ -180,7 +180,7 @@ class DatabaseMetrics:
         after = self.tally.floor
         while time.monotonic() < deadline:
             after = self.tally.ids.next_read(after)  # holes that may fill, then what is new
-            rows = await self._manager.events_for_metrics(after=after, limit=self._batch)
+            rows = await self._manager.reports.events_for_metrics(after=after, limit=self._batch)
             self.tally.add(rows, time.monotonic())
             if len(rows) < self._batch:
                 self.caught_up = True

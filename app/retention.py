@@ -178,7 +178,7 @@ class Pruner:
         return report
 
     async def _estimate(self, report: PruneReport) -> None:
-        ids = await self._manager.expirable(cutoff=report.cutoff, limit=1_000_000)
+        ids = await self._manager.expiry.expirable(cutoff=report.cutoff, limit=1_000_000)
         report.jobs, report.inputs_deleted = len(ids), None
         report.job_ids = ids[:REPORTED_IDS]
         for start in range(0, len(ids), self._batch):
@@ -187,7 +187,7 @@ class Pruner:
 
     async def _expire_all(self, report: PruneReport) -> None:
         while True:
-            batch = await self._manager.expire(cutoff=report.cutoff, limit=self._batch)
+            batch = await self._manager.expiry.expire(cutoff=report.cutoff, limit=self._batch)
             report.files_bytes += await asyncio.to_thread(_delete, self._root, batch.job_ids)
             report.jobs += len(batch.job_ids)
             report.inputs_deleted = (report.inputs_deleted or 0) + batch.inputs_deleted
@@ -202,7 +202,7 @@ class Pruner:
         listed = await asyncio.to_thread(_jobs_on_disk, self._root)
         removed = 0
         for start in range(0, len(listed), 1000):
-            expired = await self._manager.expired_among(listed[start : start + 1000])
+            expired = await self._manager.expiry.expired_among(listed[start : start + 1000])
             await asyncio.to_thread(_delete, self._root, expired)
             removed += len(expired)
         return removed

@@ -84,13 +84,13 @@ async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep
     names = [body.model] if body.model is not None else list(services.models.models)
     unserved = 0
     if body.model is None:  # a `model` this registry lacks is 422 below (UnknownModel)
-        unserved = await services.manager.count_unserved(
+        unserved = await services.manager.bulk.count_unserved(
             known=names, error_contains=body.error_contains, since=body.since, until=body.until
         )
     retried, left, full = 0, 0, False
     for name in names:
         spec = services.models.get(name)
-        done = await services.manager.retry_matching(
+        done = await services.manager.bulk.retry_matching(
             by=caller.principal,
             attempts=spec.max_attempts,
             queue_limit=services.limits.queue_limit,
@@ -106,7 +106,7 @@ async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep
 @router.post("/jobs/cancel", response_model=CancelCount)
 async def cancel_jobs(body: CancelFilter, services: ServicesDep, caller: CallerDep) -> CancelCount:
     """Cancel every job of the filter's states (queued and scheduled unless told) that matches it."""
-    done = await services.manager.cancel_matching(
+    done = await services.manager.bulk.cancel_matching(
         by=caller.principal,
         states={JobState(s) for s in body.states},
         model=body.model,
@@ -148,7 +148,7 @@ def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
 async def list_workers(request: Request, services: ServicesDep) -> list[WorkerPublic]:
     """Workers seen in the last day: host, state, heartbeat age, GPUs with their VRAM, running jobs."""
     dead_after = request.app.state.settings.dead_worker_after_s
-    return [_worker_public(w, dead_after) for w in await services.manager.workers()]
+    return [_worker_public(w, dead_after) for w in await services.manager.reports.workers()]
 
 
 @router.get("/stats", response_model=StatsPublic)
@@ -156,9 +156,9 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     """Queue depth by model and priority, wait and run p50/p95, throughput, failure rate, storage."""
     manager = services.manager
     dead_after = request.app.state.settings.dead_worker_after_s
-    depth = await manager.queue_depth()
-    seen = await manager.workers(recent_s=0)
-    done = await manager.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
+    depth = await manager.reports.queue_depth()
+    seen = await manager.reports.workers(recent_s=0)
+    done = await manager.reports.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
     judged = done.succeeded + done.failed
     # A model dropped from the registry, or served only by workers that are down: its jobs wait.
     serving = records.serving(seen, dead_after)

@@ -79,7 +79,7 @@ async def _readiness(request: Request) -> dict[str, Any]:
         await conn.execute(text("SELECT 1"))
     current = await migrate.current(request.app.state.engine)
     dead_after_s = settings.dead_worker_after_s
-    workers = await request.app.state.services.manager.workers(recent_s=0)
+    workers = await request.app.state.services.manager.reports.workers(recent_s=0)
     live = [w for w in workers if w.state == "running" and w.heartbeat_age_s < dead_after_s]
     gpus = [{"worker": w.id, **{k: g.get(k) for k in GPU_FIELDS}} for w in live for g in w.gpus]
     return {"schema": {"current": current, "head": code_head()}, "workers": len(live), "gpus": gpus}

@@ -123,7 +123,7 @@ async def list_jobs(
     """List jobs, newest first, with filters and a cursor."""
     # A misspelt filter (`status=failed`) would list every job; a repeated one, by its last value.
     check_names([name for name, _ in request.query_params.multi_items()], LIST_PARAMETERS, "query parameter")
-    page = await services.manager.list_jobs(
+    page = await services.manager.listing.page(
         owner=caller.owner_filter, state=state, model=model, cursor=cursor, limit=limit
     )
     return JobsPublic(

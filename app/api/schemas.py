@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app import links as links_
+from app.queue import records
 from app.queue.jobs import Job, JobState
-from app.queue.manager import Event
 
 
 def storable(text: str) -> str:
@@ -137,7 +137,7 @@ class EventPublic(BaseModel):
     detail: dict[str, Any]
 
     @classmethod
-    def of(cls, event: Event) -> EventPublic:
+    def of(cls, event: records.Event) -> EventPublic:
         """Build from a stored event."""
         return cls(
             id=event.id,

@@ -37,6 +37,7 @@ from app import db, notify
 from app.api.deps import CallerDep, ServicesDep
 from app.api.schemas import ErrorPublic
 from app.queue import manager as manager_
+from app.queue import records
 from app.queue.jobs import Job, JobState
 
 log = logging.getLogger("gpujobs.api")
@@ -69,7 +70,7 @@ def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
-def _replayed(events: list[manager_.Event]) -> list[float]:
+def _replayed(events: list[records.Event]) -> list[float]:
     """Each event's progress: a progress event's own, one sending the job back to wait 0, any
     other's that of its attempt so far (a run's `started` is written after its first milestones:
     0.0 there took the bar back)."""
@@ -83,7 +84,7 @@ def _replayed(events: list[manager_.Event]) -> list[float]:
     return out
 
 
-def _of_event(job: Job, event: manager_.Event, progress: float, *, newest: bool) -> str:
+def _of_event(job: Job, event: records.Event, progress: float, *, newest: bool) -> str:
     """An event from the history, with its attempt's `progress` then; the newest one carries the
     job's current state and progress."""
     state = job.state.value if newest else KIND_STATE.get(event.kind, event.kind)
@@ -254,7 +255,7 @@ class JobStream:
         return item.result()
 
 
-def _known(after: int | None, events: list[manager_.Event]) -> int | None:
+def _known(after: int | None, events: list[records.Event]) -> int | None:
     """`after`, or None (a fresh start) when it is past the job's newest event. Ids come from one
     sequence for every job, so a client may bring another job's: taken as seen, it dropped every
     later event of this job as already sent, the final one too, and the stream never ended."""

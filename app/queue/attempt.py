@@ -252,7 +252,7 @@ class Attempt:
         except errors.InvalidParams as exc:
             changed = f"the model no longer takes the job's params: {exc.message}"
             return self._verdict.failure(changed, retryable=False)
-        media_type, data = self._image or await self._manager.input_by_id(job.input_id)
+        media_type, data = self._image or await self._manager.inputs.by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
         scratch = self.lane

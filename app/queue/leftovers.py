@@ -16,7 +16,7 @@ from collections.abc import Callable, Set
 from pathlib import Path
 
 from app import errors, procgroup, subreaper
-from app.queue import manager as manager_
+from app.queue import records
 from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
@@ -210,7 +210,7 @@ async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
     return await _kill_groups(groups, grace_s=grace_s)
 
 
-async def kill_leftover(taken: manager_.TakenBack, *, host: str, grace_s: float) -> bool:
+async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) -> bool:
     """Kill the model process groups of a job taken back from a dead worker on this host."""
     if taken.host != host:
         return False

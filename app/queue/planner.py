@@ -329,14 +329,14 @@ class Planner:
         """Reconsider the reservation (at most every `refresh_s`) and the run-time estimates."""
         now = time.monotonic()
         if now - self._estimates_at > self._config.estimates_ttl_s:
-            self.estimates = runtime_estimates(await self._manager.run_times())
+            self.estimates = runtime_estimates(await self._manager.reports.run_times())
             self._estimates_at = now
         if now - self._reservation_at < self._config.refresh_s:
             return
         self._reservation_at = now
         budget = max((r.available_mb for r in rooms), default=0)
         capacity = max((r.capacity_mb for r in rooms), default=0)
-        head = await self._manager.waiting_head(
+        head = await self._manager.reports.waiting_head(
             models=list(self._models.models), budget=budget, capacity=capacity
         )
         previous, self.reservation = self.reservation, None

@@ -1,9 +1,13 @@
-"""What the manager's observability, retention and bulk cancel methods return, and the advisory lock."""
+"""Values the queue takes and returns: a new job and its image, a job's history and listing, jobs
+taken back from lost workers, what observability, retention and bulk actions report, and the
+advisory lock."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -11,6 +15,99 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.queue import sql
+from app.queue.jobs import Job, JobState
+
+
+@dataclass(frozen=True, slots=True)
+class NewInput:
+    """A checked image, ready to store."""
+
+    sha256: str
+    media_type: str
+    width: int
+    height: int
+    data: bytes | memoryview  # a view of the upload's buffer (app/api/limits.py), sent as it is
+
+    @property
+    def megapixels(self) -> float:
+        """Width times height, in millions of pixels."""
+        return self.width * self.height / 1e6
+
+    def row_values(self) -> dict[str, Any]:
+        """Its row of `inputs`, as bind parameters."""
+        return {
+            "sha256": self.sha256,
+            "media_type": self.media_type,
+            "width": self.width,
+            "height": self.height,
+            "bytes": len(self.data),
+            "data": self.data,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """Everything needed to queue a job; values are already validated."""
+
+    owner: str
+    model: str
+    params: Mapping[str, Any]
+    priority: int
+    vram_mb: int
+    max_attempts: int
+    idempotency_key: str | None = None
+    declared_vram_mb: int | None = None  # the registry's estimate, when vram_mb was learned
+    request_sha256: str | None = None  # the request as sent, with an idempotency key (intake.fingerprint)
+
+    def enqueue_values(self, image: NewInput, *, queue_limit: int, owner_limit: int) -> dict[str, Any]:
+        """ENQUEUE's parameters for this job and its image, under these limits (0: no owner limit)."""
+        return {
+            "owner": self.owner,
+            "model": self.model,
+            "params": json.dumps(dict(self.params)),
+            "megapixels": image.megapixels,
+            "priority": self.priority,
+            "vram_mb": self.vram_mb,
+            "declared_vram_mb": self.vram_mb if self.declared_vram_mb is None else self.declared_vram_mb,
+            "max_attempts": self.max_attempts,
+            "idempotency_key": self.idempotency_key,
+            "request_sha256": self.request_sha256,
+            "queue_limit": queue_limit,
+            "owner_limit": max(owner_limit, 0),
+            **image.row_values(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of a job's history."""
+
+    id: int
+    at: datetime
+    kind: str
+    attempt: int
+    worker_id: str | None
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TakenBack:
+    """A running job taken back from a lost worker."""
+
+    id: uuid.UUID
+    attempt: int
+    worker_id: str | None
+    state: JobState
+    pid: int | None
+    host: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a job listing."""
+
+    jobs: list[Job]
+    next_cursor: str | None
 
 
 @dataclass(frozen=True, slots=True)

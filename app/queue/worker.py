@@ -28,7 +28,7 @@ import asyncpg
 
 from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import leftovers, sql
+from app.queue import leftovers, records, sql
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -295,7 +295,7 @@ class Worker:
         """Check the GPUs can run something, register, take back what a previous life left."""
         self._gpus = gpus = self._inventory.snapshot()
         self._check_fit(gpus)
-        await self._manager.register_worker(
+        await self._manager.fleet.register_worker(
             worker_id=self.id,
             host=self.host,
             pid=os.getpid(),
@@ -305,7 +305,7 @@ class Worker:
         await self._kill_leftovers(worker_id=self.id)
         # Runs of a previous life whose jobs were meanwhile taken back, maybe by another host.
         await leftovers.kill_worker_models(self.id, grace_s=self._config.kill_grace_s)
-        taken_back = await self._manager.requeue_own(worker_id=self.id)
+        taken_back = await self._manager.fleet.requeue_own(worker_id=self.id)
         for taken in taken_back:
             log.warning(
                 "took back a job from this worker's previous run",
@@ -350,7 +350,7 @@ class Worker:
         No grace when the heartbeat died (not `renewing`): the leases would run out meanwhile, and
         another worker take the jobs back (an attempt spent) while their models still ran here."""
         with contextlib.suppress(Exception):
-            await self._manager.set_worker_state(self.id, "stopping")
+            await self._manager.fleet.set_worker_state(self.id, "stopping")
         if self._running:
             tasks = [t for _, t in self._running.values()]
             await asyncio.wait(tasks, timeout=self._config.shutdown_grace_s if renewing else 0)
@@ -366,7 +366,7 @@ class Worker:
         await asyncio.gather(*side, return_exceptions=True)
         self._store.lanes.reset(self.id)  # the last inputs are not left on disk
         with contextlib.suppress(Exception):
-            await self._manager.set_worker_state(self.id, "stopped")
+            await self._manager.fleet.set_worker_state(self.id, "stopped")
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
 
     async def _abandon(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -389,7 +389,8 @@ class Worker:
         has not done so within STOP_NOW_HAND_BACK_S, the statement is given up and the jobs are left
         running under its name, as the line logged says."""
         release = asyncio.create_task(
-            self._manager.release_stopped(worker_id=self.id, reason=STOPPED_NOW), name=f"hand-back:{self.id}"
+            self._manager.fleet.release_stopped(worker_id=self.id, reason=STOPPED_NOW),
+            name=f"hand-back:{self.id}",
         )
         await asyncio.wait([release], timeout=STOP_NOW_HAND_BACK_S)
         if not release.done():
@@ -556,7 +557,7 @@ class Worker:
         """After a claim that failed with the database: it may have committed, its jobs running
         here under this worker's name unknown to it. They go back to the queue, unspent. (Under
         `_claiming`, or with no claim left to make.)"""
-        released = await self._manager.release_unknown(worker_id=self.id, in_hand=list(self._running))
+        released = await self._manager.fleet.release_unknown(worker_id=self.id, in_hand=list(self._running))
         for job in released:
             log.warning(
                 "handed back a job whose claim's answer was lost",
@@ -730,7 +731,7 @@ class Worker:
             self._store.lanes.drop_input(lane)
         await self._kill_strays()
         cleared = await self._kill_leftovers()
-        taken = await self._manager.recover_expired(
+        taken = await self._manager.fleet.recover_expired(
             by_worker=self.id,
             in_hand=list(self._running),
             host=self.host,
@@ -749,11 +750,11 @@ class Worker:
             )
         await self._drop_dead_attempts(taken)
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
-        for worker_id in await self._manager.mark_dead_workers(dead_after_s=dead_after):
+        for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
 
-    async def _drop_dead_attempts(self, taken: list[manager_.TakenBack]) -> None:
+    async def _drop_dead_attempts(self, taken: list[records.TakenBack]) -> None:
         """Remove the result folders that jobs taken back into a final state (failed, quarantined,
         canceled) have from their lost attempts: a worker killed while storing them left them. A
         job queued again keeps them until it ends."""
@@ -795,7 +796,7 @@ class Worker:
         """Kill model processes on this host of jobs about to be taken back, before they are;
         returns the jobs so cleared (only those may be taken back from this host)."""
         cleared = []
-        found = await self._manager.leftovers_on_host(
+        found = await self._manager.fleet.leftovers_on_host(
             host=self.host, worker_id=worker_id, lease_s=self._config.lease_s
         )
         for leftover in found:

@@ -94,7 +94,7 @@ async def jobs_page(
     """The jobs list, newest first, with filters, live updates and the form for a new job."""
     filters = Filters.parse(state, model, cursor, services.models)
     try:
-        page = await services.manager.list_jobs(
+        page = await services.manager.listing.page(
             owner=caller.owner_filter,
             state=filters.state,
             model=filters.model,
@@ -210,7 +210,7 @@ async def failed_jobs(manager: manager_.JobManager) -> list[Job]:
     """The newest failed and quarantined jobs of everyone."""
     found: list[Job] = []
     for state in (JobState.failed, JobState.quarantined):
-        found += (await manager.list_jobs(state=state, limit=FAILED_SHOWN)).jobs
+        found += (await manager.listing.page(state=state, limit=FAILED_SHOWN)).jobs
     found.sort(key=lambda j: j.finished_at or j.created_at, reverse=True)
     return found[:FAILED_SHOWN]
 

@@ -3,7 +3,7 @@
 Run on demand: `.venv/bin/python -m tests.bench.bench_enqueue [--backlog N ...] [--enqueues M]`.
 For each backlog (jobs already waiting) it queues that many jobs in bulk, as bench_throughput
 does, then makes M small enqueues through JobManager twice: counting the jobs waiting at every
-enqueue (as every upload did before app.queue.manager.WaitingCount), and as the service does now.
+enqueue (as every upload did before app.queue.waiting.WaitingCount), and as the service does now.
 It prints the enqueue's latency p50 / p99 and PostgreSQL's CPU per enqueue (the embedded server
 only), with a queue limit of 10,000. PostgreSQL: embedded, or the server in DATABASE_URL.
 """
@@ -19,6 +19,7 @@ from sqlalchemy import text
 
 from app import db, images
 from app.queue import manager as manager_
+from app.queue import records
 from tests.bench import bench_queue as bq
 from tests.bench import bench_throughput as bt
 
@@ -30,7 +31,7 @@ async def enqueues(
 ) -> tuple[float, float, float | None]:
     """`count` enqueues one after another; (p50 ms, p99 ms, PostgreSQL CPU ms per enqueue)."""
     image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
-    job = manager_.NewJob("bench", "noop", {}, 0, 1, 1)
+    job = records.NewJob("bench", "noop", {}, 0, 1, 1)
     took: list[float] = []
     cpu_before = bt.postgres_cpu_s(run.bench.tmp / "pgdata")
     for _ in range(count):

@@ -40,6 +40,7 @@ from sqlalchemy.util import greenlet_spawn
 import app
 from app import db, images, migrate, modelsfile, pgserver, settings
 from app.queue import manager as manager_
+from app.queue import records
 from tests import dbadmin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,7 +298,7 @@ async def enqueue_noop(bench: Bench, count: int, pause_s: float = 0.0) -> float:
     manager = manager_.JobManager(bench.engine)
     image = images.inspect(png_bytes((64, 48)), max_pixels=10**8)
     spec = modelsfile.load_registry(bench.models_file).get("noop")
-    job = manager_.NewJob("bench", "noop", {}, 0, spec.estimate_vram_mb(image.megapixels), 1)
+    job = records.NewJob("bench", "noop", {}, 0, spec.estimate_vram_mb(image.megapixels), 1)
     started = time.perf_counter()
     for _ in range(count):
         await manager.enqueue(job, image, queue_limit=10**9)

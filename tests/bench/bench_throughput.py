@@ -44,6 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import auth, db, images, modelsfile
 from app.queue import manager as manager_
+from app.queue import records
 from app.queue.sql import QUEUED_CHANNEL
 from tests import dbadmin
 from tests.bench import bench_queue as bq
@@ -596,7 +597,7 @@ async def enqueue_paced(run: Run, count: int, pause_s: float) -> None:
     manager = manager_.JobManager(run.bench.engine)
     image = images.inspect(bq.png_bytes((64, 48)), max_pixels=10**8)
     vram_mb = modelsfile.load_registry(run.bench.models_file).get("noop").estimate_vram_mb(image.megapixels)
-    job = manager_.NewJob("bench", "noop", {}, 0, vram_mb, 1)
+    job = records.NewJob("bench", "noop", {}, 0, vram_mb, 1)
     for _ in range(count):
         await manager.enqueue(job, image, queue_limit=10**9)
         await asyncio.sleep(pause_s)

@@ -53,7 +53,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import db, images, migrate, modelsfile, pgserver, storage
-from app.queue.manager import JobManager, NewJob
+from app.queue import records
+from app.queue.manager import JobManager
 from app.settings import load_settings
 from tests import dbadmin
 
@@ -207,7 +208,9 @@ async def enqueue_jobs(
     for i in range(opts.jobs):
         params = spec.validate_params({**job_shape(rng, opts.long_share), "trace": str(trace)})
         image = inputs[i % len(inputs)]
-        new = NewJob("chaos", "toy", params, 0, spec.estimate_vram_mb(image.megapixels), spec.max_attempts)
+        new = records.NewJob(
+            "chaos", "toy", params, 0, spec.estimate_vram_mb(image.megapixels), spec.max_attempts
+        )
         await manager.enqueue(new, image, queue_limit=opts.jobs + 1)
 
 

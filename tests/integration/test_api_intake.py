@@ -16,7 +16,8 @@ from PIL import Image
 from sqlalchemy import text
 
 from app import errors, images, intake
-from app.queue.manager import JobManager, NewJob
+from app.queue import records
+from app.queue.manager import JobManager
 from app.settings import Settings
 from tests.conftest import api_client, png_bytes
 from tests.integration.test_worker import enqueue
@@ -451,8 +452,8 @@ async def test_an_enqueue_counts_the_jobs_waiting_only_near_the_limit(manager, e
 async def test_an_image_deleted_between_reading_its_job_and_itself_is_gone(manager):
     """Retention may delete an input after its job was read: 410, as for a job read later."""
     with pytest.raises(errors.Gone):
-        await manager.input_by_id(2**31 - 1)
-    assert await manager.input_sha256(2**31 - 1) is None
+        await manager.inputs.by_id(2**31 - 1)
+    assert await manager.inputs.sha256(2**31 - 1) is None
 
 
 @pytest.mark.parametrize(
@@ -514,7 +515,7 @@ async def test_a_repeat_with_a_large_float_param_is_the_same_request(manager: Jo
     100000000000000000000000, which Python's float 1e23 (99999999999999991611392) does not equal:
     the same request sent again got 409 "different params"."""
     image = images.inspect(png_bytes(), max_pixels=10**8)
-    new = NewJob(
+    new = records.NewJob(
         "erin", "toy", {"x": value, "nested": [value, {"y": value}]}, 0, 1000, 3, idempotency_key="f"
     )
     job, created = await manager.enqueue(new, image, queue_limit=10_000)

@@ -86,7 +86,7 @@ async def test_bulk_cancel_goes_by_batches_and_leaves_jobs_submitted_since(manag
         await conn.execute(
             text("UPDATE jobs SET created_at = now() + interval '1 hour' WHERE id = :id"), {"id": later}
         )
-    done = await manager.cancel_matching(by="admin", states={JobState.queued}, model="toy", batch=3)
+    done = await manager.bulk.cancel_matching(by="admin", states={JobState.queued}, model="toy", batch=3)
     assert (done.canceled, done.stopping) == (7, 0)
     assert await states(manager, [*jobs, later]) == [JobState.canceled] * 7 + [JobState.queued]
 
@@ -97,7 +97,7 @@ async def test_bulk_cancel_takes_a_job_another_statement_holds_once_it_is_let_go
     free, held = await enqueue(manager, vram_mb=BIG), await enqueue(manager, vram_mb=BIG)
     async with engine.connect() as holder:
         await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": held})
-        everything = manager.cancel_matching(by="admin", states={JobState.queued}, model="toy")
+        everything = manager.bulk.cancel_matching(by="admin", states={JobState.queued}, model="toy")
         cancel = asyncio.create_task(everything)
         await until(manager, free, lambda j: j.state is JobState.canceled)
         assert not cancel.done()  # it waits for the held one, polling, without blocking anyone
@@ -109,7 +109,7 @@ async def test_bulk_cancel_takes_a_job_another_statement_holds_once_it_is_let_go
     stuck = await enqueue(manager, vram_mb=BIG)  # held past the patience: left, and the cancel ends
     async with engine.connect() as holder:
         await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": stuck})
-        done = await manager.cancel_matching(by="admin", states={JobState.queued}, patience_s=0.3)
+        done = await manager.bulk.cancel_matching(by="admin", states={JobState.queued}, patience_s=0.3)
         await holder.rollback()
     assert (done.canceled, done.stopping) == (0, 0)
     assert (await manager.get(stuck)).state is JobState.queued
@@ -227,7 +227,7 @@ async def test_a_bulk_retry_goes_by_batches_and_passes_over_jobs_others_hold(man
     async with engine.connect() as holder:
         await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": failed[0]})
         done = await asyncio.wait_for(
-            manager.retry_matching(by="admin", attempts=3, queue_limit=100, batch=2), 10
+            manager.bulk.retry_matching(by="admin", attempts=3, queue_limit=100, batch=2), 10
         )
         await holder.rollback()
     assert (done.retried, done.left, done.queue_full) == (4, 1, False)
@@ -246,7 +246,7 @@ async def test_two_bulk_retries_at_once_do_not_both_fill_the_same_room(manager, 
     async with engine.connect() as holder:
         await holder.execute(text("LOCK TABLE job_events IN EXCLUSIVE MODE"))
         both = [
-            asyncio.ensure_future(manager.retry_matching(by="admin", attempts=3, queue_limit=3))
+            asyncio.ensure_future(manager.bulk.retry_matching(by="admin", attempts=3, queue_limit=3))
             for _ in range(2)
         ]
         await asyncio.sleep(0.5)  # both have counted, if nothing keeps the second from it

@@ -178,7 +178,7 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
     run = await asyncio.create_subprocess_exec("sleep", "60", env=env, start_new_session=True)
     try:
         await manager.set_pid(claimed.job, run.pid)
-        looked = manager.leftovers_on_host
+        looked = manager.fleet.leftovers_on_host
 
         async def lease_runs_out_just_after(**kwargs: Any) -> Any:
             found = await looked(**kwargs)
@@ -186,9 +186,9 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
                 await conn.execute(EXPIRE_LEASE, {"id": job_id})
             return found
 
-        manager.leftovers_on_host = lease_runs_out_just_after
+        manager.fleet.leftovers_on_host = lease_runs_out_just_after
         assert await reaper.reap() == 0  # expired, but not looked at: left for the next round
-        del manager.leftovers_on_host
+        del manager.fleet.leftovers_on_host
         assert (await manager.get(job_id)).state is JobState.running and run.returncode is None
         assert await reaper.reap() == 1  # looked at, killed, taken back
         assert await asyncio.wait_for(run.wait(), 5) is not None
@@ -216,7 +216,7 @@ async def test_a_restarted_worker_kills_runs_of_its_past_whose_jobs_went_elsewhe
     first.wait(5)
     async with engine.begin() as conn:
         await conn.execute(EXPIRE_LEASE, {"id": job_id})
-    assert [t.id for t in await manager.recover_expired(by_worker="test:elsewhere")] == [job_id]
+    assert [t.id for t in await manager.fleet.recover_expired(by_worker="test:elsewhere")] == [job_id]
     [moved] = await manager.claim(
         worker_id="test:elsewhere", host="elsewhere", models=["toy"], budgets={0: 24_576}, lease_s=60
     )
@@ -343,7 +343,9 @@ async def test_a_job_that_ends_without_success_keeps_no_files_of_dead_attempts(
     await manager.claim(worker_id="test:dead", host="elsewhere", **claim)
     async with engine.begin() as conn:
         await conn.execute(EXPIRE_LEASE, {"id": waiting})
-    assert [t.state for t in await manager.recover_expired(by_worker="test:elsewhere")] == [JobState.queued]
+    assert [t.state for t in await manager.fleet.recover_expired(by_worker="test:elsewhere")] == [
+        JobState.queued
+    ]
     folder = leave_dead_attempt(store, waiting, 1)
     answer = await api.post(f"/jobs/{waiting}/cancel")
     assert answer.status_code == 200 and answer.json()["state"] == "canceled"
@@ -676,7 +678,7 @@ async def test_a_worker_that_claims_its_lost_job_again_stops_the_old_run(
         await until(manager, job_id, lambda j: j.pid is not None)
         async with engine.begin() as conn:
             await conn.execute(EXPIRE_LEASE, {"id": job_id})
-        assert [t.id for t in await manager.recover_expired(by_worker="test:elsewhere")] == [job_id]
+        assert [t.id for t in await manager.fleet.recover_expired(by_worker="test:elsewhere")] == [job_id]
         done = await until(manager, job_id, lambda j: j.state.final)
     assert (done.state, done.attempt) == (JobState.succeeded, 2)
     assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the first run was stopped
@@ -841,7 +843,7 @@ async def test_a_worker_whose_heartbeat_died_hands_its_jobs_back_before_their_le
 
     async def reaper_elsewhere() -> None:
         while True:
-            await manager.recover_expired(
+            await manager.fleet.recover_expired(
                 by_worker="test:elsewhere", in_hand=[], host="elsewhere", lease_s=1.0
             )
             await asyncio.sleep(0.1)

@@ -219,7 +219,7 @@ async def test_a_lost_job_claimed_again_waits_for_its_old_runs_memory(
             await asyncio.sleep(0.1)
         async with engine.begin() as conn:
             await conn.execute(EXPIRE_LEASE, {"id": job_id})
-        assert [t.id for t in await manager.recover_expired(by_worker="test:elsewhere")] == [job_id]
+        assert [t.id for t in await manager.fleet.recover_expired(by_worker="test:elsewhere")] == [job_id]
         done = await until(manager, job_id, lambda j: j.state.final, timeout_s=120)
     assert (done.state, done.error, done.attempt, done.oom_retries) == (JobState.succeeded, None, 2, 0)
     assert [r["job"] for r in trace(tmp_path / "hog.jsonl")] == [f"{job_id}:2"]

@@ -36,13 +36,13 @@ async def test_reads_of_recent_history_use_an_index(history, engine, name: str, 
 
 
 async def test_recent_history_is_read_right(history, manager: JobManager, engine):
-    samples, mean_s, _, _ = (await manager.run_times())["toy"]
+    samples, mean_s, _, _ = (await manager.reports.run_times())["toy"]
     assert samples == 5_000 and mean_s > 0  # the newest 5,000 successes
-    ratios, peak_mb = (await manager.vram_ratios())["toy"]
+    ratios, peak_mb = (await manager.reports.vram_ratios())["toy"]
     assert len(ratios) == 5_000 and set(ratios) == {1.0} and peak_mb == 1000
     # The copies finished a second apart: the windows hold fewer of them as the test's time passes.
     before = await finished_within(engine, 60), await finished_within(engine, 30)
-    stats = await manager.finished_stats(window_s=60, recent_s=30)
+    stats = await manager.reports.finished_stats(window_s=60, recent_s=30)
     after = await finished_within(engine, 60), await finished_within(engine, 30)
     assert after[0] <= stats.finished <= before[0] and after[1] <= stats.recent <= before[1], (before, after)
     assert stats.finished >= 30 and stats.succeeded == stats.finished

@@ -135,7 +135,7 @@ async def row_by_row(manager: JobManager, *, batch: int = 1000) -> tally.JobTall
     counted, after = tally.JobTally(), 0
     while True:
         after = counted.ids.next_read(after)
-        rows = await manager.events_for_metrics(after=after, limit=batch)
+        rows = await manager.reports.events_for_metrics(after=after, limit=batch)
         counted.add(rows, time.monotonic())
         if len(rows) < batch:
             return counted
@@ -193,7 +193,7 @@ async def test_the_history_counted_in_sql_gives_the_series_of_reading_it_row_by_
     async with engine.connect() as conn:
         last = await conn.scalar(text("SELECT max(id) FROM job_events"))
         old = await conn.scalar(text("SELECT max(id) FROM job_events WHERE at < now() - interval '1 day'"))
-    start, _ = await manager.event_groups_for_metrics(
+    start, _ = await manager.reports.event_groups_for_metrics(
         older_than_s=tally.GAP_WAIT_S,
         final=tally.FINAL,
         bucket_starts=tally.BUCKET_STARTS,

@@ -96,10 +96,10 @@ async def lose_then_finish(manager, make_worker, lost) -> None:  # type: ignore[
     )
     assert job.job.id == lost
     await asyncio.sleep(0.1)
-    assert [t.id for t in await manager.recover_expired(by_worker="test:reaper")] == [lost]
+    assert [t.id for t in await manager.fleet.recover_expired(by_worker="test:reaper")] == [lost]
     for _ in range(50):
         await make_worker().run()
-        if all(j.state.final for j in (await manager.list_jobs()).jobs):
+        if all(j.state.final for j in (await manager.listing.page()).jobs):
             break
         await asyncio.sleep(0.05)
 
@@ -203,7 +203,7 @@ async def test_a_dead_workers_gpus_leave_and_its_heartbeat_age_stays(
                 await until(manager, job_id, lambda j: j.state is JobState.queued)
                 deadline = time.monotonic() + 20
                 while True:
-                    [state] = [w.state for w in await manager.workers() if w.id == dead]
+                    [state] = [w.state for w in await manager.reports.workers() if w.id == dead]
                     if state == "dead":
                         break
                     assert time.monotonic() < deadline, state

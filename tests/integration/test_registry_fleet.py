@@ -14,9 +14,9 @@ GPUS = [{"index": 0, "name": "fake-0", "total_mb": 24_576, "free_mb": 24_576}]
 
 async def serving(manager: JobManager, worker: str, models: list[str], *, live: bool = True) -> None:
     """Register a worker serving `models` as workers do at their start (stopped unless `live`)."""
-    await manager.register_worker(worker_id=worker, host="h", pid=1, models=models, gpus=GPUS)
+    await manager.fleet.register_worker(worker_id=worker, host="h", pid=1, models=models, gpus=GPUS)
     if not live:
-        await manager.set_worker_state(worker, "stopped")
+        await manager.fleet.set_worker_state(worker, "stopped")
 
 
 async def test_a_queue_no_live_worker_serves_is_marked(settings, manager, make_key):

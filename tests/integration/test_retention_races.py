@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import text
 
 from app import images, retention
-from app.queue import sql
-from app.queue.manager import JobManager, NewJob
+from app.queue import records, sql
+from app.queue.manager import JobManager
 from tests.conftest import api_client
 from tests.integration.test_retention import WEEK_S, age, image
 from tests.integration.test_worker import enqueue
@@ -54,7 +54,7 @@ async def test_an_upload_that_found_its_image_keeps_it_from_retention(manager, e
     a 500, and the upload lost. The upload now holds the row from the moment it finds it, so
     retention waits for the new job and keeps the image."""
     old = await finished_and_aged(manager, engine, 1)
-    upload = NewJob("tester", "toy", {}, 0, 1000, 3, idempotency_key="k")
+    upload = records.NewJob("tester", "toy", {}, 0, 1000, 3, idempotency_key="k")
     async with engine.connect() as holder:
         # A transaction holding the upload's idempotency key pauses the upload at its job insert,
         # after it found the image.
@@ -73,7 +73,7 @@ async def test_an_upload_that_found_its_image_keeps_it_from_retention(manager, e
     job, created = await uploading
     report = await pruning
     assert created and job.input_id is not None
-    assert (await manager.input_by_id(job.input_id))[1] == image(1)
+    assert (await manager.inputs.by_id(job.input_id))[1] == image(1)
     assert report.jobs == 1 and report.inputs_deleted == 0
     assert (await manager.get(old)).expired_at is not None
 
@@ -97,7 +97,7 @@ async def test_an_upload_during_retention_deleting_its_image_stores_it_again(man
     report = await pruning
     job = await manager.get(await uploading)
     assert report.jobs == 1 and report.inputs_deleted == 1
-    assert job.input_id is not None and (await manager.input_by_id(job.input_id))[1] == image(1)
+    assert job.input_id is not None and (await manager.inputs.by_id(job.input_id))[1] == image(1)
     assert (await manager.get(old)).input_id is None and (await manager.get(earlier)).input_id is None
 
 
@@ -259,9 +259,9 @@ async def test_an_upload_that_lost_an_idempotency_race_leaves_no_image_behind(ma
     used by no job and never pruned (retention deletes only the images of expired jobs): refused
     uploads that fill the disk, past every queue limit."""
     first, second = (images.inspect(image(shade), max_pixels=10**8) for shade in (10, 20))
-    job = NewJob("carol", "toy", {}, 0, 1000, 3, idempotency_key="k")
+    job = records.NewJob("carol", "toy", {}, 0, 1000, 3, idempotency_key="k")
     async with engine.connect() as holder:  # the first upload's statement, not committed yet
-        values = JobManager._job_values(job, first, queue_limit=10_000, owner_limit=0)
+        values = job.enqueue_values(first, queue_limit=10_000, owner_limit=0)
         await holder.execute(sql.ENQUEUE, {**values, "count_waiting": False})
         losing = asyncio.create_task(manager.enqueue(job, second, queue_limit=10_000))
         await until_waiting(engine, 1, losing)

@@ -40,7 +40,7 @@ async def history(engine: Any) -> None:
 
 
 async def list_plan(manager: JobManager, engine: Any, **filters: Any) -> dict[str, Any]:
-    """The plan of the statement `manager.list_jobs(**filters)` sends, run again under EXPLAIN
+    """The plan of the statement `manager.listing.page(**filters)` sends, run again under EXPLAIN
     ANALYZE with its own parameters (sequential scans off: a table this small could be read
     whole for less, a history of a million jobs could not)."""
     sent: list[tuple[str, Any]] = []
@@ -51,7 +51,7 @@ async def list_plan(manager: JobManager, engine: Any, **filters: Any) -> dict[st
 
     event.listen(engine.sync_engine, "before_cursor_execute", record)
     try:
-        page = await manager.list_jobs(limit=50, **filters)
+        page = await manager.listing.page(limit=50, **filters)
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
     assert len(page.jobs) == 50

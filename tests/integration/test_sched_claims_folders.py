@@ -28,7 +28,7 @@ async def test_a_job_canceled_as_a_lost_claims_jobs_are_handed_back_drops_dead_a
     (dead / "out.txt").write_text("half stored")
     async with engine.begin() as conn:  # its lease ran out long ago
         await conn.execute(LEASE_RAN_OUT, {"id": job_id})
-    [back] = await manager.recover_expired(by_worker="t:reaper")
+    [back] = await manager.fleet.recover_expired(by_worker="t:reaper")
     assert (back.id, back.state, first.job.attempt) == (job_id, JobState.queued, 1)
 
     claim, lost = manager.claim, []

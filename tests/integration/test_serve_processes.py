@@ -203,7 +203,7 @@ async def test_one_process_on_sighup_stops_as_on_sigterm(settings, manager, tmp_
     with serving(settings, tmp_path) as (serve, _base):
         serve.send_signal(signal.SIGHUP)
         assert await asyncio.to_thread(serve.wait, 30) == 143
-    assert [w.state for w in await manager.workers()] == ["stopped"]
+    assert [w.state for w in await manager.reports.workers()] == ["stopped"]
 
 
 def test_a_second_sigterm_kills_the_processes_that_do_not_stop(settings, tmp_path):

@@ -14,9 +14,9 @@ from sqlalchemy import text
 
 from app import errors, images
 from app.queue import attempt as attempt_
-from app.queue import verdict, watch
+from app.queue import records, verdict, watch
 from app.queue.jobs import JobState
-from app.queue.manager import JobManager, NewJob
+from app.queue.manager import JobManager
 from app.runlog import TAIL_BYTES
 from tests.conftest import png_bytes
 
@@ -46,7 +46,7 @@ async def enqueue(
         "trace": "none",
     }
     job, _ = await manager.enqueue(
-        NewJob(
+        records.NewJob(
             owner,
             model,
             {**(spec_defaults if model.startswith("toy") else {}), **params},
@@ -194,7 +194,7 @@ async def test_a_job_whose_outcome_is_being_written_keeps_its_lease(manager, mak
     run = asyncio.create_task(make_worker(lease_s=2.0, heartbeat_interval_s=0.2).run())
     taken = []
     while not run.done():
-        taken += await manager.recover_expired(by_worker="test:other")
+        taken += await manager.fleet.recover_expired(by_worker="test:other")
         await asyncio.sleep(0.2)
     await run
     job = await manager.get(job_id)
@@ -356,7 +356,7 @@ RUNNING_UNDER = text(
 
 
 async def test_a_worker_stopped_at_once_hands_back_its_running_jobs_unspent(manager, engine):
-    """JobManager.release_stopped, the hand-back of a worker stopped at once (its models dead): its
+    """Fleet.release_stopped, the hand-back of a worker stopped at once (its models dead): its
     running jobs go back to the queue, the attempt not spent and no abnormal death counted; one whose
     cancel is pending ends canceled. Another worker's running job and a finished one stay as they are."""
     mine, canceling, theirs, done = [await enqueue(manager) for _ in range(4)]
@@ -369,7 +369,7 @@ async def test_a_worker_stopped_at_once_hands_back_its_running_jobs_unspent(mana
         ):
             await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": worker, "cancel": cancel})
         await conn.execute(text("UPDATE jobs SET state = 'succeeded' WHERE id = :id"), {"id": done})
-    back = await manager.release_stopped(worker_id="h:me", reason=attempt_.SHUTDOWN)
+    back = await manager.fleet.release_stopped(worker_id="h:me", reason=attempt_.SHUTDOWN)
     assert {j.id: (j.state, j.attempt) for j in back} == {
         mine: (JobState.queued, 1),
         canceling: (JobState.canceled, 1),

@@ -166,7 +166,7 @@ async def test_a_job_a_forced_stop_ends_canceled_loses_its_dead_attempts_folders
             text("UPDATE jobs SET lease_expires_at = now() - interval '1 hour' WHERE id = :id"),
             {"id": job_id},
         )
-    [back] = await manager.recover_expired(by_worker="t:reaper")
+    [back] = await manager.fleet.recover_expired(by_worker="t:reaper")
     assert back.state is JobState.queued
     worker = make_worker(heartbeat_interval_s=30)
     task = asyncio.create_task(worker.run())

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from app import errors
-from app.queue import leftovers
-from app.queue import manager as manager_
+from app.queue import leftovers, records
 from app.queue.jobs import JobState
 
 
@@ -101,7 +100,7 @@ async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
         for n in (1, 2)
     ]
     try:
-        taken = manager_.TakenBack(job_id, 1, "h:dead", JobState.running, None, socket.gethostname())
+        taken = records.TakenBack(job_id, 1, "h:dead", JobState.running, None, socket.gethostname())
         assert await leftovers.kill_leftover(taken, host=socket.gethostname(), grace_s=5)
         assert await asyncio.wait_for(old.wait(), 5) is not None
         assert new.returncode is None  # the next attempt's run lives on

@@ -1,18 +1,18 @@
-"""When an enqueue counts the jobs waiting for the queue limit (app.queue.manager.WaitingCount)."""
+"""When an enqueue counts the jobs waiting for the queue limit (app.queue.waiting.WaitingCount)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.queue import manager as manager_
+from app.queue import waiting as waiting_
 
 
 def test_the_jobs_waiting_are_counted_near_the_limit_and_at_least_once_a_second(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr(manager_.time, "monotonic", lambda: clock[0])
-    waiting = manager_.WaitingCount()
+    monkeypatch.setattr(waiting_.time, "monotonic", lambda: clock[0])
+    waiting = waiting_.WaitingCount()
     assert waiting.must_count(10_000) and waiting.known is None  # nothing known yet
     waiting.counted(5_000)
     assert not waiting.must_count(10_000)  # far from the limit, counted just now
