@@ -57,6 +57,13 @@ def remove_tree(path: str | Path) -> None:
         shutil.rmtree(path)
 
 
+def remove_quietly(path: Path | None) -> None:
+    """`remove_tree`, if there is a `path`, and nothing said if it cannot be removed (or is gone)."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            remove_tree(path)
+
+
 def make_writable(top: Path) -> None:
     """Give the owner rwx on `top` and on every folder below it, each before it is opened; links
     are never followed (a link to a folder elsewhere is not a folder here)."""

@@ -142,6 +142,7 @@ class ResultStore:
         self.root = root.resolve()
         self.lanes = lanes.Lanes(self.root / "scratch")
         self._made: set[Path] = set()  # runner folders known to exist
+        self._made_temps: set[tuple[Path, str]] = set()  # (runner folder, worker prefix) cleared once
         self._new_jobs: set[uuid.UUID] = set()  # jobs whose results folder `stage` made: flushed at `publish`
         for part in PARTS:
             folder = self.root / part
@@ -171,6 +172,17 @@ class ResultStore:
             folders.make_folder(path)
             self._made.add(path)
         return path
+
+    def runner_temp(self, folder: Path, worker_id: str) -> Path:
+        """A new temporary folder for one warm runner (its TMPDIR) in its runner `folder`, which
+        warm.py removes as the runner ends. Those of a previous life of `worker_id` (killed with
+        it, so never removed) are removed first, at the first one this process asks for there."""
+        prefix = f"tmp-{hashlib.sha256(worker_id.encode()).hexdigest()[:12]}-"
+        if (folder, prefix) not in self._made_temps:
+            for stale in folder.glob(f"{prefix}*"):
+                folders.remove_quietly(stale)
+            self._made_temps.add((folder, prefix))
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes (nothing is made: the log is made once its model prints,

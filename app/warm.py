@@ -25,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from app import childprocess, logs, modelkit, procgroup, progress, runner, warmresult
+from app import childprocess, folders, logs, modelkit, procgroup, progress, runner, warmresult
 from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
@@ -35,8 +35,6 @@ _PIPE_DRAIN_S = 2.0
 _EXIT_SETTLE_S = 1.0
 _READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
-
-ProgressCallback = progress.ProgressCallback
 
 
 class RunnerState(StrEnum):
@@ -59,6 +57,7 @@ class Launch:
     cwd: Path
     log_path: Path  # the runner's own log, across its jobs
     load_timeout_s: float = 300.0
+    temp_dir: Path | None = None  # its TMPDIR, made for it alone: removed as it ends
 
 
 class StartFailed(Exception):
@@ -130,6 +129,7 @@ class WarmRunner:
         except BaseException as exc:  # cancelled meanwhile too: asyncio killed what it had forked
             self.state = RunnerState.DEAD
             self._log.close()
+            folders.remove_quietly(launch.temp_dir)
             if isinstance(exc, OSError):
                 permanent = runner.cannot_start(exc) and launch.cwd.is_dir()
                 raise StartFailed(f"the runner could not be started: {exc}", permanent=permanent) from exc
@@ -189,7 +189,12 @@ class WarmRunner:
         return self._end(reason, gentle=True)
 
     async def run_job(
-        self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
+        self,
+        request: modelkit.Request,
+        *,
+        timeout_s: float,
+        log_path: Path,
+        on_progress: progress.ProgressCallback,
     ) -> warmresult.WarmResult:
         """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
         if self.state is not RunnerState.IDLE:
@@ -387,6 +392,7 @@ class WarmRunner:
             self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")
         self.state = RunnerState.DEAD
         self._log.close()
+        await asyncio.to_thread(folders.remove_quietly, self.launch.temp_dir)  # many files, maybe
 
     async def _close_pipes(self, proc: asyncio.subprocess.Process) -> None:
         """Let the readers reach EOF (give up on pipes a process that left the group holds open)."""

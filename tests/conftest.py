@@ -239,6 +239,7 @@ def warm_model(name: str, loads: Path, *, idle_vram_mb: int = 1000, timeout_s: f
             ("hang", "bool", "false"),
             ("junk", "bool", "false"),
             ("noise_kb", "int", "0"),
+            ("temp", "bool", "false"),
         )
     )
     return f"""

@@ -318,6 +318,8 @@ class Attempt:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
         except warm.StartFailed as exc:
             return self._verdict.not_started(exc, self._watch.peak_mb)
+        except OSError as exc:  # a new runner's temporary folder (app/storage.py): this host's trouble
+            return self._verdict.storage_failed(f"could not make the runner's temporary folder: {exc}")
         about = warmrun.about(runner)
         request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, params)
         self._runner = runner

@@ -40,10 +40,14 @@ class WarmRun:
     def _launch(self, key: warmpool.RunnerKey) -> warm.Launch:
         """How to start a warm runner: its own folder, log and minimal environment."""
         folder = self.store.runner_dir(key.model, key.gpu)
+        temp = self.store.runner_temp(folder, self.worker_id)  # several runners may share `folder`
         env = runner.minimal_env(
             key.gpu,
             {
                 "HOME": str(folder),
+                "TMPDIR": str(temp),  # and TMP, TEMP, which some programs read instead
+                "TMP": str(temp),
+                "TEMP": str(temp),
                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                 "GPUJOBS_RUNNER": f"{self.worker_id}:{key.model}:{key.gpu}",
             },
@@ -56,6 +60,7 @@ class WarmRun:
             folder,
             folder / "runner.log",
             load_timeout_s=self.spec.load_timeout_s,
+            temp_dir=temp,
         )
 
     async def run(

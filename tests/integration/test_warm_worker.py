@@ -5,13 +5,16 @@ and shown in the workers view, the metrics and the admin page."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
+from app.queue import verdict
 from app.queue.jobs import JobState
 from app.runlog import TAIL_BYTES
 from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id
@@ -148,6 +151,45 @@ async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_
         assert (await until(manager, after, lambda j: j.state.final)).state is JobState.succeeded
         assert worker.pool.runners()
     assert len(loads(tmp_path, "warm_a")) == 3  # a runner for each: killed by cancel, by timeout, fresh
+
+
+async def test_the_temporary_files_of_a_runner_killed_at_a_timeout_are_removed_with_it(
+    manager, make_worker, store, tmp_path
+):
+    """A warm runner got the host's TMPDIR (none: /tmp), so the temporary files of a job whose
+    runner was killed (at its timeout, or canceled) stayed there for good. Each runner now has a
+    temporary folder of its own, in its runner folder, removed as it ends."""
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, temp=True, hang=True, max_attempts=1)
+    note = tmp_path / "loads-warm_a.txt.temp"
+    try:
+        async with running(make_worker(burst=False)):
+            job = await until(manager, job_id, lambda j: j.state.final, timeout_s=20)  # timeout_s = 3
+            assert job.state is JobState.failed and (job.error or "").startswith("timed out"), job.error
+            made = Path(note.read_text())
+            assert made.is_relative_to(store.root / "runners"), made
+            assert not await asyncio.to_thread(made.exists)
+            assert not await asyncio.to_thread(made.parent.exists)
+    finally:  # the old way: not to be left in /tmp by this test
+        with contextlib.suppress(OSError):
+            os.unlink(note.read_text())
+
+
+async def test_a_runner_whose_temporary_folder_cannot_be_made_sends_its_job_back_unspent(
+    manager, make_worker, store
+):
+    """That folder is made as a runner starts: when it cannot be (here its runner folder became a
+    file), the job goes back to the queue as for any trouble of this host's storage, unspent, a
+    few times (verdict.STORAGE_RETURNS_MAX), then its attempts are spent as any failure's."""
+    folder = store.runner_dir("warm_a", 0)  # made, and known made, as the worker's first job would
+    folder.rmdir()
+    folder.write_text("in the way")
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, max_attempts=1)
+    async with running(make_worker(burst=False, poll_interval_s=0.1)):
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=20)
+    assert job.state is JobState.failed and job.abnormal_runs == 0, job.error
+    returns = [e for e in await manager.events(job_id) if e.detail.get("reason") == verdict.STORAGE]
+    assert len(returns) == verdict.STORAGE_RETURNS_MAX, returns  # unspent, then spent
+    assert "could not make the runner's temporary folder" in (job.error or ""), job.error
 
 
 async def test_a_job_canceled_while_its_runner_loads_ends_at_once_and_so_does_the_load(

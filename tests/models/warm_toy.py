@@ -5,7 +5,8 @@ closes, stay S seconds more, deaf to SIGTERM: a runner slow to close). Job param
 sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a sleeping child in the
 group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
 to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail, fill_kb
-(write a file of that many KiB). Writes out.txt.
+(write a file of that many KiB), temp (make a temporary file, its path written to the loads file's
+name + ".temp"). Writes out.txt.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 from app import modelkit
+
+LOADS: Path | None = None  # --loads
 
 
 class OutOfMemoryError(RuntimeError):
@@ -41,6 +45,10 @@ def load(loads: Path | None, sleep_s: float, fail: bool) -> dict[str, int]:
 def handle(model: dict[str, int], job: modelkit.Job) -> None:
     """Do what the params ask."""
     params = job.params
+    if params.get("temp") and LOADS is not None:  # where the runner's temporary files go
+        fd, made = tempfile.mkstemp(prefix="warm_toy-")
+        os.close(fd)
+        LOADS.with_name(LOADS.name + ".temp").write_text(made)
     steps = int(params.get("steps", 2))
     for step in range(1, steps + 1):
         time.sleep(float(params.get("sleep", 0.0)) / steps)
@@ -79,6 +87,8 @@ def main() -> int:
     parser.add_argument("--fail-load", action="store_true")
     parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
+    global LOADS
+    LOADS = args.loads
     code = modelkit.serve(lambda: load(args.loads, args.load_sleep, args.fail_load), handle, name="warm_toy")
     if args.linger:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
