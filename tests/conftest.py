@@ -35,7 +35,8 @@ from app import auth, db, migrate, modelsfile, pgserver, storage
 from app.api.main import create_app
 from app.queue.manager import JobManager
 from app.queue.planner import PlannerConfig
-from app.queue.worker import Worker, WorkerConfig
+from app.queue.worker import Worker
+from app.queue.workerconfig import WorkerConfig
 from app.settings import Settings
 from tests import dbadmin
 from tests.fakes import FakeInventory

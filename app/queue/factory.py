@@ -14,6 +14,7 @@ from app import gpu, registry, retention, storage
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue import worker as worker_
+from app.queue import workerconfig
 from app.settings import Settings
 
 
@@ -27,8 +28,8 @@ def build_worker(
     burst: bool = False,
 ) -> worker_.Worker:
     """A worker configured from settings (used by `serve` and `gpujobs worker`)."""
-    config = worker_.WorkerConfig(
-        **_same_names(worker_.WorkerConfig, settings),
+    config = workerconfig.WorkerConfig(
+        **_same_names(workerconfig.WorkerConfig, settings),
         scheduling=planner_.PlannerConfig(**_same_names(planner_.PlannerConfig, settings)),
         python=sys.executable,
         burst=burst,

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import asyncpg
 
 from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import leftovers, records, sql
+from app.queue import leftovers, records, sql, workerconfig
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -53,40 +53,6 @@ STOP_NOW_GIVE_UP_S = 0.5
 STOPPED_NOW = "worker stopped at once"  # the reason its jobs' `released` events give
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """How a worker behaves; built from Settings by the CLI and the API."""
-
-    worker_id: str
-    lease_s: float = 20.0
-    heartbeat_interval_s: float = 5.0
-    poll_interval_s: float = 2.0
-    claim_gather_s: float = 0.001  # after a job ends while others run: wait this long, then claim once
-    # With max_jobs_per_gpu: models whose runs take less than this get their next jobs claimed ahead.
-    claim_ahead_s: float = 0.05
-    reap_interval_s: float = 5.0
-    kill_grace_s: float = 5.0
-    shutdown_grace_s: float = 30.0
-    max_log_mb: float = 16.0  # each log file: a job's keeps its head and last lines, a runner's rotates
-    retry_base_s: float = 5.0
-    retry_max_s: float = 600.0
-    python: str = "python3"
-    burst: bool = False  # tests: exit once nothing is queued that fits and nothing runs
-    age_step_s: float = 60.0
-    age_max_boost: int = 10
-    oom_max_retries: int = 2
-    oom_growth: float = 1.5
-    warm_idle_s: float = 300.0  # a warm runner with no job for this long is stopped
-    warm_paced: bool = False  # jobs wait for a busy runner unless one more would serve them sooner
-    # What may be claimed and where: VRAM buffer, jobs per GPU, reservations, batches (the planner's).
-    scheduling: planner_.PlannerConfig = field(default_factory=planner_.PlannerConfig)
-
-    @property
-    def max_log_bytes(self) -> int:
-        """The cap on each log file in bytes (0: none)."""
-        return int(self.max_log_mb * 1024 * 1024)
-
-
 class Worker:
     """One per host. `await run()` until `stop()` (or, in burst mode, until the queue is drained)."""
 
@@ -97,7 +63,7 @@ class Worker:
         store: storage.ResultStore,
         models: registry.Registry,
         inventory: gpu.GpuInventory,
-        config: WorkerConfig,
+        config: workerconfig.WorkerConfig,
         listen_dsn: str | None = None,
         side_tasks: Mapping[str, Callable[[], Coroutine[Any, Any, None]]] | None = None,
     ) -> None:

@@ -15,7 +15,8 @@ from app import db, migrate, modelsfile, pgserver, storage
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.queue.planner import PlannerConfig
-from app.queue.worker import Worker, WorkerConfig
+from app.queue.worker import Worker
+from app.queue.workerconfig import WorkerConfig
 from tests.conftest import worker_id
 from tests.fakes import FakeInventory
 from tests.integration.test_durability import kinds, running, until
