@@ -20,15 +20,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from app import childprocess, db, errors, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
+from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import leftovers, records, sql, workerconfig
+from app.queue import gpubook, leftovers, records, sql, workerconfig
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -89,6 +88,9 @@ class Worker:
             kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
         )
         self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
+        self._gpus = gpubook.GpuBook(
+            inventory, self.planner, self.pool, buffer_mb=config.scheduling.vram_buffer_mb
+        )
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
@@ -102,7 +104,6 @@ class Worker:
         self._run_s: dict[str, float] = {}  # model -> its recent runs' length (moving average)
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
-        self._gpus: list[gpu.Gpu] = []  # the last reading of the GPUs that NVML answered
         self._claim_unsure = False  # a claim failed with the database: it may have taken jobs
         # Held while claiming and starting what was claimed, and while handing back what a lost
         # claim took: that compares the jobs running under this worker's name with `_running`.
@@ -157,40 +158,6 @@ class Worker:
         )
         if self._serving is not None:
             self._serving.cancel()
-
-    def gpu_report(self, gpus: list[gpu.Gpu] | None = None) -> list[dict[str, Any]]:
-        """The GPU snapshot stored on each heartbeat: NVML's reading, the most one job may be given
-        there (its size less this worker's buffer: what the API's intake holds uploads to), what
-        this worker reserved, and its warm runners on each GPU (WarmPool.report, starts_on)."""
-        reserved: Counter[int] = Counter()
-        count: Counter[int] = Counter()
-        for a in self._on_gpus():
-            reserved[a.gpu] += a.job.vram_mb
-            count[a.gpu] += 1
-        return [
-            {
-                **asdict(g),
-                "offered_mb": self._offered_mb(g),
-                "reserved_mb": reserved[g.index] + self.pool.reserved_mb(g.index),
-                "running_jobs": count[g.index],
-                "warm": self.pool.report(g.index),
-                "warm_starts": self.pool.starts_on(g.index),
-            }
-            for g in (self._read_gpus() if gpus is None else gpus)
-        ]
-
-    def _read_gpus(self) -> list[gpu.Gpu]:
-        """A fresh reading of the GPUs or, while NVML fails (a driver hiccup), the last one it
-        gave: what the heartbeat reports and a claimed job's growth cap read, so that an NVML
-        error stops neither the leases' renewal nor a claimed job's start (claims themselves
-        pause meanwhile: Planner.claim)."""
-        try:
-            self._gpus = self._inventory.snapshot()
-        except errors.AppError as exc:
-            self.planner.gpus_unreadable(exc)  # logged once per outage, for the claims too
-        else:
-            self.planner.gpus_readable()
-        return self._gpus
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -259,14 +226,14 @@ class Worker:
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
-        self._gpus = gpus = self._inventory.snapshot()
-        self._check_fit(gpus)
+        gpus = self._gpus.first_reading()
+        self._gpus.check_fit(gpus, self._models, worker_id=self.id)
         await self._manager.fleet.register_worker(
             worker_id=self.id,
             host=self.host,
             pid=os.getpid(),
             models=list(self._models.models),
-            gpus=self.gpu_report(gpus),
+            gpus=self._gpus.report(self.in_hand(), gpus),
         )
         await self._kill_leftovers(worker_id=self.id)
         # Runs of a previous life whose jobs were meanwhile taken back, maybe by another host.
@@ -280,35 +247,6 @@ class Worker:
         await self._drop_dead_attempts(taken_back)
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
-
-    def _check_fit(self, gpus: list[gpu.Gpu]) -> None:
-        """Refuse to start when no model fits any GPU here (even for the smallest input); else name,
-        in one warning, the models that fit none: their jobs wait for another worker, and this one
-        would never say why."""
-        buffer_mb = self._config.scheduling.vram_buffer_mb
-        total = max((g.total_mb for g in gpus), default=0)
-        offered = total - buffer_mb
-        needs = {name: spec.estimate_vram_mb(0.0) for name, spec in self._models.models.items()}
-        large = [f"{name} ({mb} MB)" for name, mb in sorted(needs.items()) if mb > offered]
-        if needs and len(large) == len(needs):
-            sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"
-            offers = (
-                f"the largest GPU offers {offered} MB after the {buffer_mb} MB buffer"
-                if total > buffer_mb
-                else f"GPUJOBS_VRAM_BUFFER_MB ({buffer_mb} MB) leaves nothing of the largest GPU ({total} MB)"
-            )
-            raise errors.ConfigError(
-                f"no GPU can ever run a job: the smallest model needs {self._models.smallest_vram_mb()} MB,"
-                f" {offers} ({sizes})"
-            )
-        if large:
-            log.warning(
-                "models this worker never runs: their declared VRAM is more than its largest GPU "
-                "offers (%d MB after the buffer): %s",
-                offered,
-                ", ".join(large),
-                extra={"action": "models_too_large", "worker": self.id},
-            )
 
     async def _shutdown(self, side: list[asyncio.Task[None]], *, renewing: bool) -> None:
         """Let running jobs finish for the grace period, hand the rest back, say goodbye.
@@ -548,7 +486,7 @@ class Worker:
             store=self._store,
             config=self._attempt_config,
             inventory=self._inventory,
-            capacity_mb=self._capacity_mb(),
+            capacity_mb=self._gpus.capacity_mb(),
             image=image,
             pool=self.pool,
             lane=lane,
@@ -582,30 +520,14 @@ class Worker:
         need = self.planner.shortfall_mb(job, self.in_hand())
         if need > 0:
             keep = warmpool.RunnerKey(job.model, job.gpu) if self._models.get(job.model).persistent else None
-            self._settle(await self.pool.evict_lru(job.gpu, need, keep=keep))
-
-    def _settle(self, closed: list[warmpool.Closed]) -> None:
-        """Keep closed runners' memory counted until NVML shows it back."""
-        for entry in closed:
-            if entry.key.gpu is not None and entry.pid is not None:
-                self.planner.settle(entry.key.gpu, entry.hold_mb, {entry.pid}, None)
+            self._gpus.settle(await self.pool.evict_lru(job.gpu, need, keep=keep))
 
     async def _warm_loop(self) -> None:
         """Stop warm runners that had no job for warm_idle_s."""
         idle_s = self._config.warm_idle_s
         while True:
             await asyncio.sleep(max(0.1, min(30.0, idle_s / 2)))
-            self._settle(await self.pool.idle_close(idle_s))
-
-    def _capacity_mb(self) -> int:
-        """The most a job may use here: the largest GPU's size less the buffer. Not the size of the
-        GPU a job ran on: placed on the smallest that fits, a job out of memory there grows onto
-        a larger one."""
-        return max((self._offered_mb(g) for g in self._read_gpus()), default=0)
-
-    def _offered_mb(self, g: gpu.Gpu) -> int:
-        """The most one job may be given on `g`: its size less this worker's buffer."""
-        return max(0, g.total_mb - self._config.scheduling.vram_buffer_mb)
+            self._gpus.settle(await self.pool.idle_close(idle_s))
 
     def _model_ended(self, run: attempt_.Attempt) -> None:
         """The model of `run` is done with the GPU: its slot may take the next job while the
@@ -656,7 +578,7 @@ class Worker:
     async def heartbeat(self) -> None:
         """Renew leases; stop runs whose job was canceled or taken from us."""
         in_hand = dict(self._running)  # judged only if claimed before the statement ran
-        gpus = self.gpu_report()
+        gpus = self._gpus.report(self.in_hand())
         owned = await self._manager.heartbeat(
             worker_id=self.id,
             job_ids=list(in_hand),
