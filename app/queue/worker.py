@@ -23,11 +23,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, leftovers, records, sql, workerconfig
+from app.queue import gpubook, leftovers, listener, records, workerconfig
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -42,8 +40,6 @@ RUN_S_WEIGHT = 0.2
 # The longest pause of claims after jobs whose files could not be written (it doubles from the poll
 # interval while they go on failing so).
 STORAGE_PAUSE_MAX_S = 300.0
-# The first wait before the listener connects again; it doubles, up to the poll interval.
-LISTEN_RETRY_S = 0.5
 # Stopped at once, its models dead: how long the database has to take its jobs back, unspent, and
 # then how long the statement has to give up. Past that they are left to its restart or their leases:
 # the stop must not wait on a database that does not answer.
@@ -72,7 +68,6 @@ class Worker:
         self._models = models
         self._inventory = inventory
         self._config = config
-        self._listen_dsn = listen_dsn
         self.host = socket.gethostname()
         self._attempt_config = attempt_.AttemptConfig(
             config.worker_id,
@@ -95,6 +90,13 @@ class Worker:
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
         self._wake = asyncio.Event()
+        self._listener = listener.Listener(
+            listen_dsn,
+            poll_interval_s=config.poll_interval_s,
+            check_s=config.heartbeat_interval_s,
+            wake=self._wake.set,
+            cancel=self._cancel,
+        )
         self._stopping = asyncio.Event()
         self._left: list[str] | None = None  # the jobs in hand when stop_now() was called, if it was
         self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
@@ -204,7 +206,7 @@ class Worker:
         side = [
             heartbeat,
             asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
-            asyncio.create_task(self._listen_loop(), name=f"listener:{self.id}"),
+            asyncio.create_task(self._listener.run(), name=f"listener:{self.id}"),
             asyncio.create_task(self._warm_loop(), name=f"warm:{self.id}"),
             *(asyncio.create_task(go(), name=f"{name}:{self.id}") for name, go in self._side_tasks.items()),
         ]
@@ -544,6 +546,12 @@ class Worker:
                 # meanwhile, goes out in its statement (one round trip, one commit, not two).
                 self._manager.hold_successes(self._config.claim_gather_s + CARRY_MARGIN_S)
 
+    def _cancel(self, job_id: uuid.UUID) -> None:
+        """A cancel was notified: the attempt of that job here, if any, stops."""
+        entry = self._running.get(job_id)
+        if entry is not None:
+            entry[0].stop(attempt_.CANCELED)
+
     def _owns(self, run: attempt_.Attempt) -> bool:
         """Whether `run` is still this worker's attempt of its job (a newer one may have replaced it)."""
         entry = self._running.get(run.job.id)
@@ -692,46 +700,3 @@ class Worker:
                 await leftovers.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
                 cleared.append(leftover.id)
         return cleared
-
-    async def _listen_loop(self) -> None:
-        """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""
-        if self._listen_dsn is None:
-            await asyncio.Event().wait()
-        # The backoff stops at the poll interval: the reconnect wakes the claims, whose own backoff
-        # grows further. Up to 30 s, as before, an idle worker left the jobs queued once the
-        # database was back waiting that long.
-        most_s = max(LISTEN_RETRY_S, self._config.poll_interval_s)
-        delay = LISTEN_RETRY_S
-        while True:
-            try:
-                conn = await asyncpg.connect(self._listen_dsn)
-            except Exception as exc:
-                if not db.is_unavailable(exc):
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, most_s)
-                continue
-            delay = LISTEN_RETRY_S
-            await self._listen_on(conn)
-
-    async def _listen_on(self, conn: asyncpg.Connection) -> None:
-        lost = asyncio.Event()
-        conn.add_termination_listener(lambda _: lost.set())
-        try:  # closed however this ends, a cancel while subscribing included
-            await conn.add_listener(sql.QUEUED_CHANNEL, lambda *_: self._wake.set())
-            await conn.add_listener(sql.CANCEL_CHANNEL, self._on_cancel)
-            self._wake.set()  # jobs may have been queued while we were not listening
-            while not lost.is_set() and not conn.is_closed():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lost.wait(), timeout=self._config.heartbeat_interval_s)
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), timeout=2)
-            if not conn.is_closed():
-                conn.terminate()
-
-    def _on_cancel(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        with contextlib.suppress(ValueError):
-            entry = self._running.get(uuid.UUID(payload))
-            if entry is not None:
-                entry[0].stop(attempt_.CANCELED)
