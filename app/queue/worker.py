@@ -25,7 +25,7 @@ from typing import Any
 
 from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, leftovers, listener, records, workerconfig
+from app.queue import gpubook, leftovers, listener, records, storagegate, workerconfig
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -37,9 +37,6 @@ log = logging.getLogger("gpujobs.worker")
 CARRY_MARGIN_S = 0.005
 # The weight of a model's latest run in the moving average of its runs' length (claim ahead).
 RUN_S_WEIGHT = 0.2
-# The longest pause of claims after jobs whose files could not be written (it doubles from the poll
-# interval while they go on failing so).
-STORAGE_PAUSE_MAX_S = 300.0
 # Stopped at once, its models dead: how long the database has to take its jobs back, unspent, and
 # then how long the statement has to give up. Past that they are left to its restart or their leases:
 # the stop must not wait on a database that does not answer.
@@ -112,11 +109,9 @@ class Worker:
         self._claiming = asyncio.Lock()
         self._zombies: set[int] = set()  # this process's zombie children at the last reap round
         self._strays_seen = leftovers.LastLook()  # a reap round looks through /proc only after a change
-        # Set when a job's files could not be written (a full disk, a folder gone read-only): claims
-        # pause until a probe of the storage folder passes, or every job would spend its attempts here.
-        self._storage_trouble: str | None = None
-        self._storage_pause_s = 0.0  # how long claims pause before the next probe (doubles)
-        self._next_probe_s = 0.0
+        self._storage = storagegate.StorageGate(
+            store, worker_id=config.worker_id, poll_interval_s=config.poll_interval_s
+        )
 
     @property
     def id(self) -> str:
@@ -386,7 +381,7 @@ class Worker:
         if self._claim_unsure:
             await self._release_unknown()
         started = 0
-        while not self._stopping.is_set() and await self._storage_usable():
+        while not self._stopping.is_set() and await self._storage.usable():
             batch = await self.planner.claim(
                 self.in_hand(),
                 worker_id=self.id,
@@ -401,7 +396,7 @@ class Worker:
             room = asyncio.Event()
             for claimed in batch:
                 self._start_attempt(claimed.job, claimed.input, room)
-                if self._storage_trouble is not None:  # it began while the claim ran: claims pause
+                if self._storage.trouble is not None:  # it began while the claim ran: claims pause
                     self._running[claimed.job.id][0].stop(attempt_.PAUSED)
             try:
                 for claimed in batch:
@@ -411,42 +406,15 @@ class Worker:
             started += len(batch)
         return started
 
-    async def _storage_usable(self) -> bool:
-        """Whether the storage folder may take jobs: after a job's files could not be written, not
-        until the pause has passed and a probe (storage.ResultStore.probe) shows it takes a file."""
-        if self._storage_trouble is None:
-            return True
-        if time.monotonic() < self._next_probe_s:
-            return False
-        try:
-            await asyncio.to_thread(self._store.probe, self.id)
-        except OSError as exc:
-            self._next_probe_s = time.monotonic() + self._storage_pause_s
-            log.debug("storage folder still unusable: %s", exc, extra={"action": "storage_probe_failed"})
-            return False
-        self._storage_trouble = None
-        log.info("storage folder usable again; claiming", extra={"action": "storage_usable_again"})
-        return True
-
     def _storage_failed(self, run: attempt_.Attempt) -> None:
-        """A job's files could not be written: claims pause, longer each time in a row (a disk with
-        room for the probe but not for a job's files would otherwise spend an attempt of each job
-        it claims, one pause after another)."""
-        if self._storage_trouble is not None:
+        """A job's files could not be written: the storage gate closes (claims pause), and the jobs
+        claimed ahead or starting go back unrun."""
+        if self._storage.trouble is not None:
             return
-        self._storage_trouble = run.storage_trouble
         for other, _ in self._running.values():  # claimed ahead, or starting: they go back unrun
             if other is not run and other.model_started_s is None:
                 other.stop(attempt_.PAUSED)
-        pause = 2 * self._storage_pause_s or self._config.poll_interval_s
-        self._storage_pause_s = min(pause, STORAGE_PAUSE_MAX_S)
-        self._next_probe_s = time.monotonic() + self._storage_pause_s
-        log.warning(
-            "%s; claiming nothing until the storage folder takes a file again (checked in %g s)",
-            run.storage_trouble,
-            self._storage_pause_s,
-            extra={"action": "storage_unusable", "job_id": str(run.job.id)},
-        )
+        self._storage.close(run.storage_trouble, run.job.id)
 
     async def _try_release_unknown(self) -> bool:
         """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
@@ -559,8 +527,8 @@ class Worker:
 
     def _finished(self, run: attempt_.Attempt, task: asyncio.Task[None]) -> None:
         job_id = run.job.id
-        if run.model_started_s is not None and run.storage_trouble is None and self._storage_trouble is None:
-            self._storage_pause_s = 0.0  # its files were written: a new trouble pauses briefly again
+        if run.model_started_s is not None and run.storage_trouble is None:
+            self._storage.written()
         if run.lane_clean:
             self._free_lanes.append(run.lane)
         if self._owns(run):  # else a newer attempt of its job (claimed again) holds its place
