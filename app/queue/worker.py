@@ -23,9 +23,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warm, warmpool
+from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, leftovers, listener, records, storagegate, workerconfig
+from app.queue import gpubook, leftovers, listener, reaper, storagegate, workerconfig
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -107,8 +107,17 @@ class Worker:
         # Held while claiming and starting what was claimed, and while handing back what a lost
         # claim took: that compares the jobs running under this worker's name with `_running`.
         self._claiming = asyncio.Lock()
-        self._zombies: set[int] = set()  # this process's zombie children at the last reap round
-        self._strays_seen = leftovers.LastLook()  # a reap round looks through /proc only after a change
+        self.reaper = reaper.Reaper(
+            manager,
+            store,
+            self.pool,
+            config,
+            host=self.host,
+            running=self._running,
+            free_lanes=self._free_lanes,
+            wake=self._wake.set,
+            release_lost=self._release_lost_claim,
+        )
         self._storage = storagegate.StorageGate(
             store, worker_id=config.worker_id, poll_interval_s=config.poll_interval_s
         )
@@ -200,7 +209,7 @@ class Worker:
         heartbeat = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}")
         side = [
             heartbeat,
-            asyncio.create_task(self._reaper_loop(), name=f"reaper:{self.id}"),
+            asyncio.create_task(self.reaper.run(), name=f"reaper:{self.id}"),
             asyncio.create_task(self._listener.run(), name=f"listener:{self.id}"),
             asyncio.create_task(self._warm_loop(), name=f"warm:{self.id}"),
             *(asyncio.create_task(go(), name=f"{name}:{self.id}") for name, go in self._side_tasks.items()),
@@ -232,16 +241,7 @@ class Worker:
             models=list(self._models.models),
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
-        await self._kill_leftovers(worker_id=self.id)
-        # Runs of a previous life whose jobs were meanwhile taken back, maybe by another host.
-        await leftovers.kill_worker_models(self.id, grace_s=self._config.kill_grace_s)
-        taken_back = await self._manager.fleet.requeue_own(worker_id=self.id)
-        for taken in taken_back:
-            log.warning(
-                "took back a job from this worker's previous run",
-                extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
-            )
-        await self._drop_dead_attempts(taken_back)
+        await self.reaper.take_back_own()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
@@ -304,7 +304,8 @@ class Worker:
                 log.info(
                     "job %s: worker stopped at once", "canceled" if canceled else "handed back", extra=extra
                 )
-            await self._drop_dead_attempts(release.result())  # a job canceled here ended: its folders go
+            # A job canceled here ended: its folders go.
+            await self.reaper.drop_dead_attempts(release.result())
             return
         why = f"the database did not answer within {STOP_NOW_HAND_BACK_S:g} s"
         if release.done() and not release.cancelled():
@@ -427,6 +428,14 @@ class Worker:
             return False
         return True
 
+    async def _release_lost_claim(self) -> None:
+        """`_release_unknown` for the reaper's round (Reaper.reap says why); not while a claim is
+        under way: that does so first."""
+        if self._claim_unsure and not self._claiming.locked():
+            async with self._claiming:
+                if self._claim_unsure:
+                    await self._release_unknown()
+
     async def _release_unknown(self) -> None:
         """After a claim that failed with the database: it may have committed, its jobs running
         here under this worker's name unknown to it. They go back to the queue, unspent. (Under
@@ -437,7 +446,7 @@ class Worker:
                 "handed back a job whose claim's answer was lost",
                 extra={"action": "job_released", "job_id": str(job.id)},
             )
-        await self._drop_dead_attempts(released)  # a job canceled meanwhile ended here
+        await self.reaper.drop_dead_attempts(released)  # a job canceled meanwhile ended here
         self._claim_unsure = False
 
     def _start_attempt(
@@ -464,7 +473,7 @@ class Worker:
             room=room,
             on_model_end=self._model_ended,
             on_storage_trouble=self._storage_failed,
-            live_runs=self._live_runs,
+            live_runs=self.reaper.live_runs,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         older = self._running.get(job.id)
@@ -568,103 +577,3 @@ class Worker:
                 run.stop(attempt_.LEASE_LOST)
             elif mine[1]:
                 run.stop(attempt_.CANCELED)
-
-    async def _reaper_loop(self) -> None:
-        while True:
-            try:
-                await self.reap()
-            except Exception as exc:
-                if not db.is_unavailable(exc):
-                    raise
-            await asyncio.sleep(self._config.reap_interval_s)
-
-    async def reap(self) -> int:
-        """Take back jobs whose lease expired; mark silent workers dead. Returns jobs taken back.
-
-        First, what a lost claim took is handed back: the claim loop, which does so before its next
-        claim, may wait longer than a lease (its backoff while the database failed, with nothing
-        to wake it), and those jobs' leases are not renewed meanwhile."""
-        if self._claim_unsure and not self._claiming.locked():
-            async with self._claiming:
-                if self._claim_unsure:
-                    await self._release_unknown()
-        if await self._manager.promote_due():
-            self._wake.set()
-        await self._age_queued()
-        for lane in self._free_lanes:  # at most one round on disk after its job, however idle
-            self._store.lanes.drop_input(lane)
-        await self._kill_strays()
-        cleared = await self._kill_leftovers()
-        taken = await self._manager.fleet.recover_expired(
-            by_worker=self.id,
-            in_hand=list(self._running),
-            host=self.host,
-            cleared=cleared,
-            lease_s=self._config.lease_s,
-        )
-        for t in taken:
-            log.warning(
-                "took back a job whose lease expired",
-                extra={
-                    "action": "job_recovered",
-                    "job_id": str(t.id),
-                    "lost_worker": t.worker_id,
-                    "state": t.state,
-                },
-            )
-        await self._drop_dead_attempts(taken)
-        dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
-        for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
-            log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
-        return len(taken)
-
-    async def _drop_dead_attempts(self, taken: list[records.TakenBack]) -> None:
-        """Remove the result folders that jobs taken back into a final state (failed, quarantined,
-        canceled) have from their lost attempts: a worker killed while storing them left them. A
-        job queued again keeps them until it ends."""
-        for job in taken:
-            if job.state.final:
-                await asyncio.to_thread(self._store.drop_attempts, job.id, upto=job.attempt)
-
-    async def _age_queued(self) -> None:
-        """Raise the age boost of waiting jobs whose next boost is due (a boost lands at most one
-        reap round late). Only the jobs due are read (ix_jobs_boost_due): with none due the pass is
-        one index probe, however long the queue."""
-        config = self._config
-        if config.age_max_boost > 0:
-            await self._manager.age_queued(step_s=config.age_step_s, max_boost=config.age_max_boost)
-
-    async def _kill_strays(self) -> None:
-        """Kill processes this worker's runs and runners started that outlived them (a run's own
-        end kills those of a run that failed, or that kept its output pipes open: a daemon a
-        run that succeeded left is found here)."""
-
-        def live() -> set[str]:  # asked after the scan: a run that started meanwhile is live
-            runs = {f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values()}
-            keys = (k for r, k in self.pool.runners().items() if r.state is not warm.RunnerState.DEAD)
-            return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
-
-        await leftovers.kill_strays(self.id, live, last=self._strays_seen)
-        # Those that came to the worker after their run's own look (a subreaper: app/subreaper.py),
-        # and the zombies of those that ended by themselves (a zombie for a round: asyncio's own last
-        # milliseconds).
-        await leftovers.kill_adopted(self.id, self._live_runs)
-        self._zombies = subreaper.reap_zombies(self._zombies)
-
-    def _live_runs(self) -> set[str]:
-        """The one-shot runs of this worker whose model still runs, named as the reap round names
-        runs (`run <job id>:<attempt>`: leftovers.find_marked)."""
-        return {f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values() if not a.model_ended}
-
-    async def _kill_leftovers(self, *, worker_id: str | None = None) -> list[uuid.UUID]:
-        """Kill model processes on this host of jobs about to be taken back, before they are;
-        returns the jobs so cleared (only those may be taken back from this host)."""
-        cleared = []
-        found = await self._manager.fleet.leftovers_on_host(
-            host=self.host, worker_id=worker_id, lease_s=self._config.lease_s
-        )
-        for leftover in found:
-            if leftover.id not in self._running:
-                await leftovers.kill_leftover(leftover, host=self.host, grace_s=self._config.kill_grace_s)
-                cleared.append(leftover.id)
-        return cleared

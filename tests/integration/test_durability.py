@@ -169,9 +169,9 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
     out between those two steps was taken back with its run still alive, and the new attempt
     overlapped the old one (seen by the chaos bench). Such a job now waits for the next round."""
     job_id = await enqueue(manager)
-    reaper = make_worker(burst=False)
+    worker = make_worker(burst=False)
     [claimed] = await manager.claim(
-        worker_id="test:dead", host=reaper.host, models=["toy"], budgets={0: 24_576}, lease_s=60
+        worker_id="test:dead", host=worker.host, models=["toy"], budgets={0: 24_576}, lease_s=60
     )
     env = {**os.environ, "GPUJOBS_JOB": f"{job_id}:{claimed.job.attempt}"}
     # The dead worker's model, in its own session as the worker starts them.
@@ -187,10 +187,10 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
             return found
 
         manager.fleet.leftovers_on_host = lease_runs_out_just_after
-        assert await reaper.reap() == 0  # expired, but not looked at: left for the next round
+        assert await worker.reaper.reap() == 0  # expired, but not looked at: left for the next round
         del manager.fleet.leftovers_on_host
         assert (await manager.get(job_id)).state is JobState.running and run.returncode is None
-        assert await reaper.reap() == 1  # looked at, killed, taken back
+        assert await worker.reaper.reap() == 1  # looked at, killed, taken back
         assert await asyncio.wait_for(run.wait(), 5) is not None
         assert (await manager.get(job_id)).state is JobState.queued
     finally:
@@ -328,7 +328,7 @@ async def test_a_job_that_ends_without_success_keeps_no_files_of_dead_attempts(
     async with engine.begin() as conn:
         await conn.execute(EXPIRE_LEASE, {"id": lost})
     # (a lease of its own too short to wait for the database's start, as a worker's reaper does)
-    assert await make_worker(burst=False, lease_s=0.001).reap() == 1
+    assert await make_worker(burst=False, lease_s=0.001).reaper.reap() == 1
     assert (await manager.get(lost)).state is JobState.failed
     assert os.listdir(folder) == []
 

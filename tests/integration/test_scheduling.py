@@ -96,13 +96,13 @@ async def test_a_worker_raises_a_due_boost_on_its_next_reap_round(manager, make_
     job = await enqueue(manager)
     worker = make_worker(burst=False, age_step_s=4.0, age_max_boost=10)
     await _waited(engine, 8.5, job)
-    await worker.reap()
+    await worker.reaper.reap()
     assert (await manager.get(job)).age_boost == 2
     await _waited(engine, 3.0, job)  # 11.5 s: the third point is due at 12 s
-    await worker.reap()
+    await worker.reaper.reap()
     assert (await manager.get(job)).age_boost == 2
     await _waited(engine, 9.0, job)  # 20.5 s
-    await worker.reap()
+    await worker.reaper.reap()
     assert (await manager.get(job)).age_boost == 5
 
 
@@ -156,7 +156,7 @@ async def test_an_endless_age_step_ages_nothing_and_keeps_the_worker(manager, ma
     dead reaper stopped the worker."""
     job = await enqueue(manager)
     worker = make_worker(burst=False, age_step_s=math.inf)
-    assert await worker.reap() == 0
+    assert await worker.reaper.reap() == 0
     assert await manager.age_queued(step_s=1e12, max_boost=10) == 0
     assert (await manager.get(job)).age_boost == 0
 
