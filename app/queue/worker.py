@@ -26,6 +26,7 @@ from typing import Any
 from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
 from app.queue import gpubook, leftovers, listener, reaper, storagegate, workerconfig
+from app.queue import heartbeat as heartbeat_
 from app.queue import manager as manager_
 from app.queue import planner as planner_
 from app.queue.jobs import Job, JobState
@@ -95,6 +96,13 @@ class Worker:
             cancel=self._cancel,
         )
         self._stopping = asyncio.Event()
+        self._heartbeat = heartbeat_.Heartbeat(
+            manager,
+            config,
+            running=self._running,
+            report=lambda: self._gpus.report(self.in_hand()),
+            stopping=self._stopping,
+        )
         self._left: list[str] | None = None  # the jobs in hand when stop_now() was called, if it was
         self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
         self.claimed = 0
@@ -206,7 +214,7 @@ class Worker:
 
     async def _serve(self) -> None:
         """Claim and run until stopped, then shut down."""
-        heartbeat = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat:{self.id}")
+        heartbeat = asyncio.create_task(self._heartbeat.run(), name=f"heartbeat:{self.id}")
         side = [
             heartbeat,
             asyncio.create_task(self.reaper.run(), name=f"reaper:{self.id}"),
@@ -547,33 +555,3 @@ class Worker:
         if not task.cancelled() and task.exception() is not None:
             log.error("attempt task failed", exc_info=task.exception(), extra={"job_id": str(job_id)})
         self._wake.set()  # room on a GPU: look for work
-
-    # -- side tasks -----------------------------------------------------------------------
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.heartbeat_interval_s)
-            try:
-                await self.heartbeat()
-            except Exception as exc:
-                if not db.is_unavailable(exc):
-                    raise
-                log.warning("heartbeat failed: database unavailable", extra={"action": "db_down"})
-
-    async def heartbeat(self) -> None:
-        """Renew leases; stop runs whose job was canceled or taken from us."""
-        in_hand = dict(self._running)  # judged only if claimed before the statement ran
-        gpus = self._gpus.report(self.in_hand())
-        owned = await self._manager.heartbeat(
-            worker_id=self.id,
-            job_ids=list(in_hand),
-            lease_s=self._config.lease_s,
-            gpus=gpus,
-            state="stopping" if self._stopping.is_set() else "running",
-        )
-        for job_id, (run, _) in in_hand.items():
-            mine = owned.get(job_id)
-            if mine is None or mine[0] != run.job.attempt:
-                run.stop(attempt_.LEASE_LOST)
-            elif mine[1]:
-                run.stop(attempt_.CANCELED)
