@@ -13,19 +13,17 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import socket
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from app import childprocess, db, gpu, logs, registry, scheduler, storage, subreaper, warmpool
+from app import childprocess, db, gpu, logs, registry, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, leftovers, listener, reaper, storagegate, workerconfig
+from app.queue import gpubook, gpuslots, leftovers, listener, reaper, storagegate, workerconfig
 from app.queue import heartbeat as heartbeat_
 from app.queue import manager as manager_
 from app.queue import planner as planner_
@@ -36,8 +34,6 @@ log = logging.getLogger("gpujobs.worker")
 # How much longer than the claim gather a success waits for the claim to carry it (the claim may
 # be behind another statement); past that it is written on its own.
 CARRY_MARGIN_S = 0.005
-# The weight of a model's latest run in the moving average of its runs' length (claim ahead).
-RUN_S_WEIGHT = 0.2
 # Stopped at once, its models dead: how long the database has to take its jobs back, unspent, and
 # then how long the statement has to give up. Past that they are left to its restart or their leases:
 # the stop must not wait on a database that does not answer.
@@ -106,9 +102,9 @@ class Worker:
         self._left: list[str] | None = None  # the jobs in hand when stop_now() was called, if it was
         self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
         self.claimed = 0
-        # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.
-        self._slots: dict[int, asyncio.Semaphore] = {}
-        self._run_s: dict[str, float] = {}  # model -> its recent runs' length (moving average)
+        self._slots = gpuslots.GpuSlots(
+            max_jobs_per_gpu=config.scheduling.max_jobs_per_gpu, claim_ahead_s=config.claim_ahead_s
+        )
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
         self._claim_unsure = False  # a claim failed with the database: it may have taken jobs
@@ -368,19 +364,6 @@ class Worker:
             planner_.InHand(a.job, a.gpu, a.started_s, a.seen_mb, a.model_started_s) for a in self._on_gpus()
         ]
 
-    def ahead(self) -> dict[int, int]:
-        """Jobs each GPU may hold beyond its cap: one for each job in hand there (running, or
-        about to) whose model's recent runs were shorter than claim_ahead_s, at most the cap. So
-        the next jobs are on hand when those end, instead of a claim's round trip later."""
-        cap, limit = self._config.scheduling.max_jobs_per_gpu, self._config.claim_ahead_s
-        if not cap or not limit:
-            return {}
-        ahead: Counter[int] = Counter()
-        for a in self._on_gpus():
-            if self._run_s.get(a.job.model, math.inf) < limit:
-                ahead[a.gpu] += 1
-        return {g: min(n, cap) for g, n in ahead.items()}
-
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
         async with self._claiming:
@@ -391,12 +374,13 @@ class Worker:
             await self._release_unknown()
         started = 0
         while not self._stopping.is_set() and await self._storage.usable():
+            in_hand = self.in_hand()
             batch = await self.planner.claim(
-                self.in_hand(),
+                in_hand,
                 worker_id=self.id,
                 host=self.host,
                 lease_s=self._config.lease_s,
-                ahead=self.ahead(),
+                ahead=self._slots.ahead(in_hand),
             )
             if not batch:
                 return started
@@ -477,7 +461,7 @@ class Worker:
             image=image,
             pool=self.pool,
             lane=lane,
-            slot=self._slot(job.gpu),
+            slot=self._slots.slot(job.gpu),
             room=room,
             on_model_end=self._model_ended,
             on_storage_trouble=self._storage_failed,
@@ -491,15 +475,6 @@ class Worker:
             older[0].stop(attempt_.LEASE_LOST)
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, run))
-
-    def _slot(self, gpu_index: int | None) -> asyncio.Semaphore | None:
-        """The slots of a GPU under max_jobs_per_gpu (None: no cap, so nothing is claimed ahead)."""
-        cap = self._config.scheduling.max_jobs_per_gpu
-        if not cap or gpu_index is None:
-            return None
-        if gpu_index not in self._slots:
-            self._slots[gpu_index] = asyncio.Semaphore(cap)
-        return self._slots[gpu_index]
 
     async def _make_room(self, job: Job) -> None:
         """Evict idle warm runners (least recently used first; not the one `job` reuses) if `job`
@@ -520,9 +495,7 @@ class Worker:
         """The model of `run` is done with the GPU: its slot may take the next job while the
         outcome is written (a write of a few ms that would otherwise leave the GPU idle)."""
         if run.model_started_s is not None:
-            took_s = time.monotonic() - run.model_started_s
-            before = self._run_s.get(run.job.model)
-            self._run_s[run.job.model] = scheduler.moving_average(before, took_s, weight=RUN_S_WEIGHT)
+            self._slots.ran(run.job.model, time.monotonic() - run.model_started_s)
         self.planner.settle(run.gpu, run.job.vram_mb, run.gpu_pids, run.job.id)  # a replaced run's too
         if self._owns(run):
             self._wake.set()
