@@ -59,7 +59,7 @@ class Reaper:
                 "took back a job from this worker's previous run",
                 extra={"action": "job_recovered", "job_id": str(taken.id), "state": taken.state},
             )
-        await self.drop_dead_attempts(taken_back)
+        await drop_dead_attempts(self._store, taken_back)
 
     async def run(self) -> None:
         """Reap on a timer (a round the database failed is left for the next)."""
@@ -102,19 +102,11 @@ class Reaper:
                     "state": t.state,
                 },
             )
-        await self.drop_dead_attempts(taken)
+        await drop_dead_attempts(self._store, taken)
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
         for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
-
-    async def drop_dead_attempts(self, taken: list[records.TakenBack]) -> None:
-        """Remove the result folders that jobs taken back into a final state (failed, quarantined,
-        canceled) have from their lost attempts: a worker killed while storing them left them. A
-        job queued again keeps them until it ends."""
-        for job in taken:
-            if job.state.final:
-                await asyncio.to_thread(self._store.drop_attempts, job.id, upto=job.attempt)
 
     async def _age_queued(self) -> None:
         """Raise the age boost of waiting jobs whose next boost is due (a boost lands at most one
@@ -158,3 +150,12 @@ class Reaper:
                 await leftovers.kill_leftover(leftover, host=self._host, grace_s=self._config.kill_grace_s)
                 cleared.append(leftover.id)
         return cleared
+
+
+async def drop_dead_attempts(store: storage.ResultStore, taken: list[records.TakenBack]) -> None:
+    """Remove the result folders that jobs taken back into a final state (failed, quarantined,
+    canceled) have from their lost attempts: a worker killed while storing them left them. A
+    job queued again keeps them until it ends."""
+    for job in taken:
+        if job.state.final:
+            await asyncio.to_thread(store.drop_attempts, job.id, upto=job.attempt)

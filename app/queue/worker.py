@@ -23,23 +23,17 @@ from typing import Any
 
 from app import childprocess, db, gpu, logs, registry, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, gpuslots, leftovers, listener, reaper, storagegate, workerconfig
+from app.queue import gpubook, gpuslots, handback, leftovers, listener, reaper, storagegate, workerconfig
 from app.queue import heartbeat as heartbeat_
 from app.queue import manager as manager_
 from app.queue import planner as planner_
-from app.queue.jobs import Job, JobState
+from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
 
 # How much longer than the claim gather a success waits for the claim to carry it (the claim may
 # be behind another statement); past that it is written on its own.
 CARRY_MARGIN_S = 0.005
-# Stopped at once, its models dead: how long the database has to take its jobs back, unspent, and
-# then how long the statement has to give up. Past that they are left to its restart or their leases:
-# the stop must not wait on a database that does not answer.
-STOP_NOW_HAND_BACK_S = 1.5
-STOP_NOW_GIVE_UP_S = 0.5
-STOPPED_NOW = "worker stopped at once"  # the reason its jobs' `released` events give
 
 
 class Worker:
@@ -122,6 +116,7 @@ class Worker:
             wake=self._wake.set,
             release_lost=self._release_lost_claim,
         )
+        self._hand_back = handback.HandBack(manager, store, worker_id=config.worker_id)
         self._storage = storagegate.StorageGate(
             store, worker_id=config.worker_id, poll_interval_s=config.poll_interval_s
         )
@@ -146,10 +141,11 @@ class Worker:
         runner is killed now (SIGKILL to its process group), and the attempts write nothing more
         (their outcomes, a final write under way included, are dropped). Once the models are dead,
         the jobs running under this worker's name go back to the queue in one statement, no attempt
-        spent, if the database answers within STOP_NOW_HAND_BACK_S; else they are left running under
-        its name: its restart takes them back at once, another worker's reaper once their leases run
-        out (an attempt spent, as for a crashed worker). `run()` returns within moments, whatever
-        the database does (the graceful stop waits for it to write what each job became)."""
+        spent, if the database answers within handback.STOP_NOW_HAND_BACK_S; else they are left
+        running under its name: its restart takes them back at once, another worker's reaper once
+        their leases run out (an attempt spent, as for a crashed worker). `run()` returns within
+        moments, whatever the database does (the graceful stop waits for it to write what each job
+        became)."""
         if self._left is not None:
             return
         self._left = left = sorted(str(job_id) for job_id in self._running)
@@ -162,7 +158,7 @@ class Worker:
             "no attempt spent, if the database answers within %g s: %s",
             runners,
             len(left),
-            STOP_NOW_HAND_BACK_S,
+            handback.STOP_NOW_HAND_BACK_S,
             ", ".join(left) or "none",
             extra={"action": "worker_stopped_now", "worker": self.id},
         )
@@ -276,53 +272,18 @@ class Worker:
 
     async def _abandon(self, tasks: list[asyncio.Task[None]]) -> None:
         """After stop_now(): cancel what is left (the attempts' writes included), kill what escaped
-        the killed groups, reap the runners, hand the jobs back (given a bounded time: `_hand_back_now`)
-        and empty the lanes."""
+        the killed groups, reap the runners, hand the jobs back (given a bounded time:
+        HandBack.release_stopped) and empty the lanes."""
         attempts = [t for _, t in self._running.values()]
         for task in (*tasks, *attempts):
             task.cancel()
         await leftovers.kill_strays(self.id, set)  # first: an escaped helper may hold a run's pipes
         await asyncio.gather(*tasks, *attempts, return_exceptions=True)
         await self.pool.close_all(attempt_.SHUTDOWN)
-        await self._hand_back_now()  # only now: no old run may overlap a new attempt elsewhere
+        # Only now: no old run may overlap a new attempt elsewhere.
+        await self._hand_back.release_stopped(self._left or [])
         self._store.lanes.reset(self.id)
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
-
-    async def _hand_back_now(self) -> None:
-        """The jobs running under this worker's name (those in hand, and any a claim cut short took)
-        go back to the queue, unspent, or end canceled when a cancel is pending; if the database
-        has not done so within STOP_NOW_HAND_BACK_S, the statement is given up and the jobs are left
-        running under its name, as the line logged says."""
-        release = asyncio.create_task(
-            self._manager.fleet.release_stopped(worker_id=self.id, reason=STOPPED_NOW),
-            name=f"hand-back:{self.id}",
-        )
-        await asyncio.wait([release], timeout=STOP_NOW_HAND_BACK_S)
-        if not release.done():
-            release.cancel()
-            await asyncio.wait([release], timeout=STOP_NOW_GIVE_UP_S)
-        if release.done() and not release.cancelled() and release.exception() is None:
-            for job in release.result():
-                canceled = job.state is JobState.canceled  # its cancel was pending
-                extra = {"action": "job_canceled" if canceled else "job_released", "job_id": str(job.id)}
-                log.info(
-                    "job %s: worker stopped at once", "canceled" if canceled else "handed back", extra=extra
-                )
-            # A job canceled here ended: its folders go.
-            await self.reaper.drop_dead_attempts(release.result())
-            return
-        why = f"the database did not answer within {STOP_NOW_HAND_BACK_S:g} s"
-        if release.done() and not release.cancelled():
-            why = f"the database failed: {release.exception()!r}"
-        left = self._left or []
-        log.warning(
-            "%s: %d jobs left running under its name, for its restart to take back at once, else another "
-            "worker after their leases: %s",
-            why,
-            len(left),
-            ", ".join(left) or "none",
-            extra={"action": "jobs_left", "worker": self.id},
-        )
 
     # -- claiming -------------------------------------------------------------------------
 
@@ -429,16 +390,9 @@ class Worker:
                     await self._release_unknown()
 
     async def _release_unknown(self) -> None:
-        """After a claim that failed with the database: it may have committed, its jobs running
-        here under this worker's name unknown to it. They go back to the queue, unspent. (Under
-        `_claiming`, or with no claim left to make.)"""
-        released = await self._manager.fleet.release_unknown(worker_id=self.id, in_hand=list(self._running))
-        for job in released:
-            log.warning(
-                "handed back a job whose claim's answer was lost",
-                extra={"action": "job_released", "job_id": str(job.id)},
-            )
-        await self.reaper.drop_dead_attempts(released)  # a job canceled meanwhile ended here
+        """What a claim that failed with the database may have taken goes back
+        (HandBack.release_unknown). Under `_claiming`, or with no claim left to make."""
+        await self._hand_back.release_unknown(list(self._running))
         self._claim_unsure = False
 
     def _start_attempt(
