@@ -57,16 +57,7 @@ class Worker:
         self._inventory = inventory
         self._config = config
         self.host = socket.gethostname()
-        self._attempt_config = attempt_.AttemptConfig(
-            config.worker_id,
-            config.kill_grace_s,
-            config.retry_base_s,
-            config.retry_max_s,
-            config.python,
-            oom_max_retries=config.oom_max_retries,
-            oom_growth=config.oom_growth,
-            max_log_bytes=config.max_log_bytes,
-        )
+        self._attempt_config = config.attempt_config()
         self.pool = warmpool.WarmPool(
             kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
         )

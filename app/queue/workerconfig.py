@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.queue import attempt as attempt_
 from app.queue import planner as planner_
 
 
@@ -39,3 +40,16 @@ class WorkerConfig:
     def max_log_bytes(self) -> int:
         """The cap on each log file in bytes (0: none)."""
         return int(self.max_log_mb * 1024 * 1024)
+
+    def attempt_config(self) -> attempt_.AttemptConfig:
+        """The settings of this worker's attempts."""
+        return attempt_.AttemptConfig(
+            self.worker_id,
+            self.kill_grace_s,
+            self.retry_base_s,
+            self.retry_max_s,
+            self.python,
+            oom_max_retries=self.oom_max_retries,
+            oom_growth=self.oom_growth,
+            max_log_bytes=self.max_log_bytes,
+        )
