@@ -84,12 +84,6 @@ class GpuBook:
         """The most one job may be given on `g`: its size less this worker's buffer."""
         return max(0, g.total_mb - self._buffer_mb)
 
-    def settle(self, closed: list[warmpool.Closed]) -> None:
-        """Keep closed runners' memory counted until NVML shows it back."""
-        for entry in closed:
-            if entry.key.gpu is not None and entry.pid is not None:
-                self._planner.settle(entry.key.gpu, entry.hold_mb, {entry.pid}, None)
-
     def check_fit(self, gpus: list[gpu.Gpu], models: registry.Registry, *, worker_id: str) -> None:
         """Refuse to start when no model fits any GPU here (even for the smallest input); else name,
         in one warning, the models that fit none: their jobs wait for another worker, and this one

@@ -23,7 +23,17 @@ from typing import Any
 
 from app import childprocess, db, gpu, logs, registry, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
-from app.queue import gpubook, gpuslots, handback, leftovers, listener, reaper, storagegate, workerconfig
+from app.queue import (
+    gpubook,
+    gpuslots,
+    handback,
+    leftovers,
+    listener,
+    reaper,
+    storagegate,
+    warmkeeper,
+    workerconfig,
+)
 from app.queue import heartbeat as heartbeat_
 from app.queue import manager as manager_
 from app.queue import planner as planner_
@@ -65,6 +75,7 @@ class Worker:
         self._gpus = gpubook.GpuBook(
             inventory, self.planner, self.pool, buffer_mb=config.scheduling.vram_buffer_mb
         )
+        self._warm = warmkeeper.WarmKeeper(self.pool, self.planner, models, idle_s=config.warm_idle_s)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
@@ -202,7 +213,7 @@ class Worker:
             heartbeat,
             asyncio.create_task(self.reaper.run(), name=f"reaper:{self.id}"),
             asyncio.create_task(self._listener.run(), name=f"listener:{self.id}"),
-            asyncio.create_task(self._warm_loop(), name=f"warm:{self.id}"),
+            asyncio.create_task(self._warm.run(), name=f"warm:{self.id}"),
             *(asyncio.create_task(go(), name=f"{name}:{self.id}") for name, go in self._side_tasks.items()),
         ]
         main = asyncio.create_task(self._claim_loop(), name=f"claim:{self.id}")
@@ -345,7 +356,7 @@ class Worker:
                     self._running[claimed.job.id][0].stop(attempt_.PAUSED)
             try:
                 for claimed in batch:
-                    await self._make_room(claimed.job)
+                    await self._warm.make_room(claimed.job, self.in_hand())
             finally:
                 room.set()
             started += len(batch)
@@ -420,21 +431,6 @@ class Worker:
             older[0].stop(attempt_.LEASE_LOST)
         self._running[job.id] = (run, task)
         task.add_done_callback(functools.partial(self._finished, run))
-
-    async def _make_room(self, job: Job) -> None:
-        """Evict idle warm runners (least recently used first; not the one `job` reuses) if `job`
-        needs their memory."""
-        need = self.planner.shortfall_mb(job, self.in_hand())
-        if need > 0:
-            keep = warmpool.RunnerKey(job.model, job.gpu) if self._models.get(job.model).persistent else None
-            self._gpus.settle(await self.pool.evict_lru(job.gpu, need, keep=keep))
-
-    async def _warm_loop(self) -> None:
-        """Stop warm runners that had no job for warm_idle_s."""
-        idle_s = self._config.warm_idle_s
-        while True:
-            await asyncio.sleep(max(0.1, min(30.0, idle_s / 2)))
-            self._gpus.settle(await self.pool.idle_close(idle_s))
 
     def _model_ended(self, run: attempt_.Attempt) -> None:
         """The model of `run` is done with the GPU: its slot may take the next job while the
