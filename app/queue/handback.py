@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Collection
 
-from app import storage
+from app import db, storage
 from app.queue import manager as manager_
 from app.queue import reaper
 from app.queue.jobs import JobState
@@ -24,24 +25,59 @@ STOPPED_NOW = "worker stopped at once"  # the reason its jobs' `released` events
 
 
 class HandBack:
-    """One worker's hand-back of its jobs (the worker says when: its claims' lock and stop order)."""
+    """One worker's hand-back of its jobs: what a lost claim took, when the claims, the reaper or the
+    shutdown come to it; all the worker runs, when the worker says (its stop at once)."""
 
-    def __init__(self, manager: manager_.JobManager, store: storage.ResultStore, *, worker_id: str) -> None:
+    def __init__(
+        self,
+        manager: manager_.JobManager,
+        store: storage.ResultStore,
+        *,
+        worker_id: str,
+        running: Collection[uuid.UUID],
+    ) -> None:
         self._manager = manager
         self._store = store
         self._worker_id = worker_id
+        self._running = running  # the jobs of the worker's attempts in hand
+        self.claim_unsure = False  # a claim failed with the database: it may have taken jobs
+        # Held while claiming and starting what was claimed, and while handing back what a lost
+        # claim took: that compares the jobs running under this worker's name with `running`.
+        self.claiming = asyncio.Lock()
 
-    async def release_unknown(self, in_hand: list[uuid.UUID]) -> None:
+    async def release_unknown(self) -> None:
         """After a claim that failed with the database: it may have committed, its jobs running
-        here under this worker's name unknown to it (not `in_hand`). They go back to the queue,
-        unspent. (Under the worker's claims' lock, or with no claim left to make.)"""
-        released = await self._manager.fleet.release_unknown(worker_id=self._worker_id, in_hand=in_hand)
+        here under this worker's name unknown to it. They go back to the queue, unspent. (Under
+        `claiming`, or with no claim left to make.)"""
+        released = await self._manager.fleet.release_unknown(
+            worker_id=self._worker_id, in_hand=list(self._running)
+        )
         for job in released:
             log.warning(
                 "handed back a job whose claim's answer was lost",
                 extra={"action": "job_released", "job_id": str(job.id)},
             )
         await reaper.drop_dead_attempts(self._store, released)  # a job canceled meanwhile ended here
+        self.claim_unsure = False
+
+    async def try_release_unknown(self) -> bool:
+        """`release_unknown`, once, in burst mode before it ends; whether the database answered."""
+        try:
+            async with self.claiming:
+                await self.release_unknown()
+        except Exception as exc:
+            if not db.is_unavailable(exc):
+                raise
+            return False
+        return True
+
+    async def release_lost_claim(self) -> None:
+        """`release_unknown` for the reaper's round (Reaper.reap says why); not while a claim is
+        under way: that does so first."""
+        if self.claim_unsure and not self.claiming.locked():
+            async with self.claiming:
+                if self.claim_unsure:
+                    await self.release_unknown()
 
     async def release_stopped(self, left: list[str]) -> None:
         """The jobs running under this worker's name (those in hand, `left`, and any a claim cut

@@ -103,10 +103,7 @@ class Worker:
         )
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
-        self._claim_unsure = False  # a claim failed with the database: it may have taken jobs
-        # Held while claiming and starting what was claimed, and while handing back what a lost
-        # claim took: that compares the jobs running under this worker's name with `_running`.
-        self._claiming = asyncio.Lock()
+        self._hand_back = handback.HandBack(manager, store, worker_id=config.worker_id, running=self._running)
         self.reaper = reaper.Reaper(
             manager,
             store,
@@ -116,9 +113,8 @@ class Worker:
             running=self._running,
             free_lanes=self._free_lanes,
             wake=self._wake.set,
-            release_lost=self._release_lost_claim,
+            release_lost=self._hand_back.release_lost_claim,
         )
-        self._hand_back = handback.HandBack(manager, store, worker_id=config.worker_id)
         self._storage = storagegate.StorageGate(
             store, worker_id=config.worker_id, poll_interval_s=config.poll_interval_s
         )
@@ -261,9 +257,9 @@ class Worker:
                 a.stop(attempt_.SHUTDOWN)
             await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
         await self.pool.close_all(attempt_.SHUTDOWN)
-        if self._claim_unsure:  # what a lost claim took goes back now, not after its lease
+        if self._hand_back.claim_unsure:  # what a lost claim took goes back now, not after its lease
             with contextlib.suppress(Exception):
-                await self._release_unknown()
+                await self._hand_back.release_unknown()
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -301,12 +297,12 @@ class Worker:
                     raise
                 log.warning("database unavailable; claiming paused", extra={"action": "db_down"})
                 claimed, delay = 0, min(delay * 2, 30.0)
-                self._claim_unsure = True
+                self._hand_back.claim_unsure = True
             # Burst mode ends when a claim found nothing and nothing finished meanwhile (a finish
             # during the claim sets the wake flag: there may be room now), and no job is left
             # running here unknown to it (a lost claim's, handed back and claimed again).
             if self._config.burst and not claimed and not self._running and not self._wake.is_set():
-                if not (self._claim_unsure and await self._try_release_unknown()):
+                if not (self._hand_back.claim_unsure and await self._hand_back.try_release_unknown()):
                     return
                 continue
             with contextlib.suppress(TimeoutError):
@@ -329,12 +325,12 @@ class Worker:
 
     async def _fill(self) -> int:
         """Claim jobs while some fit; returns how many were started."""
-        async with self._claiming:
+        async with self._hand_back.claiming:
             return await self._claim_and_start()
 
     async def _claim_and_start(self) -> int:
-        if self._claim_unsure:
-            await self._release_unknown()
+        if self._hand_back.claim_unsure:
+            await self._hand_back.release_unknown()
         started = 0
         while not self._stopping.is_set() and await self._storage.usable():
             in_hand = self.in_hand()
@@ -371,31 +367,6 @@ class Worker:
             if other is not run and other.model_started_s is None:
                 other.stop(attempt_.PAUSED)
         self._storage.close(run.storage_trouble, run.job.id)
-
-    async def _try_release_unknown(self) -> bool:
-        """`_release_unknown`, once, in burst mode before it ends; whether the database answered."""
-        try:
-            async with self._claiming:
-                await self._release_unknown()
-        except Exception as exc:
-            if not db.is_unavailable(exc):
-                raise
-            return False
-        return True
-
-    async def _release_lost_claim(self) -> None:
-        """`_release_unknown` for the reaper's round (Reaper.reap says why); not while a claim is
-        under way: that does so first."""
-        if self._claim_unsure and not self._claiming.locked():
-            async with self._claiming:
-                if self._claim_unsure:
-                    await self._release_unknown()
-
-    async def _release_unknown(self) -> None:
-        """What a claim that failed with the database may have taken goes back
-        (HandBack.release_unknown). Under `_claiming`, or with no claim left to make."""
-        await self._hand_back.release_unknown(list(self._running))
-        self._claim_unsure = False
 
     def _start_attempt(
         self, job: Job, image: tuple[str, bytes] | None = None, room: asyncio.Event | None = None
