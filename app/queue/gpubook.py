@@ -23,7 +23,6 @@ class GpuBook:
         inventory: gpu.GpuInventory,
         planner: planner_.Planner,
         pool: warmpool.WarmPool,
-        *,
         buffer_mb: int,
     ) -> None:
         self._inventory = inventory

@@ -18,7 +18,7 @@ RUN_S_WEIGHT = 0.2
 class GpuSlots:
     """One worker's GPU slots (none without a cap) and its models' recent run lengths."""
 
-    def __init__(self, *, max_jobs_per_gpu: int, claim_ahead_s: float) -> None:
+    def __init__(self, max_jobs_per_gpu: int, claim_ahead_s: float) -> None:
         self._cap = max_jobs_per_gpu
         self._claim_ahead_s = claim_ahead_s  # models whose runs take less get jobs claimed ahead
         # Slots on each GPU under max_jobs_per_gpu: a job claimed ahead waits here for one.

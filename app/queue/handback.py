@@ -32,7 +32,6 @@ class HandBack:
         self,
         manager: manager_.JobManager,
         store: storage.ResultStore,
-        *,
         worker_id: str,
         running: Collection[uuid.UUID],
     ) -> None:

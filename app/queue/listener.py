@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import asyncpg
 
 from app import db
-from app.queue import sql
+from app.queue import attempt as attempt_
+from app.queue import sql, workerconfig
 
 # The first wait before the listener connects again; it doubles, up to the poll interval.
 LISTEN_RETRY_S = 0.5
@@ -25,17 +26,15 @@ class Listener:
     def __init__(
         self,
         dsn: str | None,
+        config: workerconfig.WorkerConfig,
         *,
-        poll_interval_s: float,
-        check_s: float,
         wake: Callable[[], None],
-        cancel: Callable[[uuid.UUID], None],
+        running: Mapping[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]],
     ) -> None:
         self._dsn = dsn  # None: nothing is listened to (the claims poll)
-        self._poll_interval_s = poll_interval_s
-        self._check_s = check_s  # how often the connection is looked at (the heartbeat interval)
+        self._config = config
         self._wake = wake  # jobs may have been queued: look for work
-        self._cancel = cancel  # a job was canceled: stop its attempt here, if any
+        self._running = running  # the worker's attempts in hand, by job: a canceled one stops
 
     async def run(self) -> None:
         """LISTEN for new jobs and cancels; reconnect with backoff after losing the connection."""
@@ -44,7 +43,7 @@ class Listener:
         # The backoff stops at the poll interval: the reconnect wakes the claims, whose own backoff
         # grows further. Up to 30 s, as before, an idle worker left the jobs queued once the
         # database was back waiting that long.
-        most_s = max(LISTEN_RETRY_S, self._poll_interval_s)
+        most_s = max(LISTEN_RETRY_S, self._config.poll_interval_s)
         delay = LISTEN_RETRY_S
         while True:
             try:
@@ -67,7 +66,7 @@ class Listener:
             self._wake()  # jobs may have been queued while we were not listening
             while not lost.is_set() and not conn.is_closed():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lost.wait(), timeout=self._check_s)
+                    await asyncio.wait_for(lost.wait(), timeout=self._config.heartbeat_interval_s)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), timeout=2)
@@ -76,4 +75,6 @@ class Listener:
 
     def _on_cancel(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         with contextlib.suppress(ValueError):
-            self._cancel(uuid.UUID(payload))
+            entry = self._running.get(uuid.UUID(payload))
+            if entry is not None:
+                entry[0].stop(attempt_.CANCELED)

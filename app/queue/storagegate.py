@@ -6,8 +6,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 
 from app import storage
+from app.queue import attempt as attempt_
 
 log = logging.getLogger("gpujobs.worker")
 
@@ -20,8 +22,15 @@ class StorageGate:
     """Closed when a job's files could not be written (a full disk, a folder gone read-only): claims
     pause until a probe of the storage folder passes, or every job would spend its attempts here."""
 
-    def __init__(self, store: storage.ResultStore, *, worker_id: str, poll_interval_s: float) -> None:
+    def __init__(
+        self,
+        store: storage.ResultStore,
+        worker_id: str,
+        poll_interval_s: float,
+        running: Mapping[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]],
+    ) -> None:
         self._store = store
+        self._running = running  # the worker's attempts in hand, by job
         self._worker_id = worker_id
         self._poll_interval_s = poll_interval_s
         self.trouble: str | None = None  # why the gate closed; None while it is open
@@ -45,19 +54,24 @@ class StorageGate:
         log.info("storage folder usable again; claiming", extra={"action": "storage_usable_again"})
         return True
 
-    def close(self, trouble: str | None, job_id: uuid.UUID) -> None:
-        """A job's files could not be written (the gate is open): claims pause, longer each time in
-        a row (a disk with room for the probe but not for a job's files would otherwise spend an
-        attempt of each job it claims, one pause after another)."""
-        self.trouble = trouble
+    def failed(self, run: attempt_.Attempt) -> None:
+        """A job's files could not be written: claims pause, longer each time in a row (a disk with
+        room for the probe but not for a job's files would otherwise spend an attempt of each job
+        it claims, one pause after another)."""
+        if self.trouble is not None:
+            return
+        self.trouble = run.storage_trouble
+        for other, _ in self._running.values():  # claimed ahead, or starting: they go back unrun
+            if other is not run and other.model_started_s is None:
+                other.stop(attempt_.PAUSED)
         pause = 2 * self._pause_s or self._poll_interval_s
         self._pause_s = min(pause, STORAGE_PAUSE_MAX_S)
         self._next_probe_s = time.monotonic() + self._pause_s
         log.warning(
             "%s; claiming nothing until the storage folder takes a file again (checked in %g s)",
-            trouble,
+            run.storage_trouble,
             self._pause_s,
-            extra={"action": "storage_unusable", "job_id": str(job_id)},
+            extra={"action": "storage_unusable", "job_id": str(run.job.id)},
         )
 
     def written(self) -> None:

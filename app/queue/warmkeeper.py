@@ -15,7 +15,7 @@ class WarmKeeper:
     """The upkeep of one worker's warm pool."""
 
     def __init__(
-        self, pool: warmpool.WarmPool, planner: planner_.Planner, models: registry.Registry, *, idle_s: float
+        self, pool: warmpool.WarmPool, planner: planner_.Planner, models: registry.Registry, idle_s: float
     ) -> None:
         self._pool = pool
         self._planner = planner

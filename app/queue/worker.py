@@ -72,51 +72,48 @@ class Worker:
             kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
         )
         self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
-        self._gpus = gpubook.GpuBook(
-            inventory, self.planner, self.pool, buffer_mb=config.scheduling.vram_buffer_mb
-        )
-        self._warm = warmkeeper.WarmKeeper(self.pool, self.planner, models, idle_s=config.warm_idle_s)
+        self._gpus = gpubook.GpuBook(inventory, self.planner, self.pool, config.scheduling.vram_buffer_mb)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
         self._wake = asyncio.Event()
-        self._listener = listener.Listener(
-            listen_dsn,
-            poll_interval_s=config.poll_interval_s,
-            check_s=config.heartbeat_interval_s,
-            wake=self._wake.set,
-            cancel=self._cancel,
-        )
         self._stopping = asyncio.Event()
-        self._heartbeat = heartbeat_.Heartbeat(
-            manager,
-            config,
-            running=self._running,
-            report=lambda: self._gpus.report(self.in_hand()),
-            stopping=self._stopping,
-        )
         self._left: list[str] | None = None  # the jobs in hand when stop_now() was called, if it was
         self._serving: asyncio.Task[None] | None = None  # run()'s work, which stop_now() cancels
         self.claimed = 0
-        self._slots = gpuslots.GpuSlots(
-            max_jobs_per_gpu=config.scheduling.max_jobs_per_gpu, claim_ahead_s=config.claim_ahead_s
-        )
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
-        self._hand_back = handback.HandBack(manager, store, worker_id=config.worker_id, running=self._running)
+        self._compose(listen_dsn)
+
+    def _compose(self, listen_dsn: str | None) -> None:
+        """The worker's parts, each given what it reads of the worker (its attempts in hand, its
+        wake-up, its stopping flag), not the worker itself."""
+        config, manager, store, running = self._config, self._manager, self._store, self._running
+        self._gpus = gpubook.GpuBook(
+            self._inventory, self.planner, self.pool, config.scheduling.vram_buffer_mb
+        )
+        self._slots = gpuslots.GpuSlots(config.scheduling.max_jobs_per_gpu, config.claim_ahead_s)
+        self._warm = warmkeeper.WarmKeeper(self.pool, self.planner, self._models, config.warm_idle_s)
+        self._storage = storagegate.StorageGate(store, config.worker_id, config.poll_interval_s, running)
+        self._hand_back = handback.HandBack(manager, store, config.worker_id, running)
+        self._listener = listener.Listener(listen_dsn, config, wake=self._wake.set, running=running)
+        self._heartbeat = heartbeat_.Heartbeat(
+            manager,
+            config,
+            running=running,
+            report=lambda: self._gpus.report(self.in_hand()),
+            stopping=self._stopping,
+        )
         self.reaper = reaper.Reaper(
             manager,
             store,
             self.pool,
             config,
             host=self.host,
-            running=self._running,
+            running=running,
             free_lanes=self._free_lanes,
             wake=self._wake.set,
             release_lost=self._hand_back.release_lost_claim,
-        )
-        self._storage = storagegate.StorageGate(
-            store, worker_id=config.worker_id, poll_interval_s=config.poll_interval_s
         )
 
     @property
@@ -312,15 +309,14 @@ class Worker:
                 # each (a statement costs PostgreSQL about 1 ms). An idle worker claims at once.
                 await asyncio.sleep(self._config.claim_gather_s)
 
-    def _on_gpus(self) -> list[attempt_.Attempt]:
-        """The attempts whose model still runs: those whose outcome is being written hold no GPU
-        slot (they stay in `_running` for the heartbeat, the reaper and shutdown)."""
-        return [a for a, _ in self._running.values() if not a.model_ended]
-
     def in_hand(self) -> list[planner_.InHand]:
-        """The jobs running on the GPUs now (or claimed ahead, about to), as the planner needs them."""
+        """The jobs running on the GPUs now (or claimed ahead, about to), as the planner needs them:
+        the attempts whose model still runs. Those whose outcome is being written hold no GPU slot
+        (they stay in `_running` for the heartbeat, the reaper and shutdown)."""
         return [
-            planner_.InHand(a.job, a.gpu, a.started_s, a.seen_mb, a.model_started_s) for a in self._on_gpus()
+            planner_.InHand(a.job, a.gpu, a.started_s, a.seen_mb, a.model_started_s)
+            for a, _ in self._running.values()
+            if not a.model_ended
         ]
 
     async def _fill(self) -> int:
@@ -358,16 +354,6 @@ class Worker:
             started += len(batch)
         return started
 
-    def _storage_failed(self, run: attempt_.Attempt) -> None:
-        """A job's files could not be written: the storage gate closes (claims pause), and the jobs
-        claimed ahead or starting go back unrun."""
-        if self._storage.trouble is not None:
-            return
-        for other, _ in self._running.values():  # claimed ahead, or starting: they go back unrun
-            if other is not run and other.model_started_s is None:
-                other.stop(attempt_.PAUSED)
-        self._storage.close(run.storage_trouble, run.job.id)
-
     def _start_attempt(
         self, job: Job, image: tuple[str, bytes] | None = None, room: asyncio.Event | None = None
     ) -> None:
@@ -391,7 +377,7 @@ class Worker:
             slot=self._slots.slot(job.gpu),
             room=room,
             on_model_end=self._model_ended,
-            on_storage_trouble=self._storage_failed,
+            on_storage_trouble=self._storage.failed,
             live_runs=self.reaper.live_runs,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
@@ -415,12 +401,6 @@ class Worker:
                 # The claim that fills this slot comes after the gather: the success, written
                 # meanwhile, goes out in its statement (one round trip, one commit, not two).
                 self._manager.hold_successes(self._config.claim_gather_s + CARRY_MARGIN_S)
-
-    def _cancel(self, job_id: uuid.UUID) -> None:
-        """A cancel was notified: the attempt of that job here, if any, stops."""
-        entry = self._running.get(job_id)
-        if entry is not None:
-            entry[0].stop(attempt_.CANCELED)
 
     def _owns(self, run: attempt_.Attempt) -> bool:
         """Whether `run` is still this worker's attempt of its job (a newer one may have replaced it)."""
