@@ -5,6 +5,10 @@ lost leases), the reaper (takes back jobs whose worker stopped heartbeating), an
 (LISTEN for new jobs and cancels; a slow poll covers a lost connection). If a side task dies, the
 worker stops. On `stop()` it claims nothing more, lets running jobs finish for the grace period,
 then hands the rest back to the queue without spending an attempt.
+
+Worker keeps the lifecycle and the claim loop; its parts are modules beside it, each given what it
+reads of the worker: heartbeat, reaper, listener, shutdown, handback (jobs given back unspent),
+gpubook (GPU accounting), gpuslots (claims ahead), storagegate and warmkeeper.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from app.queue import (
     leftovers,
     listener,
     reaper,
+    shutdown,
     storagegate,
     warmkeeper,
     workerconfig,
@@ -114,6 +119,9 @@ class Worker:
             free_lanes=self._free_lanes,
             wake=self._wake.set,
             release_lost=self._hand_back.release_lost_claim,
+        )
+        self._shutdown = shutdown.Shutdown(
+            manager, store, self.pool, self._hand_back, config, running=running
         )
 
     @property
@@ -220,10 +228,10 @@ class Worker:
         finally:
             try:
                 if not self.stopped_now:
-                    await self._shutdown(side, renewing=not heartbeat.done())
+                    await self._shutdown.graceful(side, renewing=not heartbeat.done())
             finally:  # stop_now() came before the shutdown, or cancelled it midway
                 if self.stopped_now:
-                    await self._abandon([main, *side])
+                    await self._shutdown.at_once([main, *side], self._left or [])
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
@@ -239,46 +247,6 @@ class Worker:
         await self.reaper.take_back_own()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
-
-    async def _shutdown(self, side: list[asyncio.Task[None]], *, renewing: bool) -> None:
-        """Let running jobs finish for the grace period, hand the rest back, say goodbye.
-
-        No grace when the heartbeat died (not `renewing`): the leases would run out meanwhile, and
-        another worker take the jobs back (an attempt spent) while their models still ran here."""
-        with contextlib.suppress(Exception):
-            await self._manager.fleet.set_worker_state(self.id, "stopping")
-        if self._running:
-            tasks = [t for _, t in self._running.values()]
-            await asyncio.wait(tasks, timeout=self._config.shutdown_grace_s if renewing else 0)
-            for a, _ in self._running.values():
-                a.stop(attempt_.SHUTDOWN)
-            await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
-        await self.pool.close_all(attempt_.SHUTDOWN)
-        if self._hand_back.claim_unsure:  # what a lost claim took goes back now, not after its lease
-            with contextlib.suppress(Exception):
-                await self._hand_back.release_unknown()
-        for task in side:
-            task.cancel()
-        await asyncio.gather(*side, return_exceptions=True)
-        self._store.lanes.reset(self.id)  # the last inputs are not left on disk
-        with contextlib.suppress(Exception):
-            await self._manager.fleet.set_worker_state(self.id, "stopped")
-        log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
-
-    async def _abandon(self, tasks: list[asyncio.Task[None]]) -> None:
-        """After stop_now(): cancel what is left (the attempts' writes included), kill what escaped
-        the killed groups, reap the runners, hand the jobs back (given a bounded time:
-        HandBack.release_stopped) and empty the lanes."""
-        attempts = [t for _, t in self._running.values()]
-        for task in (*tasks, *attempts):
-            task.cancel()
-        await leftovers.kill_strays(self.id, set)  # first: an escaped helper may hold a run's pipes
-        await asyncio.gather(*tasks, *attempts, return_exceptions=True)
-        await self.pool.close_all(attempt_.SHUTDOWN)
-        # Only now: no old run may overlap a new attempt elsewhere.
-        await self._hand_back.release_stopped(self._left or [])
-        self._store.lanes.reset(self.id)
-        log.info("worker stopped", extra={"action": "worker_stopped", "worker": self.id})
 
     # -- claiming -------------------------------------------------------------------------
 
