@@ -77,7 +77,6 @@ class Worker:
             kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
         )
         self.planner = planner_.Planner(manager, inventory, models, config.scheduling, self.pool)
-        self._gpus = gpubook.GpuBook(inventory, self.planner, self.pool, config.scheduling.vram_buffer_mb)
         self._running: dict[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]] = {}
         self._free_lanes: list[Path] = []
         self._lanes_made = 0
