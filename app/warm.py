@@ -30,11 +30,11 @@ from app.runlog import RunLog
 
 _LOG = logging.getLogger("gpujobs.warm")
 _PIPE_DRAIN_S = 2.0
-# After the runner's exit, how long the lines it wrote may take to be read before its stdout counts
-# as ended (it stays open while a process the runner forked holds it).
-_EXIT_SETTLE_S = 1.0
+_EXIT_SETTLE_S = 1.0  # after its exit, for its last lines (a process it forked may hold its stdout)
 _READ_BYTES = 1 << 16
 _STDERR_SETTLE_S = 0.02  # after a job's final line, for its stderr to arrive (unless it says it ended)
+
+ProgressCallback = progress.ProgressCallback
 
 
 class RunnerState(StrEnum):
@@ -189,12 +189,7 @@ class WarmRunner:
         return self._end(reason, gentle=True)
 
     async def run_job(
-        self,
-        request: modelkit.Request,
-        *,
-        timeout_s: float,
-        log_path: Path,
-        on_progress: progress.ProgressCallback,
+        self, request: modelkit.Request, *, timeout_s: float, log_path: Path, on_progress: ProgressCallback
     ) -> warmresult.WarmResult:
         """Send one job and wait for its end; the runner survives only done, bad input and OOM."""
         if self.state is not RunnerState.IDLE:
