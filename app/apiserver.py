@@ -86,6 +86,10 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
         raise
     if getattr(app.state, "asked_again", False):
         raise SystemExit(STOPPED_NOW)
+    # uvicorn raised the signal again once it had shut down, under the handler it found: one that
+    # ignores it (SIGINT in a shell's background job) made a stop by Ctrl-C or kill exit 0.
+    if (stopped_by := getattr(app.state, "stopped_by", None)) is not None:
+        raise SystemExit(128 + stopped_by)
     if not server.started:  # the start-up failed (said in the log)
         return START_FAILED
     if getattr(app.state, "worker_failed", False):  # as `worker` does: a supervisor starts it again
@@ -117,6 +121,7 @@ def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
             now = time.monotonic()
             again = self.asked_at is not None and now - self.asked_at >= REPEAT_S
             self.asked_at = self.asked_at or now
+            app.state.stopped_by = getattr(app.state, "stopped_by", None) or sig
             super().handle_exit(sig, frame)
             if again:
                 self.force_exit = True

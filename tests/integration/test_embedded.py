@@ -53,16 +53,23 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("sig", "code"),
-    [(signal.SIGTERM, 143), (signal.SIGHUP, 143), (signal.SIGINT, 130)],
-    ids=["SIGTERM", "SIGHUP", "SIGINT"],
+    ("sig", "code", "ignored"),
+    [
+        (signal.SIGTERM, 143, False),
+        (signal.SIGHUP, 143, False),
+        (signal.SIGINT, 130, False),
+        (signal.SIGINT, 130, True),
+    ],
+    ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGINT ignored at start"],
 )
-def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig, code):
+def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig, code, ignored):
     """`gpujobs serve` with no database URL starts the embedded server and, on SIGTERM (docker stop,
     systemd, kill), shuts down and stops that server. uvicorn re-raises the signal after its
     graceful shutdown; with the default handler the process died there and left the server up.
     SIGHUP (the terminal that ran `make run` closed) killed it outright, the server left up: it
-    is taken as SIGTERM. Ctrl-C (SIGINT) stops it the same way, with exit code 130."""
+    is taken as SIGTERM. Ctrl-C (SIGINT) stops it the same way, with exit code 130, also when
+    serve started with SIGINT ignored (a shell's background job; a test process had it so once):
+    uvicorn's raising it again was ignored then, and serve exited 0."""
     storage = tmp_path / "storage"
     port = free_port()
     env = {
@@ -75,7 +82,11 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig, code):
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", str(port)], env=env, stdout=out, stderr=out
+            [sys.executable, "-m", "app", "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=out,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None,
         )
     postmaster = None
     try:
