@@ -476,7 +476,9 @@ async def test_a_slow_progress_callback_does_not_hold_up_the_jobs_answer(
             request, timeout_s=1.5, log_path=tmp_path / "job.log", on_progress=slow
         )
         assert result.outcome is warmresult.Outcome.DONE, result
-        assert seen == [0.5, 1.0]  # all of it, in order, before run_job() returned
+        # The newest, in order, before run_job() returned: the feed may coalesce 0.5 into 1.0 when
+        # both came before the first was handed on (app/progress.py), as under a loaded machine.
+        assert seen in ([0.5, 1.0], [1.0]), seen
         assert warm_runner.state is warm.RunnerState.IDLE
 
 
