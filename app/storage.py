@@ -135,6 +135,11 @@ def unusable(path: Path, exc: OSError, reason: str | None = None) -> errors.Conf
     return errors.ConfigError(f"GPUJOBS_STORAGE_DIR: cannot use {path}: {reason or exc.strerror or exc}")
 
 
+def _temp_prefix(worker_id: str) -> str:
+    """How the names of a worker's runners' temporary folders begin (a worker id as a name)."""
+    return f"tmp-{hashlib.sha256(worker_id.encode()).hexdigest()[:12]}-"
+
+
 class ResultStore:
     """Paths and atomic moves below the storage root."""
 
@@ -142,7 +147,6 @@ class ResultStore:
         self.root = root.resolve()
         self.lanes = lanes.Lanes(self.root / "scratch")
         self._made: set[Path] = set()  # runner folders known to exist
-        self._made_temps: set[tuple[Path, str]] = set()  # (runner folder, worker prefix) cleared once
         self._new_jobs: set[uuid.UUID] = set()  # jobs whose results folder `stage` made: flushed at `publish`
         for part in PARTS:
             folder = self.root / part
@@ -175,14 +179,14 @@ class ResultStore:
 
     def runner_temp(self, folder: Path, worker_id: str) -> Path:
         """A new temporary folder for one warm runner (its TMPDIR) in its runner `folder`, which
-        warm.py removes as the runner ends. Those of a previous life of `worker_id` (killed with
-        it, so never removed) are removed first, at the first one this process asks for there."""
-        prefix = f"tmp-{hashlib.sha256(worker_id.encode()).hexdigest()[:12]}-"
-        if (folder, prefix) not in self._made_temps:
-            for stale in folder.glob(f"{prefix}*"):
-                folders.remove_quietly(stale)
-            self._made_temps.add((folder, prefix))
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+        warm.py removes as the runner ends (several runners may share `folder`)."""
+        return Path(tempfile.mkdtemp(prefix=_temp_prefix(worker_id), dir=folder))
+
+    def drop_runner_temps(self, worker_id: str) -> None:
+        """Remove the runners' temporary folders a previous life of `worker_id` left (killed with
+        it, they were never removed), in every runner folder: at its start, before any runner."""
+        for stale in (self.root / "runners").glob(f"*/{_temp_prefix(worker_id)}*"):
+            folders.remove_quietly(stale)
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes (nothing is made: the log is made once its model prints,

@@ -387,7 +387,8 @@ class WarmRunner:
             self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")
         self.state = RunnerState.DEAD
         self._log.close()
-        await asyncio.to_thread(folders.remove_quietly, self.launch.temp_dir)  # many files, maybe
+        # Not waited for: a job's answer, an eviction and a stop at once must not wait on a disk.
+        asyncio.get_running_loop().run_in_executor(None, folders.remove_quietly, self.launch.temp_dir)
 
     async def _close_pipes(self, proc: asyncio.subprocess.Process) -> None:
         """Let the readers reach EOF (give up on pipes a process that left the group holds open)."""

@@ -245,6 +245,7 @@ class Worker:
         )
         await self.reaper.take_back_own()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
+        self._store.drop_runner_temps(self.id)  # and its runners' temporary folders
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
     # -- claiming -------------------------------------------------------------------------

@@ -399,14 +399,14 @@ def test_the_line_that_names_a_full_disk_is_found(said, line):
 
 def test_a_runners_temporary_folder_is_its_own_and_a_past_lifes_are_removed(tmp_path: Path):
     """Each warm runner gets a temporary folder of its own (several runners share a runner
-    folder). Those a worker's previous life left (killed with it: never removed) go at the first
-    one its next life asks for there; another worker's stay."""
+    folder). Those a worker's previous life left (killed with it: never removed) go at its next
+    start, in every runner folder; another worker's stay."""
     store = storage.ResultStore(tmp_path / "storage")
-    folder = store.runner_dir("warm", 0)
-    first = store.runner_temp(folder, "host:w1")
+    folder, other_folder = store.runner_dir("warm", 0), store.runner_dir("cold", 1)
+    first, second = store.runner_temp(folder, "host:w1"), store.runner_temp(other_folder, "host:w1")
     (first / "big.tmp").write_bytes(b"x")
-    assert store.runner_temp(folder, "host:w1") != first and first.exists()  # a live one stays
+    assert store.runner_temp(folder, "host:w1") not in (first, second)
     other = store.runner_temp(folder, "host:w2")
     later = storage.ResultStore(tmp_path / "storage")  # the worker's next life
-    fresh = later.runner_temp(folder, "host:w1")
-    assert set(folder.iterdir()) == {fresh, other}  # the first two of w1 are gone, w2's stays
+    later.drop_runner_temps("host:w1")
+    assert list(folder.iterdir()) == [other] and list(other_folder.iterdir()) == []
