@@ -16,11 +16,13 @@ The policy itself is in app/scheduler.py (pure, shared with the simulator).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from app import errors, gpu, registry, scheduler, warmpool
@@ -231,31 +233,10 @@ class Planner:
         await self._refresh(rooms, running)
         open_, held = scheduler.split_budgets(budgets, self.reservation)
         models = list(self._models.models)
-        warm = self._warm()
-
-        async def take(
-            budgets: dict[int, int],
-            models: Sequence[str] | dict[str, float],
-            min_priority: int = -(2**31),
-            limit: int = 1,
-        ) -> list[Claimed]:
-            jobs = await self._manager.claim(
-                worker_id=worker_id,
-                host=host,
-                models=models,
-                budgets=budgets,
-                lease_s=lease_s,
-                limit=limit,
-                slots=slots,
-                ahead=ahead,
-                min_priority=min_priority,
-                warm=warm,
-            )
-            if jobs:  # a claim that took nothing (no room, nothing queued) is no turn
-                self._warm_streak = self._warm_streak + 1 if warm else 0
-                self._release_if_taken(jobs)
-            return jobs
-
+        take = functools.partial(
+            self._take, worker_id=worker_id, host=host, lease_s=lease_s, slots=slots, ahead=ahead,
+            warm=self._warm(),
+        )  # fmt: skip
         limit = self._config.claim_batch
         if slots is not None:
             limit = min(limit, sum(slots[g] for g in open_))
@@ -263,6 +244,30 @@ class Planner:
         if jobs or not held or self.reservation is None:
             return jobs
         return await self._claim_held(take, held, models, self.reservation)
+
+    async def _take(
+        self,
+        budgets: dict[int, int],
+        models: Sequence[str] | dict[str, float],
+        min_priority: int = -(2**31),
+        limit: int = 1,
+        *,
+        worker_id: str,
+        host: str,
+        lease_s: float,
+        slots: Mapping[int, int] | None,
+        ahead: Mapping[int, int] | None,
+        warm: AbstractSet[tuple[str, int | None]],
+    ) -> list[Claimed]:
+        """One claim statement on these GPUs' budgets, for `claim` and `_claim_held`."""
+        jobs = await self._manager.claim(
+            worker_id=worker_id, host=host, models=models, budgets=budgets, lease_s=lease_s,
+            limit=limit, slots=slots, ahead=ahead, min_priority=min_priority, warm=warm,
+        )  # fmt: skip
+        if jobs:  # a claim that took nothing (no room, nothing queued) is no turn
+            self._warm_streak = self._warm_streak + 1 if warm else 0
+            self._release_if_taken(jobs)
+        return jobs
 
     async def _claim_held(
         self, take: Callable[..., Awaitable[list[Claimed]]], held: dict[int, int], models: list[str],
