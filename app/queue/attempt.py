@@ -49,27 +49,35 @@ class AttemptConfig:
     max_log_bytes: int = 0  # the cap on the attempt's log (0: none)
 
 
+@dataclass(frozen=True, slots=True)
+class Site:
+    """What every attempt of one worker shares, and how an attempt tells the worker of its model's
+    end and of storage trouble; `live_runs`: the worker's runs still going, as `run <id>:<attempt>`."""
+
+    manager: manager_.JobManager
+    store: storage.ResultStore
+    config: AttemptConfig
+    inventory: gpu.GpuInventory | None = None
+    pool: warmpool.WarmPool | None = None  # warm runners, for persistent models
+    on_model_end: Callable[[Attempt], None] | None = None
+    on_storage_trouble: Callable[[Attempt], None] | None = None
+    live_runs: Callable[[], Set[str]] = frozenset
+
+
 class Attempt:
     """Runs one claimed job on one GPU and records the outcome."""
 
     def __init__(
         self,
         job: Job,
+        site: Site,
         *,
         lane: Path,
         spec: registry.ModelSpec,
-        manager: manager_.JobManager,
-        store: storage.ResultStore,
-        config: AttemptConfig,
-        inventory: gpu.GpuInventory | None = None,
         capacity_mb: int = 0,
         image: tuple[str, bytes] | None = None,
-        pool: warmpool.WarmPool | None = None,
         slot: asyncio.Semaphore | None = None,
         room: asyncio.Event | None = None,
-        on_model_end: Callable[[Attempt], None] | None = None,
-        on_storage_trouble: Callable[[Attempt], None] | None = None,
-        live_runs: Callable[[], Set[str]] = frozenset,
     ) -> None:
         self.job = job
         # The scratch folder (cwd, HOME, input, out/); one of the worker's lanes, emptied after.
@@ -79,20 +87,13 @@ class Attempt:
         # from then on only the outcome is written, and the worker may hand the GPU slot on.
         self.model_ended = False
         self.model_started_s: float | None = None  # when it took its GPU slot and its model started
-        # Why the job's files could not be written (a full disk, a read-only folder), if they could
-        # not: the worker then claims nothing until its storage folder takes a file again.
+        # Why its files could not be written (a full disk), if so: the worker then claims nothing.
         self.storage_trouble: str | None = None
         self._slot = slot  # its GPU's slots under max_jobs_per_gpu: a job claimed ahead waits for one
         self._room = room  # set once the worker has evicted the idle runners whose memory it needs
-        self._on_model_end = on_model_end
-        self._on_storage_trouble = on_storage_trouble
-        self._live_runs = live_runs  # the worker's runs still going, as `run <job id>:<attempt>`
+        self._site = site
         self.spec = spec
-        self._manager = manager
-        self._store = store
-        self._config = config
         self._image = image  # (media type, bytes) when the claim brought it
-        self._pool = pool  # warm runners, for persistent models
         self._runner: warm.WarmRunner | None = None
         self._verdict = self._verdict_of(capacity_mb)  # the final writes this attempt may make
         self.started_s = time.monotonic()
@@ -100,7 +101,7 @@ class Attempt:
         self._stop_reason: str | None = None
         self._stopped = asyncio.Event()  # set with _stop_reason: ends a wait for a busy warm runner
         self._watch = watch.Watch(
-            job.id, inventory, config.sample_interval_s, self._stopped, self._record_pid
+            job.id, site.inventory, self._site.config.sample_interval_s, self._stopped, self._record_pid
         )
         self._waiting: asyncio.Future[Any] | None = None  # the wait for its room or slot, if any
         self._abandoned = False  # the worker stops at once: nothing more is written
@@ -110,12 +111,12 @@ class Attempt:
     def _verdict_of(self, capacity_mb: int) -> verdict.Verdict:
         """How this attempt's run is judged and recorded; `capacity_mb` is the largest GPU less the
         buffer: the most an estimate may grow to after running out of memory."""
-        config = self._config
+        config = self._site.config
         return verdict.Verdict(
             self.job,
             self.spec,
-            manager=self._manager,
-            store=self._store,
+            manager=self._site.manager,
+            store=self._site.store,
             worker_id=config.worker_id,
             retry_base_s=config.retry_base_s,
             retry_max_s=config.retry_max_s,
@@ -187,8 +188,8 @@ class Attempt:
                 outcome = self._verdict.failure(f"internal error in the worker: {exc!r}", retryable=True)
         else:  # the model is done: its slot may go on while the outcome is written
             self.model_ended = True
-            if self._on_model_end is not None:
-                self._on_model_end(self)
+            if self._site.on_model_end is not None:
+                self._site.on_model_end(self)
         if outcome is not None and not self._abandoned:
             self._final = asyncio.ensure_future(self._verdict.persist_or_fail(outcome))
             await asyncio.shield(self._final)  # cancelled only by abandon()
@@ -200,9 +201,9 @@ class Attempt:
         """Empty the lane for the next job (lanes.Lanes.clear); whether it was. In a
         thread when the model left something there: tens of thousands of files took the event loop
         (heartbeats, the other jobs' pipes) for half a second."""
-        if self._store.lanes.is_clear(self.lane):
+        if self._site.store.lanes.is_clear(self.lane):
             return True
-        return await asyncio.to_thread(self._store.lanes.clear, self.lane)
+        return await asyncio.to_thread(self._site.store.lanes.clear, self.lane)
 
     async def _run_in_slot(self) -> verdict.Write | None:
         """Wait for its room (idle runners evicted) and a slot on the GPU (a job claimed ahead
@@ -252,20 +253,20 @@ class Attempt:
         except errors.InvalidParams as exc:
             changed = f"the model no longer takes the job's params: {exc.message}"
             return self._verdict.failure(changed, retryable=False)
-        media_type, data = self._image or await self._manager.inputs.by_id(job.input_id)
+        media_type, data = self._image or await self._site.manager.inputs.by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
         input_name = f"input{EXTENSIONS.get(media_type, '')}"
         scratch = self.lane
         try:
-            self._store.lanes.prepare(scratch, input_name, data)
-            if spec.persistent and self._pool is not None:  # its runner's folder too (made once)
-                self._store.runner_dir(spec.name, job.gpu)
+            self._site.store.lanes.prepare(scratch, input_name, data)
+            if spec.persistent and self._site.pool is not None:  # its runner's folder too (made once)
+                self._site.store.runner_dir(spec.name, job.gpu)
         except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
             # take for the database's (then nothing is written and the job waits out its lease)
             return self._verdict.storage_failed(f"could not prepare the scratch folder: {exc}")
         del data
-        input_path, log_path = scratch / input_name, self._store.log_path(job.id, job.attempt)
-        if spec.persistent and self._pool is not None:
+        input_path, log_path = scratch / input_name, self._site.store.log_path(job.id, job.attempt)
+        if spec.persistent and self._site.pool is not None:
             return await self._run_warm(input_path, scratch / "out", log_path, params)
         return await self._run_oneshot(input_path, log_path, params)
 
@@ -273,7 +274,7 @@ class Attempt:
         self, input_path: Path, log_path: Path, params: Mapping[str, registry.Value]
     ) -> verdict.Write | None:
         """Run the model as a process of its own in the lane; the final write to make."""
-        job, spec, scratch, config = self.job, self.spec, self.lane, self._config
+        job, spec, scratch, config = self.job, self.spec, self.lane, self._site.config
         argv = spec.build_argv(
             params, input_path=input_path, output_dir=scratch / "out", python=config.python
         )
@@ -296,7 +297,7 @@ class Attempt:
         if self._stop_reason is not None:
             process.stop(self._stop_reason)
         result = await self._watch.over(pid, process.wait())
-        await oneshot.kill_leftovers(job, result, config.worker_id, self._live_runs)
+        await oneshot.kill_leftovers(job, result, config.worker_id, self._site.live_runs)
         stopped = self._stopped_by(result.stopped)
         if stopped is not None:
             return self._verdict.after_peak(self._stopped_outcome(stopped), self._watch.peak_mb)
@@ -309,9 +310,11 @@ class Attempt:
     ) -> verdict.Write | None:
         """Run the job in a warm runner of its model on its GPU: an idle one, else a new one or the
         first busy one to come free (app/warmpool.py). Stopped while it waits, it runs nothing."""
-        assert self._pool is not None
-        job, config = self.job, self._config
-        run = warmrun.WarmRun(job, self.spec, self._pool, self._store, config.worker_id, config.python)
+        assert self._site.pool is not None
+        job, config = self.job, self._site.config
+        run = warmrun.WarmRun(
+            job, self.spec, self._site.pool, self._site.store, config.worker_id, config.python
+        )
         try:
             runner = await run.acquire(give_up=self._stopped)
         except warmpool.GaveUp:
@@ -339,7 +342,7 @@ class Attempt:
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""
         try:
-            if await self._manager.set_pid(self.job, pid):
+            if await self._site.manager.set_pid(self.job, pid):
                 self.stop(CANCELED)
         except errors.LeaseLost:
             self.stop(LEASE_LOST)
@@ -372,8 +375,8 @@ class Attempt:
     def _storage_trouble(self, error: str) -> None:
         """The job's files could not be written here: the worker is told (it pauses its claims)."""
         self.storage_trouble = error
-        if self._on_storage_trouble is not None:
-            self._on_storage_trouble(self)
+        if self._site.on_storage_trouble is not None:
+            self._site.on_storage_trouble(self)
 
     async def _on_progress(self, fraction: float, message: str) -> None:
         """Record progress, and an event at each new quarter below 1. The feed that calls this
@@ -382,11 +385,11 @@ class Attempt:
         quarter = int(fraction * 4)
         message = verdict.storable(message[:PROGRESS_MESSAGE_CHARS])
         try:
-            if await self._manager.progress(self.job, fraction, message):
+            if await self._site.manager.progress(self.job, fraction, message):
                 self.stop(CANCELED)
             if quarter > self._milestone and fraction < 1:
                 self._milestone = quarter
-                await self._manager.add_event(
+                await self._site.manager.add_event(
                     self.job, "progress", {"progress": quarter / 4, "message": message}
                 )
         except errors.LeaseLost:

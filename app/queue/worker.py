@@ -72,7 +72,6 @@ class Worker:
         self._inventory = inventory
         self._config = config
         self.host = socket.gethostname()
-        self._attempt_config = config.attempt_config()
         self.pool = warmpool.WarmPool(
             kill_grace_s=config.kill_grace_s, paced=config.warm_paced, max_log_bytes=config.max_log_bytes
         )
@@ -88,6 +87,10 @@ class Worker:
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
         self._compose(listen_dsn)
+        self._site = attempt_.Site(  # what each of its attempts is given
+            manager, store, config.attempt_config(), inventory, self.pool, self._model_ended,
+            self._storage.failed, self.reaper.live_runs,
+        )  # fmt: skip
 
     def _compose(self, listen_dsn: str | None) -> None:
         """The worker's parts, each given what it reads of the worker (its attempts in hand, its
@@ -333,20 +336,13 @@ class Worker:
             self._lanes_made += 1
         run = attempt_.Attempt(
             job,
+            self._site,
             spec=self._models.get(job.model),
-            manager=self._manager,
-            store=self._store,
-            config=self._attempt_config,
-            inventory=self._inventory,
             capacity_mb=self._gpus.capacity_mb(),
             image=image,
-            pool=self.pool,
             lane=lane,
             slot=self._slots.slot(job.gpu),
             room=room,
-            on_model_end=self._model_ended,
-            on_storage_trouble=self._storage.failed,
-            live_runs=self.reaper.live_runs,
         )
         task = asyncio.create_task(run.run(), name=f"job:{job.id}:{job.attempt}")
         older = self._running.get(job.id)
