@@ -8,11 +8,7 @@ Several of these processes on one port: app/supervisor.py.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import Callable
-from types import FrameType
 from typing import TYPE_CHECKING, Final
 
 from app import errors
@@ -98,63 +94,11 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
 
 
 def _server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
-    """uvicorn's server, but that a signal to exit tells the app at once (`app.state.on_exit`:
-    its worker stops claiming, its event streams end), not once open connections have closed or
-    timeout_graceful_shutdown has passed. A second signal (REPEAT_S or more after the first), a
-    SIGTERM as well as uvicorn's second Ctrl-C, stops at once: the worker kills its models and
-    hands its jobs back (`app.state.on_exit_now`), and open connections are closed, not waited for.
-    The app's lifespan ends all the same (uvicorn's skips it when forced): its end is where the
-    worker hands its jobs back, and without it they were left to their leases."""
-    import asyncio
+    """uvicorn's server, that tells the app of a stop at once and stops at once when asked again
+    (app/uvserver.py: imported here, where a process serves)."""
+    from app import uvserver
 
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        asked_at: float | None = None
-        loop: asyncio.AbstractEventLoop | None = None
-
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            self.loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            now = time.monotonic()
-            again = self.asked_at is not None and now - self.asked_at >= REPEAT_S
-            self.asked_at = self.asked_at or now
-            app.state.stopped_by = getattr(app.state, "stopped_by", None) or sig
-            super().handle_exit(sig, frame)
-            if again:
-                self.force_exit = True
-                app.state.asked_again = True  # serve_app's exit code says so
-                if self.loop is not None:
-                    with contextlib.suppress(RuntimeError):  # the loop has closed
-                        self.loop.call_soon_threadsafe(self.close_connections)
-            hook = "on_exit_now" if again else "on_exit"
-            on_exit: Callable[[], None] | None = getattr(app.state, hook, None)
-            if on_exit is not None:  # None while the app starts: it has no worker or stream yet
-                on_exit()
-
-        def close_connections(self) -> None:
-            """Close every open connection: a request in flight reads a disconnect and ends."""
-            for connection in list(self.server_state.connections):
-                transport = getattr(connection, "transport", None)
-                if transport is not None:
-                    transport.close()
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().shutdown(sockets)
-            shutdown_done = getattr(self.lifespan, "shutdown_event", None)
-            if not self.force_exit or shutdown_done is None or shutdown_done.is_set():
-                return
-            self.close_connections()
-            tasks = list(self.server_state.tasks)
-            if tasks:  # the requests in flight, each now reading a disconnect
-                _, late = await asyncio.wait(tasks, timeout=FORCED_REQUESTS_S)
-                for task in late:
-                    task.cancel()
-            await self.lifespan.shutdown()
-
-    return Server(config)
+    return uvserver.Server(config, app)
 
 
 class _QuietRefusal:
