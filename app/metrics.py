@@ -31,9 +31,9 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -221,51 +221,63 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
         "gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat", labels=["worker"]
     )
     running = GaugeMetricFamily("gpujobs_worker_running_jobs", "Jobs the worker runs", labels=["worker"])
-    names = ("total", "free", "reserved")
-    memory = {
-        n: GaugeMetricFamily(
-            f"gpujobs_gpu_memory_{n}_bytes", f"GPU memory: {n}", labels=["worker", "gpu", "name"]
-        )
-        for n in names
-    }
-    gpu_jobs = GaugeMetricFamily(
-        "gpujobs_gpu_running_jobs", "Jobs on the GPU", labels=["worker", "gpu", "name"]
-    )
-    unreadable = GaugeMetricFamily(
-        "gpujobs_gpu_unreadable",
-        "1 while NVML cannot read the GPU (fallen off the bus, say): it takes no jobs meanwhile",
-        labels=["worker", "gpu", "name"],
-    )
-    warm = GaugeMetricFamily(
-        "gpujobs_warm_runners",
-        "Warm runners on the GPU, by model and state",
-        labels=["worker", "gpu", "model", "state"],
-    )
-    starts = CounterMetricFamily(
-        "gpujobs_warm_runner_starts",
-        "Warm runners started on the GPU since its worker started, by model",
-        labels=["worker", "gpu", "model"],
-    )
+    gpus = _GpuFamilies()
     for w in workers:
         if w.state == "stopped":
             continue
         age.add_metric([w.id], w.heartbeat_age_s)
         running.add_metric([w.id], len(w.running_jobs))
-        if w.state not in ("running", "stopping") or w.heartbeat_age_s >= dead_after_s:
-            continue
-        for g in w.gpus:
-            index = str(g.get("index", "?"))
-            labels = [w.id, index, str(g.get("name", ""))]
-            for n in names:
-                memory[n].add_metric(labels, int(g.get(f"{n}_mb") or 0) * MB)
-            gpu_jobs.add_metric(labels, int(g.get("running_jobs") or 0))
-            unreadable.add_metric(labels, int(g.get("error") is not None))
-            states = Counter((str(r.get("model")), str(r.get("state"))) for r in g.get("warm") or ())
-            for (model, state), count in sorted(states.items()):
-                warm.add_metric([w.id, index, model, state], count)
-            for model, count in sorted((g.get("warm_starts") or {}).items()):
-                starts.add_metric([w.id, index, model], int(count))
-    yield from (age, running, *memory.values(), gpu_jobs, unreadable, warm, starts)
+        if w.state in ("running", "stopping") and w.heartbeat_age_s < dead_after_s:
+            for g in w.gpus:
+                gpus.add(w.id, g)
+    yield from (age, running, *gpus.families())
+
+
+class _GpuFamilies:
+    """The per GPU gauges, filled one GPU of a worker's heartbeat snapshot at a time."""
+
+    MEMORY = ("total", "free", "reserved")
+
+    def __init__(self) -> None:
+        labels = ["worker", "gpu", "name"]
+        self.memory = {
+            n: GaugeMetricFamily(f"gpujobs_gpu_memory_{n}_bytes", f"GPU memory: {n}", labels=labels)
+            for n in self.MEMORY
+        }
+        self.jobs = GaugeMetricFamily("gpujobs_gpu_running_jobs", "Jobs on the GPU", labels=labels)
+        self.unreadable = GaugeMetricFamily(
+            "gpujobs_gpu_unreadable",
+            "1 while NVML cannot read the GPU (fallen off the bus, say): it takes no jobs meanwhile",
+            labels=labels,
+        )
+        self.warm = GaugeMetricFamily(
+            "gpujobs_warm_runners",
+            "Warm runners on the GPU, by model and state",
+            labels=["worker", "gpu", "model", "state"],
+        )
+        self.starts = CounterMetricFamily(
+            "gpujobs_warm_runner_starts",
+            "Warm runners started on the GPU since its worker started, by model",
+            labels=["worker", "gpu", "model"],
+        )
+
+    def add(self, worker: str, g: Mapping[str, Any]) -> None:
+        """One GPU of `worker`'s snapshot (as heartbeats write it: app/queue/gpubook.py)."""
+        index = str(g.get("index", "?"))
+        labels = [worker, index, str(g.get("name", ""))]
+        for n in self.MEMORY:
+            self.memory[n].add_metric(labels, int(g.get(f"{n}_mb") or 0) * MB)
+        self.jobs.add_metric(labels, int(g.get("running_jobs") or 0))
+        self.unreadable.add_metric(labels, int(g.get("error") is not None))
+        states = Counter((str(r.get("model")), str(r.get("state"))) for r in g.get("warm") or ())
+        for (model, state), count in sorted(states.items()):
+            self.warm.add_metric([worker, index, model, state], count)
+        for model, count in sorted((g.get("warm_starts") or {}).items()):
+            self.starts.add_metric([worker, index, model], int(count))
+
+    def families(self) -> tuple[Metric, ...]:
+        """Every family, in the order /metrics lists them."""
+        return (*self.memory.values(), self.jobs, self.unreadable, self.warm, self.starts)
 
 
 MULTIPROC_DIR_VAR: Final = "PROMETHEUS_MULTIPROC_DIR"
