@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import decimal
+import functools
 import hashlib
 import json
 from collections import Counter
@@ -126,34 +127,34 @@ async def submit(
     `gate`, if given, is held while the job is written to the database.
     """
     sent = None if idempotency_key is None else fingerprint(model, params, priority)
+    refused = functools.partial(
+        refused_repeat, manager, owner=owner, key=idempotency_key, sent=sent, limits=limits
+    )
     try:
-        spec = models.get(model)
-        values = spec.validate_params(params)
-        check_priority(priority, limits)
-    except errors.InvalidRequest as refused:
-        job = await refused_repeat(
-            manager, refused, owner=owner, key=idempotency_key, sent=sent, image=image, limits=limits
-        )
-        return job, False
+        spec, values = _checked_request(models, model, params, priority, limits)
+    except errors.InvalidRequest as exc:
+        return await refused(exc, image=image), False
     checked = await check_image(image, limits)
     try:
         vram_mb, declared = await vram_for(spec, checked, learner)
-    except errors.InvalidRequest as refused:
-        job = await refused_repeat(
-            manager, refused, owner=owner, key=idempotency_key, sent=sent, image=checked, limits=limits
-        )
-        return job, False
+    except errors.InvalidRequest as exc:
+        return await refused(exc, image=checked), False
     new = records.NewJob(
-        owner=owner,
-        model=spec.name,
-        params=values,
-        priority=priority,
-        vram_mb=vram_mb,
-        declared_vram_mb=declared,
-        max_attempts=spec.max_attempts,
-        idempotency_key=idempotency_key,
+        owner=owner, model=spec.name, params=values, priority=priority, vram_mb=vram_mb,
+        declared_vram_mb=declared, max_attempts=spec.max_attempts, idempotency_key=idempotency_key,
         request_sha256=sent,
-    )
+    )  # fmt: skip
+    return await _enqueue(manager, new, checked, limits, gate)
+
+
+async def _enqueue(
+    manager: manager_.JobManager,
+    new: records.NewJob,
+    checked: records.NewInput,
+    limits: Limits,
+    gate: asyncio.Semaphore | None,
+) -> tuple[Job, bool]:
+    """Queue the job under `gate`; a repeated idempotency key's job if the request is the same."""
     async with gate or contextlib.nullcontext():
         job, created = await manager.enqueue(
             new, checked, queue_limit=limits.queue_limit, owner_limit=limits.queue_limit_per_key
@@ -161,6 +162,16 @@ async def submit(
     if not created:
         await check_repeat(manager, job, new, checked)
     return job, created
+
+
+def _checked_request(
+    models: registry.Registry, model: str, params: Mapping[str, Any], priority: int, limits: Limits
+) -> tuple[registry.ModelSpec, dict[str, registry.Value]]:
+    """The model's spec and its params, defaults filled in; InvalidRequest for what is wrong."""
+    spec = models.get(model)
+    values = spec.validate_params(params)
+    check_priority(priority, limits)
+    return spec, values
 
 
 async def vram_for(
