@@ -204,8 +204,6 @@ def serve(
 ) -> None:
     """Run the HTTP API (and, by default, a worker beside it)."""
     from app import apiserver
-    from app import serve as serve_
-    from app.api.main import check_settings
 
     settings = _settings()
     _more_open_files()
@@ -213,7 +211,20 @@ def serve(
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes
     _usable_storage(settings, folders=True)
-    where = (host or settings.host, port if port is not None else settings.port)
+    code = _serve_on(settings, (host or settings.host, port if port is not None else settings.port), count)
+    # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
+    if code == apiserver.WORKER_FAILED and count == 1:
+        typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
+    if code:
+        raise typer.Exit(code)
+
+
+def _serve_on(settings: Settings, where: tuple[str, int], count: int) -> int:
+    """Take the address, start the database, check the schema and the settings, then serve with
+    `count` API processes until stopped; the exit code."""
+    from app import serve as serve_
+    from app.api.main import check_settings
+
     try:
         # The address first: nothing starts (the database, the worker) when it cannot be had.
         with serve_.listen(*where) as sock, database(settings) as ready:
@@ -221,14 +232,9 @@ def serve(
             # Refused here in one line, not by each API process's start-up in a traceback (and
             # the link secret's file exists before several processes read it).
             check_settings(ready)
-            code = serve_.run(ready, count, sock)
+            return serve_.run(ready, count, sock)
     except errors.AppError as exc:
         raise _fail(exc) from exc
-    # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
-    if code == apiserver.WORKER_FAILED and count == 1:
-        typer.echo("error: the in-process worker stopped after an error (see the log above)", err=True)
-    if code:
-        raise typer.Exit(code)
 
 
 @cli.command()

@@ -140,15 +140,7 @@ class WarmPool:
             if runner.state is warm.RunnerState.IDLE:
                 return runner
             self.release(runner)  # it ended between its hand-over and now: look again
-        try:
-            how = launch if isinstance(launch, warm.Launch) else launch()
-        except BaseException:
-            self._serve(key)  # this job leaves the line's turn to start one: the next may take it
-            raise
-        runner = warm.WarmRunner(how, kill_grace_s=self._grace, max_log_bytes=self._max_log_bytes)
-        self._held[runner] = _Held(key, hold_mb)
-        self.starts[key] += 1
-        self._hand_out(runner)
+        runner = self._new_runner(key, launch, hold_mb)
         try:
             await self._start(runner, give_up)
         except BaseException:
@@ -159,6 +151,18 @@ class WarmPool:
         self._in_use[runner] = time.monotonic()  # handed out again: its job's pace counts from the load's end
         self._serve(key)  # a start measured, or one fewer starting: the jobs waiting may want another
         return runner
+
+    def _new_runner(self, key: RunnerKey, launch: LaunchOf, hold_mb: int) -> warm.WarmRunner:
+        """A runner of `key`, held (its VRAM counted) and in use, not started yet."""
+        try:
+            how = launch if isinstance(launch, warm.Launch) else launch()
+        except BaseException:
+            self._serve(key)  # this job leaves the line's turn to start one: the next may take it
+            raise
+        runner = warm.WarmRunner(how, kill_grace_s=self._grace, max_log_bytes=self._max_log_bytes)
+        self._held[runner] = _Held(key, hold_mb)
+        self.starts[key] += 1
+        return self._hand_out(runner)
 
     @staticmethod
     async def _start(runner: warm.WarmRunner, give_up: asyncio.Event | None) -> None:

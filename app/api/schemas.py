@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from app import links as links_
 from app.queue import records
-from app.queue.jobs import Job, JobState
+from app.queue.jobs import Job, JobState, ResultFile
 
 
 def storable(text: str) -> str:
@@ -37,6 +37,17 @@ class FilePublic(BaseModel):
     bytes: int
     sha256: str
     url: str = Field(description="Signed link; expires, fetch the job again for a fresh one")
+
+    @classmethod
+    def of(cls, job_id: uuid.UUID, result: ResultFile, signer: links_.LinkSigner) -> FilePublic:
+        """Build from one result of a job, signing its download link."""
+        return cls(
+            name=result.name,
+            media_type=result.media_type,
+            bytes=result.bytes,
+            sha256=result.sha256,
+            url=signer.url(job_id, result.name),
+        )
 
 
 class JobLinks(BaseModel):
@@ -79,17 +90,7 @@ class JobPublic(BaseModel):
     def of(cls, job: Job, signer: links_.LinkSigner) -> JobPublic:
         """Build from a job, signing its download links."""
         base = f"/jobs/{job.id}"
-        files = [
-            FilePublic(
-                name=r.name,
-                media_type=r.media_type,
-                bytes=r.bytes,
-                sha256=r.sha256,
-                url=signer.url(job.id, r.name),
-            )
-            for r in job.results
-            if job.expired_at is None
-        ]
+        files = [FilePublic.of(job.id, r, signer) for r in job.results if job.expired_at is None]
         log = signer.url(job.id, f"attempt-{job.attempt}.log") if job.attempt and not job.expired_at else None
         return cls(
             id=job.id,
