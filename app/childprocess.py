@@ -13,6 +13,7 @@ import asyncio
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from app import subreaper
@@ -41,12 +42,23 @@ class Process(asyncio.subprocess.Process):
     def __init__(self, transport: Any, protocol: _ExitProtocol, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(transport, protocol, loop)
         self._exited = protocol.exited
+        self._pipes = transport  # asyncio's private `_transport`, which close_pipes() closes
 
     async def exited(self) -> int:
         """The return code, once the process has exited (safe to cancel)."""
         await asyncio.shield(self._exited)
         assert self.returncode is not None
         return self.returncode
+
+    async def close_pipes(self, readers: Sequence[asyncio.Task[None]], drain_s: float) -> None:
+        """Once it has exited: let `readers` reach EOF, cancelled after `drain_s` (a process it left
+        behind may hold a pipe open), then close its transport (no public close; it is reaped)."""
+        if readers:
+            _done, pending = await asyncio.wait(readers, timeout=drain_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        self._pipes.close()
 
 
 async def spawn(*argv: str, limit: int, **kwargs: Any) -> Process:

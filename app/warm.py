@@ -60,16 +60,6 @@ class Launch:
     temp_dir: Path | None = None  # its TMPDIR, made for it alone: removed as it ends
 
 
-class StartFailed(Exception):
-    """The runner could not start, or exited, timed out, was stopped or broke the protocol first.
-    `permanent`: its program is missing or not executable, which no retry mends. `exit_code`: what
-    it exited with when it exited by itself while loading (for the model's oom_exit_codes)."""
-
-    def __init__(self, message: str, *, permanent: bool = False, exit_code: int | None = None) -> None:
-        super().__init__(message)
-        self.permanent, self.exit_code = permanent, exit_code
-
-
 def _own_task(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
     """A task of the runner's. The runner outlives the job that starts it (a job's task may start
     it, or end it), so its tasks log under no job: only the worker is kept of the context."""
@@ -96,6 +86,7 @@ class WarmRunner:
         self._progress: progress.ProgressFeed | None = None  # the job's, made with its first update
         self._wakeup: asyncio.Future[None] | None = None  # what `_next` waits on: an event or stop()
         self._tasks: list[asyncio.Task[None]] = []
+        self._spawned: asyncio.Future[None] | None = None  # done once start() has its process, or not
         self._stop = asyncio.Event()
         self._stop_reason: str | None = None
         self._ending: asyncio.Task[None] | None = None
@@ -118,8 +109,30 @@ class WarmRunner:
         return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
 
     async def start(self) -> int:
-        """Start the runner in its own session and wait for its ready line; StartFailed otherwise."""
+        """Start the runner in its own session and wait for its ready line; else StartFailed."""
         launch, began = self.launch, time.monotonic()
+        proc = await self._spawn()
+        if self._ending is not None:  # ended while spawned: no ready line is awaited (it is killed)
+            await asyncio.shield(self._ending)
+            raise warmresult.StartFailed(f"ended while it started ({self.describe_exit()})")
+        problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
+        if problem is None and self._ending is not None:  # a line out of turn came with its ready line
+            problem = self._out_of_turn or "ended right after its ready line"
+        if problem is not None:
+            await asyncio.shield(self._end(problem))
+            tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
+            # Any other end was ours (a kill), whose exit code says nothing of the model.
+            code = proc.returncode if problem == warmresult.EXITED_LOADING else None
+            raise warmresult.StartFailed(f"{problem} ({self.describe_exit()}){tail}", exit_code=code)
+        self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
+        self.load_s = self.last_used_s - began
+        _LOG.info("warm runner %s ready", launch.name, extra={"action": "runner_ready", "pid": proc.pid})
+        return proc.pid
+
+    async def _spawn(self) -> childprocess.Process:
+        """The runner's process, its pipes read; an end asked for meanwhile waits for it, to kill it."""
+        launch = self.launch
+        self._spawned = asyncio.get_running_loop().create_future()
         try:
             self._proc = proc = await childprocess.spawn(
                 *launch.argv, cwd=launch.cwd, env=dict(launch.env), stdin=asyncio.subprocess.PIPE,
@@ -132,8 +145,12 @@ class WarmRunner:
             folders.remove_quietly(launch.temp_dir)
             if isinstance(exc, OSError):
                 permanent = runner.cannot_start(exc) and launch.cwd.is_dir()
-                raise StartFailed(f"the runner could not be started: {exc}", permanent=permanent) from exc
+                raise warmresult.StartFailed(
+                    f"the runner could not be started: {exc}", permanent=permanent
+                ) from exc
             raise
+        finally:
+            self._spawned.set_result(None)
         self._log.note(f"started pid {proc.pid} for {launch.name}: {' '.join(launch.argv)}")
         assert proc.stdout is not None and proc.stderr is not None
         stdout = _own_task(self._read_stdout(proc.stdout), f"warm-stdout-{proc.pid}")
@@ -142,19 +159,7 @@ class WarmRunner:
             _own_task(self._read_stderr(proc.stderr), f"warm-stderr-{proc.pid}"),
             _own_task(self._watch_exit(proc, stdout), f"warm-exit-{proc.pid}"),
         ]
-        problem = await self._wait_ready(time.monotonic() + launch.load_timeout_s)
-        if problem is None and self._ending is not None:  # a line out of turn came with its ready line
-            problem = self._out_of_turn or "ended right after its ready line"
-        if problem is not None:
-            await asyncio.shield(self._end(problem))
-            tail = f"\n--- last lines of the runner log ---\n{self._log.tail()}"
-            # Any other end was ours (a kill), whose exit code says nothing of the model.
-            code = proc.returncode if problem == warmresult.EXITED_LOADING else None
-            raise StartFailed(f"{problem} ({self.describe_exit()}){tail}", exit_code=code)
-        self.state, self.last_used_s = RunnerState.IDLE, time.monotonic()
-        self.load_s = self.last_used_s - began
-        _LOG.info("warm runner %s ready", launch.name, extra={"action": "runner_ready", "pid": proc.pid})
-        return proc.pid
+        return proc
 
     async def _wait_ready(self, deadline: float) -> str | None:
         """None once the ready line came; otherwise what went wrong."""
@@ -368,6 +373,8 @@ class WarmRunner:
 
     async def _kill(self, why: str, gentle: bool) -> None:
         """Close stdin (gentle) or SIGTERM, SIGKILL the group after the grace; reap; close the logs."""
+        if self._spawned is not None:  # asked while the process was spawned: wait to kill it too
+            await self._spawned
         if (proc := self._proc) is not None:
             self._log.note(f"ending runner pid {proc.pid}: {why}")
             level = logging.INFO if gentle else logging.WARNING
@@ -383,18 +390,9 @@ class WarmRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.exited(), None if step == signal.SIGKILL else self._grace)
             procgroup.signal_group(proc.pid, signal.SIGKILL)  # forked helpers must not outlive it
-            await self._close_pipes(proc)
+            await proc.close_pipes(self._tasks, _PIPE_DRAIN_S)
             self._log.note(f"runner pid {proc.pid} ended: {self.describe_exit()}")
         self.state = RunnerState.DEAD
         self._log.close()
         # Not waited for: a job's answer, an eviction and a stop at once must not wait on a disk.
         asyncio.get_running_loop().run_in_executor(None, folders.remove_quietly, self.launch.temp_dir)
-
-    async def _close_pipes(self, proc: asyncio.subprocess.Process) -> None:
-        """Let the readers reach EOF (give up on pipes a process that left the group holds open)."""
-        _done, pending = await asyncio.wait(self._tasks, timeout=_PIPE_DRAIN_S)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if (transport := getattr(proc, "_transport", None)) is not None:  # no public close(); it is reaped
-            transport.close()

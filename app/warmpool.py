@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from app import scheduler, warm
+from app import scheduler, warm, warmresult
 
 _LOG = logging.getLogger("gpujobs.warm")
 
@@ -180,7 +180,7 @@ class WarmPool:
         watch.add_done_callback(stop)
         try:
             await runner.start()
-        except warm.StartFailed as exc:
+        except warmresult.StartFailed as exc:
             if give_up.is_set():
                 raise GaveUp("stopped while its warm runner loaded") from exc
             raise

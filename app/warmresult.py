@@ -14,6 +14,16 @@ Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation,
 EXITED_LOADING = "exited while loading"
 
 
+class StartFailed(Exception):
+    """The runner could not start, or exited, timed out, was stopped or broke the protocol first.
+    `permanent`: its program is missing or not executable, which no retry mends. `exit_code`: what
+    it exited with when it exited by itself while loading (for the model's oom_exit_codes)."""
+
+    def __init__(self, message: str, *, permanent: bool = False, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.permanent, self.exit_code = permanent, exit_code
+
+
 class Outcome(StrEnum):
     """How one job in a warm runner ended."""
 

@@ -319,7 +319,7 @@ class Attempt:
             runner = await run.acquire(give_up=self._stopped)
         except warmpool.GaveUp:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
-        except warm.StartFailed as exc:
+        except warmresult.StartFailed as exc:
             return self._verdict.not_started(exc, self._watch.peak_mb)
         except OSError as exc:  # a new runner's temporary folder (app/storage.py): this host's trouble
             return self._verdict.storage_failed(f"could not make the runner's temporary folder: {exc}")

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from app import db, errors, registry, runner, scheduler, storage, warm, warmresult
+from app import db, errors, registry, runner, scheduler, storage, warmresult
 from app.queue import manager as manager_
 from app.queue.jobs import Job, JobState, ResultFile
 
@@ -148,7 +148,7 @@ class Verdict:
             case _:
                 return self.failure(f"the model failed: {error}", retryable=True)
 
-    def not_started(self, exc: warm.StartFailed, peak_mb: int | None) -> Write:
+    def not_started(self, exc: warmresult.StartFailed, peak_mb: int | None) -> Write:
         """The final write for a warm runner that did not start for the job."""
         if self._spec.out_of_memory(exc.exit_code, str(exc)):
             return self.out_of_memory(f"the warm runner did not load: {exc}", peak_mb)

@@ -96,7 +96,7 @@ async def test_a_line_after_ready_ends_the_runner_not_its_first_job(
     tmp_path: Path, pool: warmpool.WarmPool
 ) -> None:
     launch = _launch(tmp_path, "eager", ready_extra='\n{"job": "x:1", "done": true}\n')
-    with pytest.raises(warm.StartFailed, match="out of turn"):
+    with pytest.raises(warmresult.StartFailed, match="out of turn"):
         async with pool.use(KEY, launch, hold_mb=0) as warm_runner:
             await _run(tmp_path, warm_runner, 1)
 
@@ -177,7 +177,7 @@ async def test_a_runner_that_exits_right_after_ready_is_not_handed_a_job(tmp_pat
         warm_runner = warm.WarmRunner(launch, kill_grace_s=0.3)
         try:
             await warm_runner.start()
-        except warm.StartFailed:
+        except warmresult.StartFailed:
             continue
         await asyncio.sleep(0.2)  # its end is seen while idle
         assert warm_runner.state is not warm.RunnerState.IDLE, "a dead runner stayed idle"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -297,23 +298,23 @@ async def test_eviction_frees_the_least_recently_used_runner(tmp_path: Path, poo
 
 @pytest.mark.asyncio
 async def test_start_failures(tmp_path: Path, pool: warmpool.WarmPool) -> None:
-    with pytest.raises(warm.StartFailed, match=r"exited while loading \(exit code 3\)") as failed:
+    with pytest.raises(warmresult.StartFailed, match=r"exited while loading \(exit code 3\)") as failed:
         await pool.acquire(KEY, _toy(tmp_path, "toy", "--fail-load"), hold_mb=0)
     assert "load failed on purpose" in str(failed.value) and failed.value.exit_code == 3
     slow = _launch(
         tmp_path, "slow", [sys.executable, str(WARM_TOY), "--load-sleep", "30"], load_timeout_s=0.5
     )
-    with pytest.raises(warm.StartFailed, match=r"not ready after 0\.5 s") as failed:
+    with pytest.raises(warmresult.StartFailed, match=r"not ready after 0\.5 s") as failed:
         await pool.acquire(KEY, slow, hold_mb=0)
     assert failed.value.exit_code is None  # killed by us: its exit code says nothing of the model
     missing = _launch(tmp_path, "missing", [str(tmp_path / "no-such-program")])
-    with pytest.raises(warm.StartFailed, match="could not be started"):
+    with pytest.raises(warmresult.StartFailed, match="could not be started"):
         await pool.acquire(KEY, missing, hold_mb=0)
     stopping = asyncio.create_task(pool.acquire(KEY, slow, hold_mb=0))
     await asyncio.sleep(0.2)
     for warm_runner in pool.runners():
         warm_runner.stop("canceled")
-    with pytest.raises(warm.StartFailed, match="stopped while loading: canceled"):
+    with pytest.raises(warmresult.StartFailed, match="stopped while loading: canceled"):
         await stopping
     assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0
 
@@ -345,6 +346,28 @@ async def test_a_start_cancelled_while_spawning_leaves_nothing_held(
         await acquiring
     # Left "starting", it would hold its 500 MB and count as warm (paced: block every start) for good.
     assert pool.runners() == {} and pool.reserved_mb(GPU0) == 0 and pool.warm_keys() == set()
+
+
+@pytest.mark.asyncio
+async def test_a_runner_closed_while_it_is_spawned_is_killed_before_its_folder_goes(tmp_path: Path) -> None:
+    """close() came while asyncio still connected the new process's pipes (a worker stopping, an
+    eviction): the end found no process yet, so it killed none. The runner loaded and waited for
+    jobs, alive, and its TMPDIR was removed under it (its temporary files then went to /tmp).
+    Now the end waits for the spawn, kills what it made, and only then removes the folder."""
+    temp = tmp_path / "runner-tmp"
+    temp.mkdir()
+    toy = _toy(tmp_path)
+    launch = dataclasses.replace(toy, env={**toy.env, "TMPDIR": str(temp)}, temp_dir=temp)
+    warm_runner = warm.WarmRunner(launch, kill_grace_s=GRACE_S)
+    starting = asyncio.create_task(warm_runner.start())
+    await asyncio.sleep(0)  # the process is forked; asyncio waits for its pipes
+    closing = warm_runner.close("worker stopping")
+    with pytest.raises(warmresult.StartFailed):
+        await asyncio.wait_for(starting, 10)
+    await asyncio.wait_for(closing, 10)
+    assert warm_runner.pid is not None and not _alive(warm_runner.pid)
+    assert warm_runner.state is warm.RunnerState.DEAD
+    assert await _eventually(lambda: not temp.exists())  # removed off the loop, after the kill
 
 
 def _script(tmp_path: Path, name: str, body: str) -> warm.Launch:
@@ -681,7 +704,7 @@ async def test_a_runner_whose_forked_helper_holds_its_stdout_is_seen_to_exit(
     its memory held, and a job ran out its timeout instead of ending as a crash."""
     loading, pid_file = _forks_and_exits(tmp_path, "loading")
     began = asyncio.get_running_loop().time()
-    with pytest.raises(warm.StartFailed, match=r"exited while loading \(exit code 3\)"):
+    with pytest.raises(warmresult.StartFailed, match=r"exited while loading \(exit code 3\)"):
         await pool.acquire(KEY, loading, hold_mb=0)  # load_timeout_s is 10 s
     assert asyncio.get_running_loop().time() - began < 3 and await _helper_gone(pid_file)
 
