@@ -93,9 +93,13 @@ class ParamSpec:
         elif self.type == "int" and isinstance(value, int):
             return value
         elif self.type == "float" and isinstance(value, int | float):
-            if not abs(value) < 1e308:  # also nan, inf and ints too big for a float
+            try:
+                number = float(value)
+            except OverflowError:  # an int too big for a float
+                number = math.inf
+            if not math.isfinite(number):
                 raise self._invalid("must be a finite number")
-            return float(value)
+            return number
         elif self.type == "str" and isinstance(value, str):
             return self._safe(value)
         kind = _WORDS.get(type(value).__name__, type(value).__name__)

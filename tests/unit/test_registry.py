@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import textwrap
@@ -263,6 +264,19 @@ def test_validate_params_rejects(
     assert caught.value.field == field
     assert caught.value.message.startswith(f"{field}: ")
     assert words in caught.value.message
+
+
+@pytest.mark.parametrize("value", [1e308, 1.5e308, sys.float_info.max, -sys.float_info.max, 10**308, 5e-324])
+def test_a_float_without_bounds_takes_every_finite_number(value: float) -> None:
+    """Numbers from 1e308 up to the largest float were refused as "not a finite number" (the check
+    was `abs(value) < 1e308`), though 10**308 written as an integer was taken."""
+    assert registry.ParamSpec("x", "float").coerce(value) == float(value)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 10**309, -(10**400)])
+def test_a_float_that_is_not_finite_is_refused(value: float) -> None:
+    with pytest.raises(errors.InvalidParams, match=r"params\.x: must be a finite number"):
+        registry.ParamSpec("x", "float").coerce(value)
 
 
 def test_build_argv_keeps_each_value_one_argument(tiny: registry.ModelSpec) -> None:
