@@ -97,8 +97,13 @@ LIST_PARAMETERS = ("state", "model", "cursor", "limit")
 def check_fields(form: FormData) -> None:
     """A form of known fields, each sent once. FastAPI takes the fields it declares and drops the
     rest, and takes the last of a repeated one: a misspelt `params` would run the model with its
-    defaults, a misspelt `priority` at 0."""
+    defaults, a misspelt `priority` at 0, and so would an empty one (read as left out)."""
     check_names([name for name, _ in form.multi_items()], SUBMIT_FIELDS, "form field")
+    if form.get("priority") == "":
+        raise errors.InvalidRequest(
+            f"form field 'priority' is empty: send an integer, or leave the field out for {DEFAULT_PRIORITY}",
+            field="priority",
+        )
 
 
 def check_names(sent: list[str], known: tuple[str, ...], what: str) -> None:

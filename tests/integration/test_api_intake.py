@@ -481,6 +481,16 @@ async def test_a_form_field_misspelt_or_sent_twice_is_422_not_quietly_dropped(
     assert await counts(engine) == (0, 0, 0)
 
 
+async def test_an_empty_priority_is_422_not_the_default(client, png, engine):
+    """A form whose `priority` field was sent empty queued the job at 0, as if it had been left out
+    (FastAPI reads an empty form value as missing): a client that meant to send one is told."""
+    files = [("image", ("a.png", png(), "image/png")), ("model", (None, "toy")), ("priority", (None, ""))]
+    response = await client.post("/jobs", files=files)
+    assert response.status_code == 422, response.text
+    assert "form field 'priority' is empty" in response.json()["detail"]
+    assert await counts(engine) == (0, 0, 0)
+
+
 @pytest.mark.parametrize(
     ("query", "needle"),
     [
