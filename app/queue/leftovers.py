@@ -110,6 +110,18 @@ def is_model_of(pid: int, job_id: object, attempt: int | None = None) -> bool:
     return _run_of(job_id, attempt)(environ)
 
 
+def _is_runner_of(pid: int, worker_id: str | None) -> bool:
+    """True if `pid` is a warm runner `worker_id` started (a job's recorded pid is its runner's:
+    the runner carries its worker's marker, not the job's). Its pid is its process group's."""
+    if worker_id is None:
+        return False
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return (_origin(worker_id)(environ) or "").startswith("runner ")
+
+
 def find_models(job_id: object, attempt: int | None = None) -> set[int]:
     """Process groups on this host of model processes started for `job_id` (for its run `attempt`
     if given), found in /proc by the GPUJOBS_JOB marker in their environment (for runs that ended
@@ -211,10 +223,13 @@ async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
 
 
 async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) -> bool:
-    """Kill the model process groups of a job taken back from a dead worker on this host."""
+    """Kill the model process groups of a job taken back from a lost worker on this host: its
+    run's, or the warm runner it was running in (its recorded pid, a runner of that worker)."""
     if taken.host != host:
         return False
-    if taken.pid is not None and is_model_of(taken.pid, taken.id, taken.attempt):
+    if taken.pid is not None and (
+        is_model_of(taken.pid, taken.id, taken.attempt) or _is_runner_of(taken.pid, taken.worker_id)
+    ):
         groups = {taken.pid}
     else:
         groups = await asyncio.to_thread(find_models, taken.id, taken.attempt)

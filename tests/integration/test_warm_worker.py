@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -408,6 +409,26 @@ async def test_a_job_whose_lease_is_lost_in_a_warm_runner_ends_it_and_writes_not
     assert (job.state, job.attempt, job.worker_id) == (JobState.running, first.attempt + 1, "test:other")
     assert [e.kind for e in await manager.events(job_id)] == ["submitted", "claimed", "started"]
     assert not (store.root / "results" / str(job_id)).exists()
+
+
+async def test_a_job_taken_back_from_a_paused_worker_ends_its_old_warm_run_first(manager, spawn_worker):
+    """A worker paused past its lease (SIGSTOP) mid-job in a warm runner: the worker that took the
+    job back found the job's recorded pid, its runner's, but that process carries the runner's
+    marker, not the job's, so it killed nothing. The old runner went on with the job beside the new
+    attempt (on a GPU, holding its memory under it). It is now killed before the job is queued
+    again, as a one-shot run is."""
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=60, steps=1)
+    paused = spawn_worker("paused", lease_s=2)
+    first = await until(manager, job_id, lambda j: j.pid is not None, timeout_s=30)
+    assert first.pid is not None and alive(first.pid)
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        spawn_worker("other", lease_s=2)
+        again = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)
+        assert not alive(first.pid)  # ended before the job was claimed again
+        assert again.worker_id != first.worker_id
+    finally:
+        paused.send_signal(signal.SIGCONT)
 
 
 TAKEN_OVER = text(

@@ -110,3 +110,29 @@ async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
             if p.returncode is None:
                 p.kill()
             await p.wait()
+
+
+async def test_a_jobs_recorded_runner_is_killed_only_if_it_is_the_lost_workers():
+    """A warm job's recorded pid is its runner's, marked as the runner of its worker: killed when
+    the job is taken back from that worker; a process of another worker's at that pid (reused) is
+    left alone, and the job's run is then looked for by its marker."""
+    path = {"PATH": os.environ["PATH"]}
+    ours, theirs = [
+        await asyncio.create_subprocess_exec(
+            "sleep", "30", env={**path, "GPUJOBS_RUNNER": f"h:{name}:warm_a:0"}, start_new_session=True
+        )
+        for name in ("lost", "other")
+    ]
+    try:
+        host = socket.gethostname()
+        taken = records.TakenBack(uuid.uuid4(), 1, "h:lost", JobState.running, theirs.pid, host)
+        assert not await leftovers.kill_leftover(taken, host=host, grace_s=5)
+        taken = records.TakenBack(uuid.uuid4(), 1, "h:lost", JobState.running, ours.pid, host)
+        assert await leftovers.kill_leftover(taken, host=host, grace_s=5)
+        assert await asyncio.wait_for(ours.wait(), 5) is not None
+        assert theirs.returncode is None
+    finally:
+        for p in (ours, theirs):
+            if p.returncode is None:
+                p.kill()
+            await p.wait()
