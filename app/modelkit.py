@@ -294,6 +294,7 @@ class _Channel:
         self._lock = threading.Lock()
         self._job: str | None = None  # the job running now
         self._gone = False  # the worker's end of stdin is closed
+        self._loading = True  # before the ready line: a hang-up then ends the process at once
         self._hang_up = select.poll()  # polled for no event at all: it reports only the hang-up
         self._hang_up.register(reader.fileno(), 0)
 
@@ -319,13 +320,21 @@ class _Channel:
             self._writer.write(encode(reply))
             self._writer.flush()
 
+    def watch(self) -> None:
+        """Start the thread that sleeps until the worker's end of stdin closes (see `_watch`)."""
+        threading.Thread(target=self._watch, name="modelkit-watch", daemon=True).start()
+
+    def ready(self, name: str) -> None:
+        """Say the model is loaded: from now on a hang-up ends only a job running."""
+        self._loading = False
+        self.send(Ready(name, os.getpid()))
+
     def requests(self) -> Iterator[bytes]:
         """Request lines until stdin closes (an overlong line comes back cut, for its error).
 
         The lines are read here, on the caller's thread: a reader thread would cost two thread
-        wake-ups per job. The watch thread sleeps until the worker's end of the pipe closes.
+        wake-ups per job.
         """
-        threading.Thread(target=self._watch, name="modelkit-watch", daemon=True).start()
         while line := self._reader.readline(MAX_LINE_BYTES + 1):
             if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                 while (rest := self._reader.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
@@ -336,7 +345,7 @@ class _Channel:
         """Mark `job` as running; False if the worker is gone (a line it sent before it went).
 
         A hang-up that came before is looked for here first, before the job is marked: the watch
-        thread, started with the first read, may not have looked yet, and the job would have run
+        thread may not have looked yet, and the job would have run
         until it did, then died for nobody (exit 4)."""
         if self._hung_up():
             return False
@@ -353,7 +362,8 @@ class _Channel:
             self._job = None
 
     def _watch(self) -> None:
-        """Wait for stdin's hang-up; a job running then is for nobody, so end the whole process.
+        """Wait for stdin's hang-up; a job running then is for nobody, so end the whole process, and
+        a load still going is for nobody either (a worker killed while its runner loaded).
 
         Polled for no event at all, a pipe still reports its hang-up (and errors), never a request.
         Between `begin`'s two steps and these two, one side always sees the other's flag.
@@ -362,6 +372,9 @@ class _Channel:
         poller.register(self._reader.fileno(), 0)
         poller.poll()  # no timeout: it returns only with the hang-up (EINTR is retried by Python)
         self._gone = True
+        if self._loading:
+            _say("stdin closed while loading: the worker is gone; exiting")
+            os._exit(0)
         if self._job is not None:
             _say("stdin closed during a job: the worker is gone; exiting")
             os._exit(EXIT_ORPHANED)
@@ -392,6 +405,7 @@ def serve(
     without retry; any other exception fails it as a model error, marked `oom` when it looks so.
     """
     channel = _Channel.take_stdio()
+    channel.watch()
     _say(f"loading {name} (pid {os.getpid()})")
     started = time.monotonic()
     try:
@@ -401,7 +415,7 @@ def serve(
         _say(f"loading {name} failed")
         return EXIT_LOAD_FAILED
     _say(f"loaded {name} in {time.monotonic() - started:.2f} s")
-    channel.send(Ready(name, os.getpid()))
+    channel.ready(name)
     for line in channel.requests():
         try:
             request = parse_request(line)
