@@ -311,7 +311,7 @@ class Verdict:
         except storage.OutputInvalid as exc:
             await self.failure(f"bad output: {exc.message}", retryable=False)()
         except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
-            await self.storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
+            await self._store_failed(exc)
         except OSError as exc:  # as in Attempt._run_model: not to be taken for a database outage
             await self.failure(f"could not read the outputs: {exc}", retryable=True)()
         return None
@@ -322,9 +322,18 @@ class Verdict:
         try:  # in a thread: its fsyncs may take a while on a busy disk
             await asyncio.to_thread(self._store.publish, job.id, job.attempt, files)
         except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage
-            await self.storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
+            await self._store_failed(exc)
             return False
         return True
+
+    async def _store_failed(self, exc: errors.StorageError) -> None:
+        """This host's storage failed the results; LeaseLost if the job is no longer this attempt's:
+        a newer attempt's success removes the files of the attempts before it (this one's too, when
+        its worker was paused while it stored them), which is no trouble of the host's."""
+        now = await self._manager.get(self._job.id)
+        if (now.state, now.attempt) != (JobState.running, self._job.attempt):
+            raise errors.LeaseLost(f"attempt {self._job.attempt} of job {self._job.id} is no longer running")
+        await self.storage_failed(f"could not store the results: {exc.__cause__ or exc}")()
 
     async def _checked_outputs(
         self, out_dir: Path, expected: list[storage.ExpectedOutput]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +19,7 @@ from app.queue import records, verdict, watch
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
 from app.runlog import TAIL_BYTES
-from tests.conftest import png_bytes
+from tests.conftest import png_bytes, script_model
 
 
 async def enqueue(
@@ -406,3 +407,41 @@ async def test_a_job_goes_back_for_the_hosts_storage_a_bounded_number_of_times(m
         await conn.execute(RUNNING_UNDER, {"id": job_id, "worker": "h:me", "cancel": True})
     with pytest.raises(errors.LeaseLost):
         await manager.release_storage(await manager.get(job_id), reason="other", error="x", most=9)
+
+
+async def test_results_a_newer_attempt_removed_are_a_lost_job_not_storage_trouble(
+    manager, make_worker, engine, store, settings, caplog
+):
+    """A worker paused while it stored a job's results lost the job to another, whose success
+    removed the files of the attempts before it, this one's staged files included. Resumed, the
+    worker took the missing file for its storage failing: it logged `storage_unusable` and paused
+    its claims. The job is no longer its own: that is a lost job, nothing more."""
+    from tests.integration.test_durability import running, until  # it imports this module
+
+    # A model that reports no progress (its write would find the job gone) and takes a while.
+    quiet = "import sys, time; time.sleep(1.5); open(sys.argv[1] + '/out.txt', 'w').write('x')"
+    with settings.models_file.open("a") as f:
+        f.write(script_model("quiet", ["{python}", "-c", quiet, "{output_dir}"]))
+    job_id = await enqueue(manager, model="quiet")
+    caplog.set_level(logging.INFO, logger="gpujobs")
+    # No heartbeat meets the take-over before the model ends: the outcome's write is what finds it.
+    async with running(make_worker(burst=False, heartbeat_interval_s=60, lease_s=120)):
+        await until(manager, job_id, lambda j: j.pid is not None)
+        async with engine.begin() as conn:  # taken over, as after a pause past the lease
+            await conn.execute(TAKEN_OVER, {"id": job_id})
+        # The newer attempt's success removed this attempt's results; its folder is not one now.
+        (store.root / "results" / str(job_id)).write_text("not a folder")
+        deadline = time.monotonic() + 20
+        while not any(getattr(r, "action", None) == "lease_lost" for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            await asyncio.sleep(0.05)
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert "storage_unusable" not in actions and "job_released" not in actions
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt, job.worker_id) == (JobState.running, 2, "test:other")
+
+
+TAKEN_OVER = text(
+    "UPDATE jobs SET attempt = attempt + 1, worker_id = 'test:other',"
+    " lease_expires_at = now() + interval '60 seconds' WHERE id = :id"
+)
