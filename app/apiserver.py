@@ -59,7 +59,7 @@ def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uv
 
 def serve_app(settings: Settings, sock: socket.socket) -> int:
     """Run the app in this process on `sock` (listening) until it is asked to stop; the exit code
-    `gpujobs serve` gives. A signal's comes as SystemExit (143 on SIGTERM: cli._exit_on_sigterm),
+    `gpujobs serve` gives. A signal's comes as SystemExit (143 on SIGTERM: sigterm.exit_on_sigterm),
     but after a forced stop (asked again): SystemExit(STOPPED_NOW), as `gpujobs worker` exits then,
     so that a supervisor can tell a forced stop from a graceful one."""
 
@@ -72,7 +72,7 @@ def serve_app(settings: Settings, sock: socket.socket) -> int:
     try:
         server.run(sockets=[sock])
     # uvicorn's when the start-up failed, or the signals it raises again once it has shut down:
-    # SIGTERM's SystemExit (_exit_on_sigterm), SIGINT's KeyboardInterrupt (asyncio's handler).
+    # SIGTERM's SystemExit (sigterm.exit_on_sigterm), SIGINT's KeyboardInterrupt (asyncio's handler).
     except (SystemExit, KeyboardInterrupt):
         refused: errors.AppError | None = getattr(app.state, "start_refused", None)
         if refused is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsfile, pgserver
+from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsfile, pgserver, sigterm
 
 if TYPE_CHECKING:
     from app.queue.worker import Worker
@@ -98,14 +98,14 @@ def database(settings: Settings) -> Iterator[Settings]:
     is stopped on the way out, SIGTERM and SIGHUP included. A database that cannot be reached, or
     refuses the connection, ends the command with a message (exit code 2), not a traceback."""
     if settings.database_url:
-        with _exit_on_sigterm(), _connection_errors(settings.database_url):
+        with sigterm.exit_on_sigterm(), _connection_errors(settings.database_url):
             yield settings
         return
     from app import migrate
 
     _usable_storage(settings)
     server = pgserver.EmbeddedPostgres(settings.storage_dir / "pgdata")
-    with _exit_on_sigterm():
+    with sigterm.exit_on_sigterm():
         url = server.start()
         try:
             with _connection_errors(url):
@@ -141,29 +141,6 @@ def _connection_errors(url: str) -> Iterator[None]:
         reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         typer.echo(f"error: {what} at {logs.mask(url)}: {reason}", err=True)
         raise typer.Exit(2) from exc
-
-
-@contextlib.contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
-    """Make SIGTERM end the process through Python (SystemExit 143), so `finally` blocks run; and
-    SIGHUP (the terminal that ran `make run` closed, which killed the process outright) a SIGTERM.
-
-    uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the
-    signal again; with the default handler the process died right there, and the embedded
-    PostgreSQL it had started kept running (`docker stop`, systemd and `kill` all send SIGTERM)."""
-
-    def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    def as_sigterm(_signum: int, _frame: object) -> None:  # the terminal closed: stop as on SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, leave), signal.signal(signal.SIGHUP, as_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous[0])
-        signal.signal(signal.SIGHUP, previous[1])
 
 
 async def _check_schema(url: str) -> None:

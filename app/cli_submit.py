@@ -16,11 +16,11 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
-from app import cli_jobs, client
+from app import cli_jobs, client, sigterm
 
 if TYPE_CHECKING:
     import httpx
@@ -102,16 +102,14 @@ def submit(
     """Upload an image and queue a job; with --wait, show its progress and download the results."""
     given = split_params(param or [])  # a malformed --param is refused before any request
     folder = results_folder(out, image, force)
-    with client.connect(url, key) as http, image.open("rb") as f:
+    if not image.is_file():  # a FIFO, a device: its open or read would wait for ever
+        client.fail(f"{image} is not a regular file: give an image file")
+    # SIGTERM (kill, systemd, a CI job's timeout) ends it through Python: a download's partial file goes.
+    with sigterm.exit_on_sigterm(), client.connect(url, key) as http, image.open("rb") as f:
         entry = catalog_entry(http, model)
         params = typed_params(given, param_types(entry))
-        job = client.call(
-            http,
-            "POST",
-            "/jobs",
-            files={"image": (image.name, f, "application/octet-stream")},
-            data={"model": model, "priority": str(priority), "params": json.dumps(params)},
-            expect=cli_jobs.JOB_KEYS,
+        job = upload(
+            http, image, f, data={"model": model, "priority": str(priority), "params": json.dumps(params)}
         )
         warn_if_unserved(entry, model)
         if not (wait or out):
@@ -121,6 +119,19 @@ def submit(
         follow(http, job["id"])
         job = client.call(http, "GET", f"/jobs/{job['id']}", expect=cli_jobs.JOB_KEYS)
         finish(http, job, folder, as_json, replace=force)
+
+
+def upload(http: httpx.Client, image: Path, f: BinaryIO, data: dict[str, str]) -> dict[str, Any]:
+    """POST /jobs with the image `f` (opened from `image`) and the form `data`: the job, or exit 2
+    with the server's refusal or the image's read error."""
+    try:
+        files = {"image": (image.name, f, "application/octet-stream")}
+        job: dict[str, Any] = client.call(
+            http, "POST", "/jobs", files=files, data=data, expect=cli_jobs.JOB_KEYS
+        )
+    except OSError as exc:  # reading the image (the network's errors are httpx's)
+        client.fail(f"cannot read {image}: {exc}")
+    return job
 
 
 def catalog_entry(http: httpx.Client, model: str) -> dict[str, Any] | None:
@@ -168,6 +179,10 @@ def results_folder(out: Path | None, image: Path, force: bool) -> Path | None:
     folder = out / image.stem
     if folder.exists() and not folder.is_dir():
         client.fail(f"{folder} is a file: the results of {image.name} go into a folder of that name")
+    there_now = next(p for p in (folder, *folder.parents) if p.exists())  # `.` or `/` at the least
+    if not there_now.is_dir() or not os.access(there_now, os.W_OK | os.X_OK):
+        why = "is a file" if not there_now.is_dir() else "is not writable"
+        client.fail(f"cannot make the folder {folder} for the results: {there_now} {why}")
     try:
         there = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     except OSError as exc:

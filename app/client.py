@@ -47,6 +47,12 @@ def connect(url: str, key: str | None) -> httpx.Client:
 
     if key is not None and not key.isascii():
         fail("the API key (--key, GPUJOBS_API_KEY) has characters that are not ASCII; copy it again")
+    if key is not None and not all(c.isprintable() and not c.isspace() for c in key):
+        # Never shown: a key read from a file keeps its line end, and the rest is the secret.
+        fail(
+            "the API key (--key, GPUJOBS_API_KEY) holds a space, a line end or a control character: "
+            "send the key alone"
+        )
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout = httpx.Timeout(30.0, read=60.0)  # streams send a keepalive every 15 s
     try:

@@ -300,7 +300,8 @@ class _Channel:
 
     @classmethod
     def take_stdio(cls) -> _Channel:
-        """Keep private copies of fds 0 and 1; point fd 1 at stderr and fd 0 at /dev/null."""
+        """Keep private copies of fds 0 and 1; point fd 1 at stderr and fd 0 at /dev/null; watch
+        for the worker's end of stdin closing."""
         sys.stdout.flush()
         reader, writer = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
         os.dup2(2, 1)
@@ -309,7 +310,9 @@ class _Channel:
         os.close(null)
         if isinstance(sys.stdout, io.TextIOWrapper):
             sys.stdout.reconfigure(line_buffering=True)
-        return cls(reader, writer)
+        channel = cls(reader, writer)
+        channel.watch()  # from now on: a hang-up while the model loads ends the process too
+        return channel
 
     def send(self, reply: Reply) -> None:
         """Write one protocol line (any thread may call this); progress of a job not running is
@@ -405,7 +408,6 @@ def serve(
     without retry; any other exception fails it as a model error, marked `oom` when it looks so.
     """
     channel = _Channel.take_stdio()
-    channel.watch()
     _say(f"loading {name} (pid {os.getpid()})")
     started = time.monotonic()
     try:

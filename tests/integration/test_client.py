@@ -7,6 +7,7 @@ import contextlib
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -640,3 +641,106 @@ def test_a_result_written_meanwhile_by_another_job_is_not_replaced(tmp_path):
     assert theirs.read_text() == "theirs"
     cli_submit._put_in_place(partial, theirs, replace=True)
     assert theirs.read_text() == "mine" and not partial.exists()
+
+
+def _cli_env(tmp_path: Path, url: str, key: str = "k") -> dict[str, str]:
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+    return env | {"GPUJOBS_URL": url, "GPUJOBS_API_KEY": key}
+
+
+@pytest.mark.parametrize("key", ["gpj_secret123\r", "gpj_secret123\n", "gpj_sec ret123", "gpj_secret123\x1b"])
+async def test_a_key_with_a_line_end_or_a_control_character_is_refused_and_not_shown(key, tmp_path):
+    """A key read from a file with Windows line ends kept its `\\r`: httpx refused the header, and
+    the client said it "cannot reach" the server, printing the whole key in the message; a key
+    with another control character got the server's 400, read as "not the API"."""
+    code, _, stderr = await run_cli(_cli_env(tmp_path, "http://127.0.0.1:9", key), "jobs", "list")
+    assert code == 2 and "Traceback" not in stderr and stderr.startswith("error:"), stderr[-2000:]
+    assert "--key" in stderr and "secret" not in stderr and "cannot reach" not in stderr, stderr
+
+
+async def test_submit_refuses_an_out_below_a_file_before_it_uploads(settings, make_key, tmp_path):
+    """`--out afile/sub` (afile a file) uploaded the image and ran the job, then failed to make
+    the folder, with the job's results left on the server."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    (tmp_path / "afile").write_text("mine")
+    key = await make_key("cli-user")
+    async with api_client(settings, run_worker=True) as http:
+        out = str(tmp_path / "afile" / "sub")
+        code, _, stderr = await gpujobs(http, key, "submit", str(image), "-m", "toy", "--out", out)
+        listed = (await http.get("/jobs")).json()["jobs"]
+    assert code == 2 and "Traceback" not in stderr and "afile" in stderr, stderr[-2000:]
+    assert listed == []  # nothing was submitted
+
+
+async def test_an_image_that_cannot_be_read_is_an_error_not_a_traceback(tmp_path):
+    """An image whose read fails (EIO: a failing disk, a network file system; here /proc/self/mem)
+    ended the command in a traceback, exit 1; a FIFO in its place waited for ever."""
+    fifo = tmp_path / "in.png"
+    os.mkfifo(fifo)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EndedWhileAway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _cli_env(tmp_path, f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        for image in ("/proc/self/mem", str(fifo)):
+            code, _, stderr = await run_cli(env, "submit", image, "-m", "toy", timeout_s=30)
+            assert code == 2 and "Traceback" not in stderr and stderr.startswith("error:"), stderr[-2000:]
+            assert image in stderr, stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _StallsMidFile(_EndedWhileAway):
+    """The same stand-in, whose job has one result, sent half and then not at all."""
+
+    def _job(self, state: str) -> dict[str, Any]:
+        files = [{"name": "mesh.glb", "url": f"/files/{self.job_id}/mesh.glb", "bytes": 1 << 20}]
+        return {**super()._job(state), "files": files}
+
+    def do_GET(self) -> None:
+        if self.path.endswith("/stream"):
+            self.send_response(204)
+            self.end_headers()
+        elif self.path.startswith("/files/"):
+            self.send_response(200)
+            self.send_header("Content-Type", "model/gltf-binary")
+            self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            self.wfile.write(bytes(1 << 19))
+            self.wfile.flush()
+            time.sleep(30)
+        else:
+            self._json(200, self._job("succeeded"))
+
+
+async def test_sigterm_during_a_download_leaves_no_partial_file(tmp_path):
+    """`submit --out` killed by SIGTERM (kill, systemd, a CI job's timeout) while it downloaded
+    left `.mesh.glb.….partial`, which the next run then refused as an earlier job's results."""
+    image = tmp_path / "in.png"
+    image.write_bytes(png_bytes())
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StallsMidFile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _cli_env(tmp_path, f"http://127.0.0.1:{server.server_address[1]}")
+    out = tmp_path / "out"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app", "submit", str(image), "-m", "toy", "--out", str(out),
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not any(p.stat().st_size for p in out.glob("in/.mesh.glb.*.partial")):
+            assert time.monotonic() < deadline and process.returncode is None, "no download began"
+            await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.stderr is not None
+        stderr = (await asyncio.wait_for(process.stderr.read(), 10)).decode()
+        assert await asyncio.wait_for(process.wait(), 10) == 128 + signal.SIGTERM, stderr
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert list((out / "in").iterdir()) == []
