@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from app import db, errors, pgserver
-from tests.conftest import free_port, wait_until_serving
+from tests.conftest import free_port, wait_until_serving, worker_name
 from tests.integration.test_durability import alive
 
 # Tags of a POSIX ACL's entries (linux/posix_acl.h), and the id of those that name no one.
@@ -78,6 +78,7 @@ def test_serve_stops_its_embedded_server_on_sigterm(tmp_path, sig, code, ignored
         "GPUJOBS_STORAGE_DIR": str(storage),
         "GPUJOBS_GPUS": "24GiB",
         "GPUJOBS_LOG_LEVEL": "WARNING",
+        "GPUJOBS_WORKER_NAME": worker_name("embedded"),  # not the host's default: a worker may hold it
     }
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
