@@ -48,6 +48,7 @@ class PruneReport:
     inputs_bytes: int = 0
     leftovers_removed: int = 0
     job_ids: list[uuid.UUID] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what could not be deleted, and why
 
 
 def tree_bytes(path: Path) -> int:
@@ -111,19 +112,36 @@ def _files_bytes(root: Path, job_ids: Collection[uuid.UUID]) -> int:
     return paths_bytes(job_files(root, job_ids))
 
 
-def _delete(root: Path, job_ids: Collection[uuid.UUID]) -> int:
-    """Remove the jobs' files (a link in their place is left alone); the bytes freed."""
+def _delete(root: Path, job_ids: Collection[uuid.UUID]) -> tuple[int, list[str]]:
+    """Remove the jobs' files (a link in their place is left alone): the bytes freed, and why each
+    path that stays could not be removed (a folder the process may not write, say)."""
     paths = job_files(root, job_ids)
-    freed = paths_bytes(paths)
-    for path in paths:
-        if path.is_symlink():
-            continue
+    before = paths_bytes(paths)
+    problems = [problem for path in paths if (problem := _remove(path, root)) is not None]
+    return before - paths_bytes(paths), problems
+
+
+def _on_disk(root: Path, job_id: uuid.UUID) -> bool:
+    """Whether any of the job's files or folders is still there (a link in their place aside)."""
+    return any(p.exists() and not p.is_symlink() for p in job_files(root, [job_id]))
+
+
+def _remove(path: Path, root: Path) -> str | None:
+    """Remove one job's folder or file; None once it is gone, else why it is not."""
+    if path.is_symlink():
+        return None
+    try:
         if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)  # as much as it may, then the first refusal
+            if path.exists():
+                shutil.rmtree(path)
         else:
-            with contextlib.suppress(OSError):
-                path.unlink()
-    return freed
+            path.unlink()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"storage/{path.relative_to(root)}: {exc.strerror or exc} ({exc.filename})"
+    return None
 
 
 def _jobs_on_disk(root: Path) -> list[uuid.UUID]:
@@ -163,7 +181,15 @@ class Pruner:
                 await self._estimate(report)
             else:
                 await self._expire_all(report)
-                report.leftovers_removed = await self._sweep()
+                await self._sweep(report)
+        if report.problems:
+            log.warning(
+                "could not delete %d of the expired jobs' files or folders (first: %s); they stay until "
+                "a prune can: give this process write access to the storage folder's results and logs",
+                len(report.problems),
+                report.problems[0],
+                extra={"action": "retention_files_left", "paths": len(report.problems)},
+            )
         if not dry_run and (report.jobs or report.leftovers_removed):
             log.info(
                 "pruned %d jobs",
@@ -188,7 +214,9 @@ class Pruner:
     async def _expire_all(self, report: PruneReport) -> None:
         while True:
             batch = await self._manager.expiry.expire(cutoff=report.cutoff, limit=self._batch)
-            report.files_bytes += await asyncio.to_thread(_delete, self._root, batch.job_ids)
+            freed, problems = await asyncio.to_thread(_delete, self._root, batch.job_ids)
+            report.files_bytes += freed
+            report.problems += problems
             report.jobs += len(batch.job_ids)
             report.inputs_deleted = (report.inputs_deleted or 0) + batch.inputs_deleted
             report.inputs_bytes += batch.input_bytes
@@ -197,15 +225,18 @@ class Pruner:
             if len(batch.job_ids) < self._batch:
                 return
 
-    async def _sweep(self) -> int:
-        """Delete folders of jobs already expired (a crash came between marking and deleting)."""
+    async def _sweep(self, report: PruneReport) -> None:
+        """Delete the files of jobs already expired (a crash came between marking and deleting, or
+        an earlier prune could not delete them); count the jobs whose files are now all gone."""
         listed = await asyncio.to_thread(_jobs_on_disk, self._root)
-        removed = 0
         for start in range(0, len(listed), 1000):
             expired = await self._manager.expiry.expired_among(listed[start : start + 1000])
-            await asyncio.to_thread(_delete, self._root, expired)
-            removed += len(expired)
-        return removed
+            freed, problems = await asyncio.to_thread(_delete, self._root, expired)
+            report.files_bytes += freed
+            report.problems += problems
+            if problems:
+                expired = {job_id for job_id in expired if not _on_disk(self._root, job_id)}
+            report.leftovers_removed += len(expired)
 
     async def run_forever(self, *, older_than_s: float, interval_s: float) -> None:
         """Prune every `interval_s` (skipped while another process prunes); never raises but cancel."""
