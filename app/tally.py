@@ -14,6 +14,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -36,41 +37,53 @@ ATTEMPT_END: Final = frozenset({"retry_scheduled", "recovered", "released", "out
 GAP_WAIT_S: Final = 10.0
 
 
+def micros(seconds: float | Decimal) -> int:
+    """Seconds (a float, or PostgreSQL's exact numeric) as whole microseconds, timestamps' unit."""
+    return round(seconds * 1_000_000)
+
+
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """Observations in one bucket of a histogram: how many, and the sum of their values."""
+    """Observations in one bucket of a histogram: how many, and the sum of their values (µs)."""
 
     bucket: int
     count: int
-    total: float
+    total_us: int
 
     @classmethod
     def grouped(cls, bucket: int | None, count: int, total: Any) -> Observed | None:
-        """`count` values of one bucket summing to `total` (None: nothing observed)."""
-        return None if bucket is None else cls(bucket, count, float(total))
+        """`count` values of one bucket summing to `total` seconds (None: nothing observed)."""
+        return None if bucket is None else cls(bucket, count, micros(total))
 
 
 @dataclass(slots=True)
 class Buckets:
-    """One histogram's cumulative state."""
+    """One histogram's cumulative state. Its sum is kept in whole microseconds: summed as floats,
+    the history counted in SQL and the same events counted one by one differed in the last digits,
+    and a new process could serve a sum lower than its predecessor had (a reset, to Prometheus)."""
 
     bounds: Sequence[float]
     counts: list[int] = field(default_factory=list)
-    total: float = 0.0
+    total_us: int = 0
+
+    @property
+    def total(self) -> float:
+        """The sum of the observations, in seconds."""
+        return self.total_us / 1_000_000
 
     def observe(self, value: float) -> None:
         """Count one observation."""
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+        self.total_us += micros(value)
 
     def add(self, observed: Observed) -> None:
         """Count observations of one bucket (of these bounds)."""
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
         self.counts[observed.bucket] += observed.count
-        self.total += observed.total
+        self.total_us += observed.total_us
 
     def cumulative(self) -> list[tuple[str, float]]:
         """(le, count of observations <= le) pairs, ending with +Inf."""
