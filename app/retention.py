@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -210,6 +210,9 @@ class Pruner:
         for start in range(0, len(ids), self._batch):
             batch = ids[start : start + self._batch]
             report.files_bytes += await asyncio.to_thread(_files_bytes, self._root, batch)
+        async for expired in self._leftovers():  # what the sweep would remove
+            report.files_bytes += await asyncio.to_thread(_files_bytes, self._root, expired)
+            report.leftovers_removed += len(expired)
 
     async def _expire_all(self, report: PruneReport) -> None:
         while True:
@@ -225,17 +228,22 @@ class Pruner:
             if len(batch.job_ids) < self._batch:
                 return
 
-    async def _sweep(self, report: PruneReport) -> None:
-        """Delete the files of jobs already expired (a crash came between marking and deleting, or
-        an earlier prune could not delete them); count the jobs whose files are now all gone."""
+    async def _leftovers(self) -> AsyncIterator[list[uuid.UUID]]:
+        """Jobs already expired whose files are still on disk (a crash came between marking and
+        deleting, or an earlier prune could not delete them), in batches."""
         listed = await asyncio.to_thread(_jobs_on_disk, self._root)
         for start in range(0, len(listed), 1000):
-            expired = await self._manager.expiry.expired_among(listed[start : start + 1000])
+            if expired := await self._manager.expiry.expired_among(listed[start : start + 1000]):
+                yield list(expired)
+
+    async def _sweep(self, report: PruneReport) -> None:
+        """Delete the leftovers' files; count the jobs whose files are now all gone."""
+        async for expired in self._leftovers():
             freed, problems = await asyncio.to_thread(_delete, self._root, expired)
             report.files_bytes += freed
             report.problems += problems
             if problems:
-                expired = {job_id for job_id in expired if not _on_disk(self._root, job_id)}
+                expired = [job_id for job_id in expired if not _on_disk(self._root, job_id)]
             report.leftovers_removed += len(expired)
 
     async def run_forever(self, *, older_than_s: float, interval_s: float) -> None:

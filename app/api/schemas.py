@@ -382,5 +382,7 @@ class PrunePublic(BaseModel):
     files_bytes: int
     inputs_deleted: int | None = Field(description="Null in a dry run (not estimated)")
     inputs_bytes: int
-    leftovers_removed: int = Field(description="Folders of already expired jobs found and removed")
+    leftovers_removed: int = Field(
+        description="Jobs already expired whose files were found and removed (a dry run: would be)"
+    )
     job_ids: list[uuid.UUID] = Field(description="The first 1000 jobs expired")

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from app import retention
 from app.queue import sql
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
@@ -126,9 +127,14 @@ async def test_folders_left_by_a_crash_are_swept(settings, manager, make_worker,
     async with engine.begin() as conn:  # marked expired, then the process died before deleting
         await conn.execute(text("UPDATE jobs SET expired_at = now() WHERE id = :id"), {"id": job_id})
     assert folders(store.root, job_id) == ["results", "logs"]
+    on_disk = sum(retention.tree_bytes(store.root / part) for part in ("results", "logs"))
     async with api_client(settings) as http:
+        # A dry run said nothing of them (0 bytes, 0 leftovers), and the real run then freed them.
+        dry = (await http.post("/admin/prune", json={"older_than_s": WEEK_S, "dry_run": True})).json()
+        assert (dry["leftovers_removed"], dry["files_bytes"]) == (1, on_disk), dry
+        assert folders(store.root, job_id) == ["results", "logs"]
         report = (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).json()
-    assert report["jobs"] == 0 and report["leftovers_removed"] == 1
+    assert (report["jobs"], report["leftovers_removed"], report["files_bytes"]) == (0, 1, on_disk), report
     assert folders(store.root, job_id) == []
 
 
