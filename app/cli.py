@@ -92,6 +92,15 @@ def _usable_storage(settings: Settings, *, folders: bool = False) -> None:
             raise _fail(exc) from exc
 
 
+def _usable_models(settings: Settings) -> None:
+    """Exit 2 with what to fix for a models file that cannot be used, before the database starts
+    (on a fresh storage folder, the embedded one would be made and migrated first)."""
+    try:
+        modelsfile.load_registry(settings.models_file)
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+
+
 @contextlib.contextmanager
 def database(settings: Settings) -> Iterator[Settings]:
     """Settings with a database URL: the configured one, or the embedded server (migrated), which
@@ -188,6 +197,7 @@ def serve(
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes
     _usable_storage(settings, folders=True)
+    _usable_models(settings)
     code = _serve_on(settings, (host or settings.host, port if port is not None else settings.port), count)
     # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
     if code == apiserver.WORKER_FAILED and count == 1:
@@ -221,6 +231,7 @@ def worker(
     """Run a worker alone: it claims jobs that fit this host's GPUs and runs them."""
     settings = _settings()
     _usable_storage(settings, folders=True)
+    _usable_models(settings)
     try:
         with database(settings) as ready:
             ended = asyncio.run(_run_worker(ready, burst=burst))

@@ -427,3 +427,21 @@ def said_once_why(said: str, error: str) -> None:
     assert said.rindex("ERROR", 0, ended) > said.rindex("\n", 0, ended), said[-5000:]
     assert ended < said.index("Traceback") < said.index("claims refused by the test"), said[-5000:]
     assert said.strip().splitlines()[-1].startswith(error), said[-3000:]
+
+
+async def test_a_bad_models_file_is_refused_before_the_database_is_made(tmp_path):
+    """`serve` and `worker` on a fresh storage folder with a models file they cannot use created and
+    migrated the embedded database (39 MB) before they said so; they now refuse first."""
+    from tests.integration.test_client import run_cli
+
+    models = tmp_path / "models.toml"
+    models.write_text("[model.relief]\n")  # no `models` table
+    storage = tmp_path / "storage"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+    env |= {"GPUJOBS_STORAGE_DIR": str(storage), "GPUJOBS_MODELS_FILE": str(models), "GPUJOBS_GPUS": "8GiB"}
+    for args in (["serve", "--port", str(free_port())], ["worker", "--burst"]):
+        code, _, stderr = await run_cli(env, *args, timeout_s=120)
+        assert code == 2 and "Traceback" not in stderr, (args, stderr[-3000:])
+        [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert "models.toml" in line, line
+        assert not (storage / "pgdata").exists(), args
