@@ -19,6 +19,7 @@ from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsf
 
 if TYPE_CHECKING:
     from app.queue.worker import Worker
+    from app.registry import Registry
     from app.settings import Settings
 
 # The settings (pydantic-settings) and SQLAlchemy with what stands on it (app.db, app.migrate, the
@@ -92,11 +93,11 @@ def _usable_storage(settings: Settings, *, folders: bool = False) -> None:
             raise _fail(exc) from exc
 
 
-def _usable_models(settings: Settings) -> None:
-    """Exit 2 with what to fix for a models file that cannot be used, before the database starts
-    (on a fresh storage folder, the embedded one would be made and migrated first)."""
+def _usable_models(settings: Settings) -> Registry:
+    """The models file's registry; exit 2 with what to fix for one that cannot be used, before the
+    database starts (on a fresh storage folder, the embedded one would be made and migrated first)."""
     try:
-        modelsfile.load_registry(settings.models_file)
+        return modelsfile.load_registry(settings.models_file)
     except errors.AppError as exc:
         raise _fail(exc) from exc
 
@@ -197,7 +198,6 @@ def serve(
         settings = settings.model_copy(update={"run_worker": worker})
     count = processes if processes is not None else settings.api_processes
     _usable_storage(settings, folders=True)
-    _usable_models(settings)
     code = _serve_on(settings, (host or settings.host, port if port is not None else settings.port), count)
     # Several processes: a failed worker's process is started again; their exit 1 is a forced stop.
     if code == apiserver.WORKER_FAILED and count == 1:
@@ -207,19 +207,21 @@ def serve(
 
 
 def _serve_on(settings: Settings, where: tuple[str, int], count: int) -> int:
-    """Take the address, start the database, check the schema and the settings, then serve with
-    `count` API processes until stopped; the exit code."""
+    """Take the address, check the settings, start the database and check its schema, then serve
+    with `count` API processes until stopped; the exit code."""
     from app import serve as serve_
     from app.api.main import check_settings
 
     try:
         # The address first: nothing starts (the database, the worker) when it cannot be had.
-        with serve_.listen(*where) as sock, database(settings) as ready:
-            asyncio.run(_check_schema(ready.database_url or ""))
+        with serve_.listen(*where) as sock:
             # Refused here in one line, not by each API process's start-up in a traceback (and
-            # the link secret's file exists before several processes read it).
-            check_settings(ready)
-            return serve_.run(ready, count, sock)
+            # the link secret's file exists before several processes read it); before the
+            # database, which on a fresh storage folder would be made and migrated first.
+            check_settings(settings)
+            with database(settings) as ready:
+                asyncio.run(_check_schema(ready.database_url or ""))
+                return serve_.run(ready, count, sock)
     except errors.AppError as exc:
         raise _fail(exc) from exc
 
@@ -231,10 +233,10 @@ def worker(
     """Run a worker alone: it claims jobs that fit this host's GPUs and runs them."""
     settings = _settings()
     _usable_storage(settings, folders=True)
-    _usable_models(settings)
+    models = _usable_models(settings)
     try:
         with database(settings) as ready:
-            ended = asyncio.run(_run_worker(ready, burst=burst))
+            ended = asyncio.run(_run_worker(ready, models, burst=burst))
     except errors.AppError as exc:
         raise _fail(exc) from exc
     if ended == "now":  # said in the log: what it killed, and which jobs it left
@@ -246,7 +248,9 @@ def worker(
         raise typer.Exit(1)
 
 
-async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "now", "by itself", "failed"]:
+async def _run_worker(
+    settings: Settings, models: Registry, *, burst: bool
+) -> Literal["asked", "now", "by itself", "failed"]:
     """Run a worker until it stops: asked to (SIGTERM, SIGINT), asked again (stopped at once), by
     itself (burst mode's end, or a side task that died), or failed (it raised, logged here). A
     worker that cannot start raises."""
@@ -263,7 +267,7 @@ async def _run_worker(settings: Settings, *, burst: bool) -> Literal["asked", "n
             settings,
             manager=JobManager(engine, queue_engine=queue_engine, quarantine_after=settings.quarantine_after),
             store=storage.ResultStore(settings.storage_dir),
-            models=modelsfile.load_registry(settings.models_file),
+            models=models,
             listen_dsn=db.asyncpg_dsn(url),
             burst=burst,
         )
