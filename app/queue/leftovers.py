@@ -103,23 +103,22 @@ async def kill_adopted(worker_id: str, live: Callable[[], Set[str]], *, job: Job
 def is_model_of(pid: int, job_id: object, attempt: int | None = None) -> bool:
     """True if `pid` is a model process started for `job_id` (guards against pid reuse), for its
     run `attempt` if given."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return _run_of(job_id, attempt)(environ)
+    environ = _environ(pid)
+    return environ is not None and _run_of(job_id, attempt)(environ)
 
 
-def _is_runner_of(pid: int, worker_id: str | None) -> bool:
-    """True if `pid` is a warm runner `worker_id` started (a job's recorded pid is its runner's:
-    the runner carries its worker's marker, not the job's). Its pid is its process group's."""
-    if worker_id is None:
-        return False
+def _a_runner_of(worker_id: str | None, environ: bytes) -> bool:
+    """Whether `environ` is that of a warm runner `worker_id` started (a job's recorded pid is its
+    runner's: the runner carries its worker's marker, not the job's)."""
+    return worker_id is not None and (_origin(worker_id)(environ) or "").startswith("runner ")
+
+
+def _environ(pid: int) -> bytes | None:
+    """The environment `pid` started with, if it may be read (None: gone, or another user's)."""
     try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return False
-    return (_origin(worker_id)(environ) or "").startswith("runner ")
+        return None
 
 
 def find_models(job_id: object, attempt: int | None = None) -> set[int]:
@@ -227,10 +226,14 @@ async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) 
     run's, or the warm runner it was running in (its recorded pid, a runner of that worker)."""
     if taken.host != host:
         return False
-    if taken.pid is not None and (
-        is_model_of(taken.pid, taken.id, taken.attempt) or _is_runner_of(taken.pid, taken.worker_id)
+    pid = taken.pid
+    environ = None if pid is None else _environ(pid)
+    if (
+        pid is not None
+        and environ is not None
+        and (_run_of(taken.id, taken.attempt)(environ) or _a_runner_of(taken.worker_id, environ))
     ):
-        groups = {taken.pid}
+        groups = {pid}  # a runner's pid is its process group's
     else:
         groups = await asyncio.to_thread(find_models, taken.id, taken.attempt)
     return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0
