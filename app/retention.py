@@ -118,7 +118,7 @@ def _delete(root: Path, job_ids: Collection[uuid.UUID]) -> tuple[int, list[str]]
     paths = job_files(root, job_ids)
     before = paths_bytes(paths)
     problems = [problem for path in paths if (problem := _remove(path, root)) is not None]
-    return before - paths_bytes(paths), problems
+    return before - (paths_bytes(paths) if problems else 0), problems  # all gone, but for links
 
 
 def _on_disk(root: Path, job_id: uuid.UUID) -> bool:
