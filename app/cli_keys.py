@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from app import errors
+from app import errors, sigterm
 
 if TYPE_CHECKING:
     from app import auth
@@ -60,13 +60,28 @@ def create(
     from app.auth import Role
 
     role = Role.admin if admin else Role.user
-    made = _with_store(lambda store: store.create(name, role=role))
-    typer.echo(made.secret)
+    made, held = _with_store(lambda store: _made_and_shown(store, name, role))
     typer.echo(
         f"created {made.info.role} key {made.info.id} ({made.info.prefix}...) for {made.info.principal!r}; "
         "it is shown only now: send it as `Authorization: Bearer <key>`",
         err=True,
     )
+    if held is not None:
+        raise typer.Exit(128 + held)  # interrupted while the key was stored: shown, then ended by it
+
+
+async def _made_and_shown(store: auth.KeyStore, name: str, role: auth.Role) -> tuple[auth.NewKey, int | None]:
+    """Store a key and print it, with Ctrl-C and SIGTERM held off in between: a key stored and not
+    yet printed would be lost (stored, unseen, usable by no one). The key is printed at once, before
+    the database closes. Returns the key and the signal held, if one came."""
+    with sigterm.interrupts_held(
+        "the key is being stored and will be printed once the database has it; Ctrl-C again gives up",
+        "gave up; the key may be stored without having been shown: `gpujobs keys list` shows it, "
+        "`gpujobs keys revoke ID` revokes it",
+    ) as held:
+        made = await store.create(name, role=role)
+        typer.echo(made.secret)
+    return made, held()
 
 
 @keys.command("list")

@@ -1,12 +1,16 @@
 """SIGTERM as an exit through Python, so that `finally` blocks run: the embedded PostgreSQL a
-command started is stopped, a half-downloaded file is removed."""
+command started is stopped, a half-downloaded file is removed. And interrupts held off for a step
+that must not be cut in two."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -30,3 +34,37 @@ def exit_on_sigterm() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGHUP, previous[1])
+
+
+@contextlib.contextmanager
+def interrupts_held(first: str, second: str) -> Iterator[Callable[[], int | None]]:
+    """Hold off SIGINT and SIGTERM while a step that must not be cut in two runs (a key stored and
+    not yet shown). The first one is noted, and `first` is said on stderr after its name; the step
+    goes on. Another one is said with `second` and handled as it would have been. Yields a function
+    that tells which signal was held (None for none), so the caller can end by it afterwards."""
+    held: list[int] = []
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if not held:
+            held.append(signum)
+            sys.stderr.write(f"{name}: {first}\n")
+            return
+        sys.stderr.write(f"{name}: {second}\n")
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        else:  # the default action: restored, and the signal sent again
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # An ignored signal stays so; None: a handler not set from Python, which cannot be put back.
+    taken = [s for s, handler in previous.items() if handler not in (signal.SIG_IGN, None)]
+    for s in taken:
+        signal.signal(s, hold)
+    try:
+        yield lambda: held[0] if held else None
+    finally:
+        for s in taken:
+            signal.signal(s, previous[s])
