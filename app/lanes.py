@@ -3,7 +3,9 @@ root, each holding a job's input image and its model's `out/` folder while it ru
 
 A worker's lanes are reused job after job, emptied between; a crash leaves at most a lane's
 files, which the worker removes when it starts again (`Lanes.reset`), as it does when it stops.
-A lane's input is made 0600 (app/folders.py for the other modes).
+Until then, another worker's reap round removes them (`Lanes.sweep`): while it runs, a worker
+holds the lock file beside its lanes (app/presence.py). A lane's input is made 0600
+(app/folders.py for the other modes).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from app import folders
+from app import folders, presence
 
 
 class Lanes:
@@ -25,6 +27,7 @@ class Lanes:
         self.scratch = scratch
         self._made: set[Path] = set()  # lanes known to exist
         self._inputs: dict[Path, str] = {}  # lane -> its input file, kept for the next job to overwrite
+        self._held: dict[str, presence.Presence] = {}  # the lock of each worker here, by id
 
     def folder(self, owner: str) -> Path:
         """The folder of every lane of a worker."""
@@ -124,6 +127,28 @@ class Lanes:
             folders.remove_tree(self.folder(owner))
         self._made.clear()
         self._inputs.clear()
+
+    def hold(self, owner: str) -> bool:
+        """At `owner`'s start, before `reset`: take the lock that keeps other workers' sweeps off
+        its lanes (a few seconds at most, while a sweep removes what its previous life left).
+        False if it cannot be had: the lanes are then left to `owner` alone, as before locks."""
+        held = self._held.setdefault(owner, presence.Presence(self.folder(owner), owner))
+        try:
+            return held.held or held.take()
+        except OSError:  # no flock on this file system
+            return False
+
+    def leave(self, owner: str) -> None:
+        """At `owner`'s stop: its lanes removed, then its lock."""
+        self.reset(owner)
+        held = self._held.pop(owner, None)
+        if held is not None:
+            held.leave()
+
+    def sweep(self, also: Callable[[str], None]) -> list[str]:
+        """Remove the lanes of workers that are gone, and what `also(their id)` removes: their
+        ids (app/presence.py)."""
+        return presence.sweep(self.scratch, also)
 
 
 def _safe_name(name: str) -> str:

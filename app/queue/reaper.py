@@ -103,6 +103,12 @@ class Reaper:
                 },
             )
         await drop_dead_attempts(self._store, taken)
+        # After the kills above: a killed worker's model may still run in its lane until then.
+        for gone in await asyncio.to_thread(self._store.lanes.sweep, self._store.drop_runner_temps):
+            log.info(
+                "removed the lanes of a worker that is gone",
+                extra={"action": "lanes_swept", "worker": self._config.worker_id, "lost_worker": gone},
+            )
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
         for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})

@@ -58,7 +58,7 @@ class Shutdown:
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
-        self._store.lanes.reset(self._config.worker_id)  # the last inputs are not left on disk
+        self._store.lanes.leave(self._config.worker_id)  # the last inputs are not left on disk
         with contextlib.suppress(Exception):
             await self._manager.fleet.set_worker_state(self._config.worker_id, "stopped")
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self._config.worker_id})
@@ -76,5 +76,5 @@ class Shutdown:
         await self._pool.close_all(attempt_.SHUTDOWN)
         # Only now: no old run may overlap a new attempt elsewhere.
         await self._hand_back.release_stopped(left)
-        self._store.lanes.reset(self._config.worker_id)
+        self._store.lanes.leave(self._config.worker_id)
         log.info("worker stopped", extra={"action": "worker_stopped", "worker": self._config.worker_id})

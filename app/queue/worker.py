@@ -247,9 +247,21 @@ class Worker:
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
         await self.reaper.take_back_own()
+        await self._hold_lanes()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         self._store.drop_runner_temps(self.id)  # and its runners' temporary folders
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
+
+    async def _hold_lanes(self) -> None:
+        """Lock this worker's lanes for its life, so that other workers' sweeps leave them alone
+        until it is gone (app/presence.py)."""
+        if not await asyncio.to_thread(self._store.lanes.hold, self.id):
+            folder = self._store.lanes.folder(self.id)
+            log.warning(
+                "could not lock this worker's lanes: if it is killed, what it leaves there stays until "
+                "it starts again",
+                extra={"action": "lanes_unlocked", "worker": self.id, "folder": str(folder)},
+            )
 
     # -- claiming -------------------------------------------------------------------------
 

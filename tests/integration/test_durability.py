@@ -92,6 +92,29 @@ async def test_kill_9_mid_job_completes_on_another_worker(manager, spawn_worker,
     assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the orphan never finished
 
 
+async def test_the_lanes_of_a_worker_killed_for_good_are_removed_by_another_worker(manager, spawn_worker, store):
+    """A worker killed mid-job left its lane, the job's input image in it, until a worker of its id
+    started again on the host, which may be never. Another worker's reap round now removes it once
+    the killed worker is gone (its lock let go), and leaves a live worker's lanes alone."""
+    job_id = await enqueue(manager, sleep=30, steps=2)
+    first = spawn_worker("a")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    assert job.worker_id is not None
+    lanes = store.lanes.folder(job.worker_id)
+    assert [p.name for p in lanes.glob("*/*") if p.is_file()]  # the input
+    spawn_worker("b")
+    await until(manager, job_id, lambda j: True)  # a round trip, then a few of b's reap rounds
+    await asyncio.sleep(4 * 0.5)
+    assert lanes.is_dir()  # a is alive: kept
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    deadline = time.monotonic() + 15
+    while lanes.exists():
+        assert time.monotonic() < deadline, "the killed worker's lanes are still there"
+        await asyncio.sleep(0.1)
+    assert not (store.lanes.scratch / (lanes.name + ".lock")).exists()
+
+
 async def test_kill_9_and_restart_requeues_at_once(manager, spawn_worker):
     job_id = await enqueue(manager, sleep=4, steps=2)
     first = spawn_worker("same", lease_s=60, heartbeat_interval_s=5)
