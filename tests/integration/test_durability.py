@@ -92,7 +92,7 @@ async def test_kill_9_mid_job_completes_on_another_worker(manager, spawn_worker,
     assert [r["job"] for r in trace(log)] == [f"{job_id}:2"]  # the orphan never finished
 
 
-async def test_the_lanes_of_a_worker_killed_for_good_are_removed_by_another_worker(manager, spawn_worker, store):
+async def test_the_lanes_of_a_worker_killed_for_good_are_removed_by_another(manager, spawn_worker, store):
     """A worker killed mid-job left its lane, the job's input image in it, until a worker of its id
     started again on the host, which may be never. Another worker's reap round now removes it once
     the killed worker is gone (its lock let go), and leaves a live worker's lanes alone."""

@@ -38,7 +38,9 @@ def workers(tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[str]]]:
     started: dict[str, subprocess.Popen[str]] = {}
     for worker in ("host:a", "host:b"):
         process = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(tmp_path / "storage"), worker], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", HOLDER, str(tmp_path / "storage"), worker],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert process.stdout is not None and process.stdout.readline() == "holding\n"
         started[worker] = process
