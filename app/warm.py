@@ -94,6 +94,7 @@ class WarmRunner:
         # The one line awaited now (ready, or the job's final reply) came: any further line before
         # the next job is out of turn, and ends the runner rather than answer that job.
         self._answered = False
+        self._heard = False  # the job in flight had progress: the runner took it
         self._out_of_turn: str | None = None  # such a line, when it came before start() returned
 
     @property
@@ -206,8 +207,9 @@ class WarmRunner:
         # Its task (a slow callback must not hold up the answer) runs in the context of this job's
         # task, where it is made: not in the reader's, which no job owns.
         self._progress = progress.ProgressFeed(on_progress, f"warm-progress-{self.pid}")
-        self._answered = False
+        self._answered = self._heard = False
         self._stderr_ended.clear()
+        reused = self.jobs_done > 0
         job_log.note(f"job {job} sent to warm runner pid {self.pid} ({self.launch.name})")
         try:
             judged = await self._exchange(job, line, started + timeout_s, timeout_s)
@@ -223,6 +225,8 @@ class WarmRunner:
             if self.state is RunnerState.RUNNING:
                 self.state = RunnerState.IDLE  # out-of-turn lines from here on end the runner
         await self._settle(job, *judged[:2])
+        if reused and self._gone_before_the_job(judged):
+            judged = (warmresult.Outcome.GONE, warmresult.GONE_BEFORE, ())
         self._job = None
         if self._progress is not None:  # all of it reaches the callback before run_job() returns
             feed, self._progress = self._progress, None
@@ -238,6 +242,14 @@ class WarmRunner:
                     await asyncio.wait_for(self._stderr_ended.wait(), _STDERR_SETTLE_S)
         else:
             await asyncio.shield(self._end(f"job {job}: {error}"))
+
+    def _gone_before_the_job(self, judged: warmresult.Judged) -> bool:
+        """Whether the runner, idle after its last job, ended on its own before it took this one: a
+        runner may exit 0 between jobs (one that retires itself after some), and its exit can reach
+        the worker after the next job was written to it. Told by EOF as the first and only word
+        about the job, and exit code 0 (once `_settle` reaped it): no model ran the job."""
+        assert self._proc is not None
+        return judged[1] == warmresult.EXITED_DURING and not self._heard and self._proc.returncode == 0
 
     def _result(self, log: RunLog, judged: warmresult.Judged, took_s: float) -> warmresult.WarmResult:
         """Close the job's log and describe the job's end."""
@@ -312,6 +324,7 @@ class WarmRunner:
         """Pass a job's progress on, hand anything else on; False for a protocol violation."""
         job = None if self._answered else self._job  # progress after the job's answer is out of turn
         if isinstance(event, modelkit.Progress) and job is not None and event.job == job[0]:
+            self._heard = True
             job[1].write(f"PROGRESS {event.fraction:.3f} {event.message}\n".encode())
             if self._progress is not None:
                 self._progress.put(event.fraction, event.message)

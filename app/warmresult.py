@@ -12,6 +12,8 @@ from app import modelkit
 
 Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation, or EOF
 EXITED_LOADING = "exited while loading"
+EXITED_DURING = "the runner exited during the job"
+GONE_BEFORE = "the runner had exited, idle, before it took the job"
 
 
 class StartFailed(Exception):
@@ -32,6 +34,7 @@ class Outcome(StrEnum):
     BAD_INPUT = "bad_input"
     OOM = "oom"
     CRASHED = "crashed"  # the runner died or broke the protocol
+    GONE = "gone"  # an idle runner had exited on its own before it took the job: nothing ran it
     TIMED_OUT = "timed_out"
     STOPPED = "stopped"
 
@@ -79,7 +82,7 @@ def judge(event: Event | Outcome, job: str, *, stop_reason: str | None, timeout_
     if event is Outcome.TIMED_OUT:
         return event, f"timed out after {timeout_s:g} s", ()
     if event is None:
-        return Outcome.CRASHED, "the runner exited during the job", ()
+        return Outcome.CRASHED, EXITED_DURING, ()
     if isinstance(event, str):
         return Outcome.CRASHED, f"protocol error: {event}", ()
     if isinstance(event, modelkit.Failed) and event.protocol:

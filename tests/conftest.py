@@ -241,6 +241,7 @@ def warm_model(name: str, loads: Path, *, idle_vram_mb: int = 1000, timeout_s: f
             ("junk", "bool", "false"),
             ("noise_kb", "int", "0"),
             ("temp", "bool", "false"),
+            ("retire_ms", "int", "-1"),
         )
     )
     return f"""

@@ -30,6 +30,9 @@ EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 CANCELED = "canceled"
 LEASE_LOST = "lease lost"
 SHUTDOWN = "worker shutting down"
+# Runners a warm job may be given in turn while each is found gone before it took the job
+# (warmresult.Outcome.GONE); past that, the last one's end is judged as a crash.
+GONE_TRIES = 3
 # Claimed while another job's files failed to be written: claims pause, and it goes back, unrun.
 PAUSED = "claims paused: the worker's storage is unusable"
 
@@ -309,12 +312,36 @@ class Attempt:
         self, input_path: Path, out_dir: Path, log_path: Path, params: Mapping[str, registry.Value]
     ) -> verdict.Write | None:
         """Run the job in a warm runner of its model on its GPU: an idle one, else a new one or the
-        first busy one to come free (app/warmpool.py). Stopped while it waits, it runs nothing."""
+        first busy one to come free (app/warmpool.py). Stopped while it waits, it runs nothing. A
+        runner found gone before it took the job (it exited, idle, as the job was sent) cost the job
+        nothing: it goes to another runner, up to GONE_TRIES runners in all."""
         assert self._site.pool is not None
         job, config = self.job, self._site.config
         run = warmrun.WarmRun(
             job, self.spec, self._site.pool, self._site.store, config.worker_id, config.python
         )
+        request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, params)
+        for _ in range(GONE_TRIES):
+            ran = await self._in_a_runner(run, request, log_path)
+            if not isinstance(ran, tuple) or ran[0].outcome is not warmresult.Outcome.GONE:
+                break
+            log.info(
+                "the warm runner given the job had exited before it took it: another runner runs it",
+                extra={"action": "runner_gone", "job_id": str(job.id), "attempt": job.attempt},
+            )
+        if not isinstance(ran, tuple):
+            return ran
+        result, about = ran
+        stopped = self._stopped_by(result.stopped)
+        if stopped is not None or result.outcome is warmresult.Outcome.STOPPED:
+            return self._stopped_outcome(stopped or CANCELED)
+        return await self._verdict.of_warm(result, out_dir, about, self._watch.peak_mb)
+
+    async def _in_a_runner(
+        self, run: warmrun.WarmRun, request: modelkit.Request, log_path: Path
+    ) -> tuple[warmresult.WarmResult, dict[str, Any]] | verdict.Write | None:
+        """The job run in one runner, with what its success event will say of that runner; or the
+        write for a runner that could not be had."""
         try:
             runner = await run.acquire(give_up=self._stopped)
         except warmpool.GaveUp:
@@ -324,7 +351,6 @@ class Attempt:
         except OSError as exc:  # a new runner's temporary folder (app/storage.py): this host's trouble
             return self._verdict.storage_failed(f"could not make the runner's temporary folder: {exc}")
         about = warmrun.about(runner)
-        request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, params)
         self._runner = runner
         try:
             if self._stop_reason is not None:
@@ -334,10 +360,7 @@ class Attempt:
             )
         finally:
             self._runner = None
-        stopped = self._stopped_by(result.stopped)
-        if stopped is not None or result.outcome is warmresult.Outcome.STOPPED:
-            return self._stopped_outcome(stopped or CANCELED)
-        return await self._verdict.of_warm(result, out_dir, about, self._watch.peak_mb)
+        return result, about
 
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""

@@ -120,7 +120,7 @@ class Verdict:
         self, result: warmresult.WarmResult, out_dir: Path, about: Mapping[str, Any], peak_mb: int | None
     ) -> Write:
         """The final write for a job run in a warm runner, not stopped."""
-        if result.outcome in (warmresult.Outcome.FAILED, warmresult.Outcome.CRASHED):
+        if result.outcome in (warmresult.Outcome.FAILED, warmresult.Outcome.CRASHED, warmresult.Outcome.GONE):
             # The error last: its line, the model's own words, is the one quoted (the last found).
             trouble = await self.disk_trouble(result.log_tail, result.error or "")
             if trouble is not None:
@@ -137,7 +137,7 @@ class Verdict:
                 return self.failure(
                     f"timed out after {self._spec.timeout_s:g} s", retryable=True, timed_out=True
                 )
-            case warmresult.Outcome.CRASHED:
+            case warmresult.Outcome.CRASHED | warmresult.Outcome.GONE:
                 return self.failure(
                     f"the warm runner died: {error}\n{result.log_tail}".strip(),
                     retryable=True,

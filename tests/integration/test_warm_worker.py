@@ -131,6 +131,20 @@ async def test_a_runner_that_dies_mid_job_is_restarted_and_the_job_retried(manag
     assert job.abnormal_runs == 1
 
 
+async def test_a_runner_that_retires_between_jobs_costs_the_next_job_nothing(manager, make_worker, tmp_path):
+    """Each runner answers one job, then exits 0 a moment later without taking another, as a
+    runner that retires itself between jobs does. The next job was written to it before its exit
+    was seen, and was judged a crash of its run: an attempt spent and a strike towards quarantine,
+    for a job no model ever read. Now such a job goes to another runner."""
+    ids = [await enqueue(manager, model="warm_a", vram_mb=2000, steps=0, retire_ms=300) for _ in range(3)]
+    await make_worker(max_jobs_per_gpu=1).run()
+    jobs = [await manager.get(i) for i in ids]
+    assert [(j.state, j.attempt, j.abnormal_runs) for j in jobs] == [(JobState.succeeded, 1, 0)] * 3
+    assert len(loads(tmp_path, "warm_a")) == 3  # one runner a job
+    for i in ids:
+        assert "retry_scheduled" not in [e.kind for e in await manager.events(i)]
+
+
 async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_one(
     manager, make_worker, tmp_path
 ):

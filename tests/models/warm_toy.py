@@ -6,7 +6,8 @@ sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a 
 group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
 to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail, fill_kb
 (write a file of that many KiB), temp (make a temporary file, its path written to the loads file's
-name + ".temp"). Writes out.txt.
+name + ".temp"), retire_ms (once the job is answered, exit 0 that many ms later, taking no other
+job meanwhile: a runner that retires itself between jobs). Writes out.txt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from app import modelkit
 
 LOADS: Path | None = None  # --loads
+RETIRING = threading.Event()  # a job asked this runner to retire once it answered
 
 
 class OutOfMemoryError(RuntimeError):
@@ -45,6 +47,8 @@ def load(loads: Path | None, sleep_s: float, fail: bool) -> dict[str, int]:
 def handle(model: dict[str, int], job: modelkit.Job) -> None:
     """Do what the params ask."""
     params = job.params
+    while RETIRING.is_set():  # a job sent to a runner about to exit: never taken
+        time.sleep(0.05)
     if params.get("temp") and LOADS is not None:  # where the runner's temporary files go
         fd, made = tempfile.mkstemp(prefix="warm_toy-")
         os.close(fd)
@@ -78,6 +82,9 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
     if params.get("fill_kb"):  # a large output: on a full disk, the write fails (ENOSPC)
         (job.output_dir / "fill.bin").write_bytes(bytes(int(params["fill_kb"]) * 1024))
     (job.output_dir / "out.txt").write_text(f"{job.id} pid {model['pid']} input {job.input.name}\n")
+    if int(params.get("retire_ms", -1)) >= 0:  # the kit answers once this returns
+        RETIRING.set()
+        threading.Timer(int(params["retire_ms"]) / 1000, os._exit, (0,)).start()
 
 
 def main() -> int:
