@@ -115,13 +115,29 @@ def _staged(out_dir: Path, staging: Path, spec: ExpectedOutput) -> FoundOutput |
                 else:
                     os.unlink(path)
         if spec.required:
-            raise OutputInvalid(f"output {spec.name!r} was not written")
+            raise OutputInvalid(f"output {spec.name!r} {_not_a_file(info)}")
         return None
+    if info.st_nlink > 1:  # a second name elsewhere: whoever holds it could change the file served
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise OutputInvalid(
+            f"output {spec.name!r} is a hard link (the file has {info.st_nlink} names): the run must "
+            "write its outputs, or copy them, into its output folder"
+        )
     if info.st_size == 0:
         raise OutputInvalid(f"output {spec.name!r} is empty")
     if info.st_size > spec.max_bytes:
         raise OutputInvalid(f"output {spec.name!r} is {info.st_size} bytes, over the {spec.max_bytes} cap")
     return FoundOutput(spec, path, info.st_size)
+
+
+def _not_a_file(info: os.stat_result | None) -> str:
+    """Why a declared output is not one, in words."""
+    if info is None:
+        return "was not written"
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link, not a file (links are never followed)"
+    return "is a folder, not a file" if stat.S_ISDIR(info.st_mode) else "is not a regular file"
 
 
 def full_disk_line(text: str) -> str | None:

@@ -40,9 +40,17 @@ def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
     return random.uniform(ceiling / 2, ceiling)
 
 
+# The most of a model's words an error keeps (a warm runner's error, which the runner writes as it
+# likes: app/modelkit.py cuts its own at the same length). A 900 KiB error made the job's JSON 900
+# KB, and its history twice that. A one-shot run's error quotes its log's tail (runlog.TAIL_BYTES).
+ERROR_CHARS = 8192
+
+
 def storable(text: str) -> str:
     """A model's words as PostgreSQL can store them: a NUL (which no text column nor jsonb takes,
-    and which failed the whole final write) becomes U+FFFD."""
+    and which failed the whole final write) becomes U+FFFD; cut to ERROR_CHARS, saying so."""
+    if len(text) > ERROR_CHARS:
+        text = f"{text[:ERROR_CHARS]}\n[cut: {len(text):,} characters in all]"
     return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,31 @@ def test_outputs_behind_an_out_folder_replaced_by_a_link_are_refused_and_left_in
     with pytest.raises(storage.OutputInvalid, match="not a folder"):
         store.stage(uuid.uuid4(), 1, lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
     assert (victim / "mesh.glb").read_bytes() == b"not the model's output"
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda out, kept: os.symlink(kept, out), "is a symbolic link, not a file"),
+        (lambda out, kept: os.mkdir(out), "is a folder, not a file"),
+        (lambda out, kept: os.mkfifo(out), "is not a regular file"),
+        (lambda out, kept: os.link(kept, out), "is a hard link (the file has 2 names)"),
+    ],
+    ids=["symlink", "folder", "fifo", "hardlink"],
+)
+def test_an_output_that_is_no_file_of_the_runs_own_is_refused_and_said_so(tmp_path: Path, make, said):
+    """A link said "was not written", and a hard link to a file a warm runner keeps was published:
+    the runner could change the file served after its sha256 was recorded. The file it names is
+    left alone."""
+    store = storage.ResultStore(tmp_path / "storage")
+    kept = tmp_path / "kept.glb"
+    kept.write_bytes(b"the runner's own file")
+    lane = store.lanes.path("w", 0)
+    store.lanes.prepare(lane, "input.png", b"x")
+    make(lane / "out" / "mesh.glb", kept)
+    with pytest.raises(storage.OutputInvalid, match=re.escape(f"output 'mesh.glb' {said}")):
+        store.stage(uuid.uuid4(), 1, lane / "out", [storage.ExpectedOutput("mesh.glb", "model/gltf-binary")])
+    assert kept.read_bytes() == b"the runner's own file" and os.stat(kept).st_nlink == 1
 
 
 def test_outputs_are_hashed_where_no_writer_by_the_lanes_path_reaches_them(tmp_path: Path):
