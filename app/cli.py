@@ -149,8 +149,17 @@ def _connection_errors(url: str) -> Iterator[None]:
         else:
             raise
         reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        typer.echo(f"error: {what} at {logs.mask(url)}: {reason}", err=True)
+        typer.echo(f"error: {what} at {_shown(url)}: {reason}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _shown(url: str) -> str:
+    """A database URL as a message may show it: its password (in the user part or the query) masked."""
+    from sqlalchemy.engine import make_url
+
+    with contextlib.suppress(Exception):  # only shown: the mask below applies all the same
+        url = make_url(url).render_as_string(hide_password=True)
+    return logs.mask(url)
 
 
 async def _check_schema(url: str) -> None:

@@ -34,7 +34,9 @@ _CONTEXT: Final[dict[str, contextvars.ContextVar[Any]]] = {
 
 FORMATS: Final = ("text", "json")
 _SECRET_NAME = re.compile(r"key|secret|password|passwd|token|authorization|sig$|signature", re.IGNORECASE)
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")  # the user name may be empty
+# The user name may be empty. The password runs to the authority's `@`: a URL as SQLAlchemy renders
+# it keeps spaces and `+` unescaped (a password with a space was printed whole), not `@` nor `/`.
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@/]+@")
 # A URL's query can carry a secret too: libpq and asyncpg take `?password=`, signed links `&sig=`.
 _QUERY_SECRET = re.compile(r"([?&](?:ssl)?(?:password|sig)=)[^&#\s]+", re.IGNORECASE)
 _API_KEY = re.compile(r"\bgpj_[A-Za-z0-9_-]{8,}")  # app.auth's key format

@@ -57,6 +57,8 @@ def test_a_database_password_is_masked_however_the_url_gives_it(settings):
     for url in (
         "postgresql://gpujobs@127.0.0.1:9/gpujobs?password=hunter2",
         "postgresql://:hunter2@127.0.0.1:9/gpujobs",
+        "postgresql://gj:hunter2%20x%2B%40@127.0.0.1:9/gpujobs",  # a space: it was printed whole
+        "postgresql://g%20j:hunter2@127.0.0.1:9/gpujobs",
     ):
         env = {**worker_env(settings, "masked"), "GPUJOBS_DATABASE_URL": url}
         done = subprocess.run(
@@ -69,9 +71,12 @@ def test_a_database_password_is_masked_however_the_url_gives_it(settings):
 def test_mask_covers_passwords_keys_and_link_signatures_in_any_message():
     line = logs.mask(
         "postgres://:pw1@db/x postgresql://u@db/x?password=pw2&sslpassword=pw3 "
-        "/files/j/mesh.glb?exp=1700000000&sig=c2lnbmF0dXJl gpj_abcdefghijkl"
+        "/files/j/mesh.glb?exp=1700000000&sig=c2lnbmF0dXJl gpj_abcdefghijkl "
+        "postgresql+asyncpg://u:pw4 with+space@db:5432/x"
     )
-    assert not any(secret in line for secret in ("pw1", "pw2", "pw3", "c2lnbmF0dXJl", "abcdefgh")), line
+    secrets = ("pw1", "pw2", "pw3", "c2lnbmF0dXJl", "abcdefgh", "pw4", "with+space")
+    assert not any(secret in line for secret in secrets), line
+    assert "postgresql+asyncpg://u:***@db:5432/x" in line
     assert "password=***" in line and "sig=***" in line and "exp=1700000000" in line
 
 
