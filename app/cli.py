@@ -130,6 +130,8 @@ DISPOSE_NOW_S = 2.0
 
 # SQLSTATE classes of a connection PostgreSQL turned away: 28 (authentication), 3D (no such database).
 _REFUSED_CLASSES = ("28", "3D")
+# SQLSTATE of a statement the database user has no right to (on a table, or CREATE on a schema).
+_NO_RIGHT = "42501"
 
 
 @contextlib.contextmanager
@@ -146,11 +148,19 @@ def _connection_errors(url: str) -> Iterator[None]:
             what = "cannot reach the database"
         elif isinstance(code, str) and code[:2] in _REFUSED_CLASSES:
             what = "the database refused the connection"
+        elif code == _NO_RIGHT:
+            what = f'the database user {_user(url)!r} lacks a right it needs (docs/operations.md, "The database user")'
         else:
             raise
         reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         typer.echo(f"error: {what} at {_shown(url)}: {reason}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _user(url: str) -> str | None:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).username
 
 
 def _shown(url: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import httpx
 import pytest
@@ -178,6 +179,33 @@ async def test_keys_on_a_database_never_migrated_says_to_migrate(server_url, tmp
             assert code == 2 and stdout == "" and "Traceback" not in stderr, (args, stderr[-3000:])
             [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
             assert "schema is at nothing" in line and "run `gpujobs migrate`" in line, line
+
+
+async def test_a_database_user_without_the_rights_it_needs_is_told_in_one_line(settings, tmp_path):
+    """A role that may not read gpujobs's tables (or, for `migrate`, create them: PostgreSQL 15 and
+    later give no CREATE on schema public to a role that does not own the database) got a
+    traceback of 450 to 620 lines, exit 1."""
+    from sqlalchemy.engine import make_url
+
+    from tests import dbadmin
+    from tests.integration.test_client import run_cli
+
+    role = f"gj_norights_{uuid.uuid4().hex[:8]}"
+    url = settings.database_url or ""
+    await dbadmin.admin(url, f"CREATE ROLE {role} LOGIN PASSWORD 'pw'", "REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    try:
+        as_role = make_url(url).set(username=role, password="pw").render_as_string(hide_password=False)
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
+        env["GPUJOBS_DATABASE_URL"] = as_role
+        env["GPUJOBS_STORAGE_DIR"] = str(tmp_path / "storage")
+        for args in (["keys", "list"], ["migrate"], ["serve", "--port", str(free_port())]):
+            code, _, stderr = await run_cli(env, *args, timeout_s=60)
+            assert code == 2 and "Traceback" not in stderr, (args, stderr[-3000:])
+            [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+            assert f"the database user {role!r} lacks a right" in line and "permission denied" in line, line
+            assert "pw" not in line.replace("permission", ""), line
+    finally:
+        await dbadmin.admin(url, f"DROP OWNED BY {role}", f"DROP ROLE {role}")
 
 
 async def test_a_storage_dir_that_cannot_be_used_is_named(settings, tmp_path):
