@@ -149,7 +149,7 @@ def _connection_errors(url: str) -> Iterator[None]:
         elif isinstance(code, str) and code[:2] in _REFUSED_CLASSES:
             what = "the database refused the connection"
         elif code == _NO_RIGHT:
-            what = f'the database user {_user(url)!r} lacks a right it needs (docs/operations.md, "The database user")'
+            what = f"the database user {_user(url)!r} lacks a right it needs (docs/operations.md)"
         else:
             raise
         reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]

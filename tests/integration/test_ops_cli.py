@@ -192,7 +192,9 @@ async def test_a_database_user_without_the_rights_it_needs_is_told_in_one_line(s
 
     role = f"gj_norights_{uuid.uuid4().hex[:8]}"
     url = settings.database_url or ""
-    await dbadmin.admin(url, f"CREATE ROLE {role} LOGIN PASSWORD 'pw'", "REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    await dbadmin.admin(
+        url, f"CREATE ROLE {role} LOGIN PASSWORD 'pw'", "REVOKE CREATE ON SCHEMA public FROM PUBLIC"
+    )
     try:
         as_role = make_url(url).set(username=role, password="pw").render_as_string(hide_password=False)
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "COLUMNS": "400"}
