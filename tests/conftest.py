@@ -242,6 +242,7 @@ def warm_model(name: str, loads: Path, *, idle_vram_mb: int = 1000, timeout_s: f
             ("noise_kb", "int", "0"),
             ("temp", "bool", "false"),
             ("retire_ms", "int", "-1"),
+            ("daemon", "bool", "false"),
         )
     )
     return f"""

@@ -138,21 +138,22 @@ def find_worker_models(worker_id: str) -> set[int]:
 def find_marked(worker_id: str) -> dict[int, str]:
     """The process groups of every process `worker_id`'s runs and runners started, each with
     what started it: `run <job id>:<attempt>` (GPUJOBS_WORKER, and GPUJOBS_JOB) or
-    `runner <model>:<gpu>` (GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>`)."""
+    `runner <model>:<gpu>#<n>` (GPUJOBS_RUNNER `<worker_id>:<model>:<gpu>#<n>`, the worker's n-th
+    runner; earlier versions wrote no `#<n>`)."""
     return _scan(_origin(worker_id))
 
 
 def _origin(worker_id: str) -> Callable[[bytes], str | None]:
     """What started a process, from its environment, as `find_marked` names it: `run <job
-    id>:<attempt>`, `runner <model>:<gpu>`, or None (not `worker_id`'s)."""
+    id>:<attempt>`, `runner <model>:<gpu>#<n>`, or None (not `worker_id`'s)."""
     worker, runner_ = f"GPUJOBS_WORKER={worker_id}".encode(), f"GPUJOBS_RUNNER={worker_id}:".encode()
     job = b"GPUJOBS_JOB="
 
     def origin(environ: bytes) -> str | None:
         variables = environ.split(b"\0")
         for v in variables:
-            # A runner's marker is <worker id>:<model>:<gpu>, and neither model nor gpu has a
-            # colon: the runner of worker "h:w:b" is not one of worker "h:w".
+            # A runner's marker is <worker id>:<model>:<gpu>#<n>, and no colon follows the worker
+            # id's but the one before <gpu>: the runner of worker "h:w:b" is not one of worker "h:w".
             if v.startswith(runner_) and v.count(b":", len(runner_)) == 1:
                 return "runner " + v[len(runner_) :].decode(errors="replace")
         if worker not in variables:
@@ -172,8 +173,8 @@ async def kill_strays(worker_id: str, live: Callable[[], Set[str]], *, last: Las
 
     Given the worker's `last` look (a reap round), nothing is read unless a child of this process
     ended since then, or the runs and runners live then are not those live now: a stray
-    outlives a run or runner that ended. Reading every process's environment cost 75-85 ms of CPU
-    beside 2,000 processes (as root; 32-37 ms as a user of its own), every round, idle or not."""
+    outlives a run or runner that ended. Reading every process's environment cost 112 ms of CPU
+    beside 2,000 processes (as root, tests/bench/bench_reap.py), every round, idle or not."""
     ended = _children_ended()  # before the scan: a run reaped during it is looked for next time
     if last is not None and last.seen == (ended, frozenset(live())):
         return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app import db, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import leftovers, records, workerconfig
+from app.queue import leftovers, records, warmrun, workerconfig
 from app.queue import manager as manager_
 
 log = logging.getLogger("gpujobs.worker")
@@ -129,8 +129,8 @@ class Reaper:
 
         def live() -> set[str]:  # asked after the scan: a run that started meanwhile is live
             runs = {f"run {a.job.id}:{a.job.attempt}" for a, _ in self._running.values()}
-            keys = (k for r, k in self._pool.runners().items() if r.state is not warm.RunnerState.DEAD)
-            return runs | {f"runner {k.model}:{k.gpu}" for k in keys}
+            runners = (r for r in self._pool.runners() if r.state is not warm.RunnerState.DEAD)
+            return runs | {warmrun.origin(r, self._config.worker_id) for r in runners}
 
         await leftovers.kill_strays(self._config.worker_id, live, last=self._strays_seen)
         # Those that came to the worker after their run's own look (a subreaper: app/subreaper.py),

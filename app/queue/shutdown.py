@@ -52,6 +52,8 @@ class Shutdown:
                 a.stop(attempt_.SHUTDOWN)
             await asyncio.gather(*(t for _, t in self._running.values()), return_exceptions=True)
         await self._pool.close_all(attempt_.SHUTDOWN)
+        # What the runners (and runs) started in sessions of their own outlives their groups' kill.
+        await leftovers.kill_strays(self._config.worker_id, set)
         if self._hand_back.claim_unsure:  # what a lost claim took goes back now, not after its lease
             with contextlib.suppress(Exception):
                 await self._hand_back.release_unknown()

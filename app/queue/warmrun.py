@@ -5,6 +5,7 @@ and environment), the job run in it, and what its success says of that runner.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,14 @@ from typing import Any
 from app import modelkit, progress, registry, runner, storage, warm, warmpool, warmresult
 from app.queue import watch as watch_
 from app.queue.jobs import Job
+
+_STARTS = itertools.count(1)  # the runners this process started
+
+
+def origin(runner: warm.WarmRunner, worker_id: str) -> str:
+    """How the reap round names what `runner` started (leftovers.find_marked): `runner
+    <model>:<gpu>#<n>`."""
+    return "runner " + runner.launch.env.get("GPUJOBS_RUNNER", "").removeprefix(f"{worker_id}:")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +58,9 @@ class WarmRun:
                 "TMP": str(temp),
                 "TEMP": str(temp),
                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                "GPUJOBS_RUNNER": f"{self.worker_id}:{key.model}:{key.gpu}",
+                # Which runner (`#n`, one per start in this worker): a helper a runner left is
+                # a stray once that runner is gone, while others of its model and GPU live on.
+                "GPUJOBS_RUNNER": f"{self.worker_id}:{key.model}:{key.gpu}#{next(_STARTS)}",
             },
         )
         argv = tuple(self.spec.build_serve_argv(python=self.python))

@@ -145,6 +145,41 @@ async def test_a_runner_that_retires_between_jobs_costs_the_next_job_nothing(man
         assert "retry_scheduled" not in [e.kind for e in await manager.events(i)]
 
 
+def daemons(tmp_path: Path, model: str) -> list[int]:
+    """The pids of the daemons `model`'s runners left (the warm_toy param `daemon`)."""
+    path = tmp_path / f"loads-{model}.txt.daemon"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def test_a_dead_runners_daemon_is_killed_while_another_runner_of_its_model_lives(
+    manager, make_worker, tmp_path
+):
+    """A runner left a process in a session of its own and died; the job went on in a new runner of
+    the same model and GPU. The reap round named runners by model and GPU, so the dead one's
+    daemon counted as a helper of the live one, and lived as long as it did."""
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, daemon=True, crash_attempts=1)
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+        assert (job.state, job.attempt) == (JobState.succeeded, 2)
+        first, second = daemons(tmp_path, "warm_a")
+        deadline = time.monotonic() + 10
+        while alive(first):
+            assert time.monotonic() < deadline, "the dead runner's daemon lives on"
+            await asyncio.sleep(0.1)
+        assert alive(second)  # the live runner's helper is left alone
+    assert not alive(second)
+
+
+async def test_a_graceful_stop_leaves_no_runners_daemon(manager, make_worker, tmp_path):
+    """A worker that stopped gracefully closed its runners, but a process one of them had started
+    in a session of its own lived on after the worker, its parent now init."""
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000, daemon=True)
+    await make_worker().run()
+    assert (await manager.get(job_id)).state is JobState.succeeded
+    [daemon] = daemons(tmp_path, "warm_a")
+    assert not alive(daemon)
+
+
 async def test_cancel_and_timeout_kill_the_runner_and_the_next_job_gets_a_fresh_one(
     manager, make_worker, tmp_path
 ):

@@ -6,8 +6,9 @@ sleep (s), steps, crash (os._exit mid-job), hang (loop forever), spawn (leave a 
 group), junk (print to stdout from Python and from the fd), noise_kb (print that many KiB of lines
 to stderr), late (a thread reports progress after the job ended), bad_input, oom, fail, fill_kb
 (write a file of that many KiB), temp (make a temporary file, its path written to the loads file's
-name + ".temp"), retire_ms (once the job is answered, exit 0 that many ms later, taking no other
-job meanwhile: a runner that retires itself between jobs). Writes out.txt.
+name + ".temp"), daemon (leave a sleeping process in a session of its own, its pid appended to
+the loads file's name + ".daemon"), retire_ms (once the job is answered, exit 0 that many ms
+later, taking no other job meanwhile: a runner that retires itself between jobs). Writes out.txt.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def handle(model: dict[str, int], job: modelkit.Job) -> None:
         fd, made = tempfile.mkstemp(prefix="warm_toy-")
         os.close(fd)
         LOADS.with_name(LOADS.name + ".temp").write_text(made)
+    if params.get("daemon") and LOADS is not None:  # out of the runner's process group
+        daemon = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        )
+        with LOADS.with_name(LOADS.name + ".daemon").open("a") as f:
+            f.write(f"{daemon.pid}\n")
     steps = int(params.get("steps", 2))
     for step in range(1, steps + 1):
         time.sleep(float(params.get("sleep", 0.0)) / steps)
