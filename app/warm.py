@@ -91,6 +91,7 @@ class WarmRunner:
         self._stop_reason: str | None = None
         self._ending: asyncio.Task[None] | None = None
         self._eof = False
+        self._signalled = False  # the worker sent its process a signal: its exit says nothing of it
         # The one line awaited now (ready, or the job's final reply) came: any further line before
         # the next job is out of turn, and ends the runner rather than answer that job.
         self._answered = False
@@ -227,6 +228,8 @@ class WarmRunner:
         await self._settle(job, *judged[:2])
         if reused and self._gone_before_the_job(judged):
             judged = (warmresult.Outcome.GONE, warmresult.GONE_BEFORE, ())
+        elif judged[1] == warmresult.EXITED_DURING and self._signalled:  # EOF, and no exit until ended
+            judged = (warmresult.Outcome.BROKE, warmresult.CLOSED_STDOUT, ())
         self._job = None
         if self._progress is not None:  # all of it reaches the callback before run_job() returns
             feed, self._progress = self._progress, None
@@ -257,7 +260,8 @@ class WarmRunner:
         outcome, error, _ = judged
         log.note(f"{outcome}{': ' + error if error else ''} after {took_s:.2f} s; runner {self.state}")
         log.close(keep=outcome is not warmresult.Outcome.DONE)
-        returncode, stop_reason = self._proc.returncode, self._stop_reason
+        returncode = None if self._signalled else self._proc.returncode
+        stop_reason = self._stop_reason
         return warmresult.WarmResult.of(
             judged, stop_reason=stop_reason, returncode=returncode, took_s=took_s, log_tail=log.tail()
         )
@@ -399,6 +403,7 @@ class WarmRunner:
                 if step == "eof" and proc.stdin is not None:
                     proc.stdin.close()
                 elif isinstance(step, signal.Signals):
+                    self._signalled = True
                     procgroup.signal_group(proc.pid, step)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.exited(), None if step == signal.SIGKILL else self._grace)

@@ -14,6 +14,7 @@ Event: TypeAlias = modelkit.Reply | str | None  # a reply, a protocol violation,
 EXITED_LOADING = "exited while loading"
 EXITED_DURING = "the runner exited during the job"
 GONE_BEFORE = "the runner had exited, idle, before it took the job"
+CLOSED_STDOUT = "the runner closed its stdout during the job, and did not exit until the worker ended it"
 
 
 class StartFailed(Exception):
@@ -33,7 +34,8 @@ class Outcome(StrEnum):
     FAILED = "failed"  # the model raised (the runner was ended)
     BAD_INPUT = "bad_input"
     OOM = "oom"
-    CRASHED = "crashed"  # the runner died or broke the protocol
+    CRASHED = "crashed"  # the runner died
+    BROKE = "broke"  # the runner broke the protocol (and was ended): the model's fault, not a death
     GONE = "gone"  # an idle runner had exited on its own before it took the job: nothing ran it
     TIMED_OUT = "timed_out"
     STOPPED = "stopped"
@@ -84,11 +86,11 @@ def judge(event: Event | Outcome, job: str, *, stop_reason: str | None, timeout_
     if event is None:
         return Outcome.CRASHED, EXITED_DURING, ()
     if isinstance(event, str):
-        return Outcome.CRASHED, f"protocol error: {event}", ()
+        return Outcome.BROKE, f"protocol error: {event}", ()
     if isinstance(event, modelkit.Failed) and event.protocol:
-        return Outcome.CRASHED, f"protocol error: the runner rejected the job line: {event.error}", ()
+        return Outcome.BROKE, f"protocol error: the runner rejected the job line: {event.error}", ()
     if isinstance(event, modelkit.Ready) or event.job != job:
-        return Outcome.CRASHED, f"protocol error: unexpected {event!r}", ()
+        return Outcome.BROKE, f"protocol error: unexpected {event!r}", ()
     if isinstance(event, modelkit.Done):
         return Outcome.DONE, None, event.outputs
     assert isinstance(event, modelkit.Failed)

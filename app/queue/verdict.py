@@ -129,11 +129,12 @@ class Verdict:
     ) -> Write:
         """The final write for a job run in a warm runner, not stopped."""
         if result.outcome in (warmresult.Outcome.FAILED, warmresult.Outcome.CRASHED, warmresult.Outcome.GONE):
+            # (A runner that broke the protocol is not asked: its words are not to be trusted.)
             # The error last: its line, the model's own words, is the one quoted (the last found).
             trouble = await self.disk_trouble(result.log_tail, result.error or "")
             if trouble is not None:
                 return self.storage_failed(trouble)
-        error = result.error or str(result.outcome)
+        error = result.error or "(no message)"
         match result.outcome:
             case warmresult.Outcome.DONE:
                 return self.success(out_dir, result.duration_s, about)
@@ -145,6 +146,8 @@ class Verdict:
                 return self.failure(
                     f"timed out after {self._spec.timeout_s:g} s", retryable=True, timed_out=True
                 )
+            case warmresult.Outcome.BROKE:  # a model's bug, as an error is: not an abnormal death
+                return self.failure(f"the warm runner broke the protocol: {error}", retryable=True)
             case warmresult.Outcome.CRASHED | warmresult.Outcome.GONE:
                 return self.failure(
                     f"the warm runner died: {error}\n{result.log_tail}".strip(),

@@ -36,6 +36,15 @@ default = 0
 [models.warm_raw.params.hardlink]
 type = "bool"
 default = false
+[models.warm_raw.params.empty_error]
+type = "bool"
+default = false
+[models.warm_raw.params.other_id]
+type = "bool"
+default = false
+[models.warm_raw.params.close_stdout]
+type = "bool"
+default = false
 [[models.warm_raw.outputs]]
 name = "out.txt"
 media_type = "text/plain"
@@ -68,3 +77,25 @@ async def test_an_output_with_a_second_name_elsewhere_is_refused(manager, make_w
     assert not (store.root / "results" / str(job.id)).exists() or not any(
         p.is_file() and os.stat(p).st_nlink > 1 for p in (store.root / "results" / str(job.id)).rglob("*")
     )
+
+
+@pytest.mark.parametrize(
+    ("param", "said"),
+    [
+        ("other_id", "the warm runner broke the protocol: protocol error: unexpected"),
+        ("close_stdout", "the warm runner broke the protocol: the runner closed its stdout during the job"),
+        ("empty_error", "the model failed: (no message)"),
+    ],
+)
+async def test_what_a_runner_did_wrong_is_said_as_it_was(manager, make_worker, param, said):
+    """A runner that broke the protocol was said to have died, by SIGTERM (the worker's own kill of
+    it), and the job took a strike towards quarantine for a model's bug; one that closed its stdout
+    and stayed was said to have exited (and quarantined); an error with no words read `the model
+    failed: failed`."""
+    job_id = await enqueue(manager, model="warm_raw", vram_mb=1000, **{param: True})
+    async with running(make_worker(burst=False)):
+        job = await until(manager, job_id, lambda j: j.state.final)
+    assert job.state is JobState.failed and (job.error or "").startswith(said), job.error
+    [failed] = [e.detail for e in await manager.events(job_id) if e.kind == "failed"]
+    assert failed.get("signal") is None and failed.get("exit_code") is None, failed
+    assert job.abnormal_runs == 0

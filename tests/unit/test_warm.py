@@ -391,8 +391,9 @@ async def test_protocol_violations_end_the_runner(tmp_path: Path, pool: warmpool
     for name, body in cases.items():
         async with pool.use(KEY, _script(tmp_path, name, body), hold_mb=0) as warm_runner:
             result = await jobs.run(warm_runner)
-        assert result.outcome is warmresult.Outcome.CRASHED, name
+        assert result.outcome is warmresult.Outcome.BROKE, name
         assert (result.error or "").startswith("protocol error"), result.error
+        assert (result.exit_code, result.signal) == (None, None)  # ended by the worker: says nothing
         assert warm_runner.state is warm.RunnerState.DEAD
     assert "hello from the model" in jobs.log(1)
 
