@@ -21,6 +21,7 @@ from app import db, errors, gpu, logs, modelkit, registry, runner, storage, warm
 from app.queue import manager as manager_
 from app.queue import oneshot, verdict, warmrun, watch
 from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job
+from app.runlog import RunLog
 
 log = logging.getLogger("gpujobs.worker")
 
@@ -347,6 +348,9 @@ class Attempt:
         except warmpool.GaveUp:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
         except warmresult.StartFailed as exc:
+            said = RunLog(log_path, "warm")  # a failed job always has a log: here, why
+            said.note(f"the warm runner did not start: {exc}")
+            said.close(keep=True)
             return self._verdict.not_started(exc, self._watch.peak_mb)
         except OSError as exc:  # a new runner's temporary folder (app/storage.py): this host's trouble
             return self._verdict.storage_failed(f"could not make the runner's temporary folder: {exc}")

@@ -262,14 +262,17 @@ async def test_a_job_canceled_while_its_runner_loads_ends_at_once_and_so_does_th
         assert not alive(pid) and not worker.pool.runners()
 
 
-async def test_a_runner_whose_program_is_missing_fails_its_job_at_once(manager, make_worker):
+async def test_a_runner_whose_program_is_missing_fails_its_job_at_once(manager, make_worker, store):
     """No retry can mend a missing program: the job fails on its first attempt, as a one-shot run's
-    does, not after max_attempts rounds of backoff."""
+    does, not after max_attempts rounds of backoff. Its log says why (a job whose runner did not
+    start had no log at all, though a failed job always has one)."""
     job_id = await enqueue(manager, model="warm_missing", vram_mb=2000)
     await make_worker().run()
     job = await manager.get(job_id)
     assert (job.state, job.attempt) == (JobState.failed, 1), job
     assert job.error is not None and "could not be started" in job.error
+    said = store.log_path(job.id, job.attempt).read_text()
+    assert "[warm] the warm runner did not start:" in said and "could not be started" in said, said
 
 
 async def test_a_runner_exiting_with_an_oom_exit_code_while_loading_is_out_of_memory(manager, make_worker):
