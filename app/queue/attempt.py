@@ -12,15 +12,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Set
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app import db, errors, gpu, logs, modelkit, registry, runner, storage, warm, warmpool, warmresult
-from app.queue import manager as manager_
+from app import db, errors, logs, modelkit, registry, runner, warm, warmpool, warmresult
 from app.queue import oneshot, verdict, warmrun, watch
 from app.queue.jobs import PROGRESS_MESSAGE_CHARS, Job
+from app.queue.site import Site
 from app.runlog import RunLog
 
 log = logging.getLogger("gpujobs.worker")
@@ -36,36 +35,6 @@ SHUTDOWN = "worker shutting down"
 GONE_TRIES = 3
 # Claimed while another job's files failed to be written: claims pause, and it goes back, unrun.
 PAUSED = "claims paused: the worker's storage is unusable"
-
-
-@dataclass(frozen=True, slots=True)
-class AttemptConfig:
-    """The worker settings an attempt needs."""
-
-    worker_id: str
-    kill_grace_s: float
-    retry_base_s: float
-    retry_max_s: float
-    python: str
-    oom_max_retries: int = 2
-    oom_growth: float = 1.5
-    sample_interval_s: float = 0.5  # how often the model's GPU memory is read (NVML)
-    max_log_bytes: int = 0  # the cap on the attempt's log (0: none)
-
-
-@dataclass(frozen=True, slots=True)
-class Site:
-    """What every attempt of one worker shares, and how an attempt tells the worker of its model's
-    end and of storage trouble; `live_runs`: the worker's runs still going, as `run <id>:<attempt>`."""
-
-    manager: manager_.JobManager
-    store: storage.ResultStore
-    config: AttemptConfig
-    inventory: gpu.GpuInventory | None = None
-    pool: warmpool.WarmPool | None = None  # warm runners, for persistent models
-    on_model_end: Callable[[Attempt], None] | None = None
-    on_storage_trouble: Callable[[Attempt], None] | None = None
-    live_runs: Callable[[], Set[str]] = frozenset
 
 
 class Attempt:

@@ -35,6 +35,7 @@ from app.queue import (
     listener,
     reaper,
     shutdown,
+    site,
     storagegate,
     warmkeeper,
     workerconfig,
@@ -87,7 +88,7 @@ class Worker:
         self._started = False
         self._identity: socket.socket | None = None  # holds this worker's id on the host (leftovers)
         self._compose(listen_dsn)
-        self._site = attempt_.Site(  # what each of its attempts is given
+        self._site = site.Site(  # what each of its attempts is given
             manager, store, config.attempt_config(), inventory, self.pool, self._model_ended,
             self._storage.failed, self.reaper.live_runs,
         )  # fmt: skip

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.queue import attempt as attempt_
 from app.queue import planner as planner_
+from app.queue import site
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,9 @@ class WorkerConfig:
         """The cap on each log file in bytes (0: none)."""
         return int(self.max_log_mb * 1024 * 1024)
 
-    def attempt_config(self) -> attempt_.AttemptConfig:
+    def attempt_config(self) -> site.AttemptConfig:
         """The settings of this worker's attempts."""
-        return attempt_.AttemptConfig(
+        return site.AttemptConfig(
             self.worker_id,
             self.kill_grace_s,
             self.retry_base_s,
