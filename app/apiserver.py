@@ -9,6 +9,7 @@ Several of these processes on one port: app/supervisor.py.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Final
 
 from app import errors
@@ -48,6 +49,10 @@ def uvicorn_config(app: ASGIApp, settings: Settings, host: str, port: int) -> uv
         port=port,
         # A request's head bounded in size and time (uvicorn's own waits for it for ever).
         http=connections.protocol(settings.client_timeout_s),
+        # An idle kept-alive connection is closed by that protocol once the client timeout has
+        # passed with no request (README): uvicorn's own 5 s closed it first, under a client or
+        # proxy that reuses connections for longer, whose next request then met a closed socket.
+        timeout_keep_alive=math.ceil(settings.client_timeout_s) + 1,
         # The default asyncio loop: subprocess start is several times slower under uvloop.
         loop="asyncio",
         log_level=settings.log_level.lower(),

@@ -63,3 +63,35 @@ async def test_an_answer_written_in_two_parts_arrives_without_waiting_for_an_ack
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_kept_alive_connection_waits_for_the_client_timeout_not_uvicorns_five_seconds():
+    """README: a connection's next request head may come up to GPUJOBS_CLIENT_TIMEOUT_S after its
+    previous answer. uvicorn closed an idle kept-alive connection after its own 5 s, so a request
+    sent a moment later (a proxy keeping upstream connections for 60 s does) met a closed socket."""
+    import uvicorn
+
+    from app import apiserver
+    from app.settings import Settings
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = serve.listen("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(apiserver.uvicorn_config(app, Settings(client_timeout_s=8), host, port))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        reader, writer = await asyncio.open_connection(host, port)  # listening: served once started
+        for pause_s in (0, 6):
+            await asyncio.sleep(pause_s)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            await reader.readexactly(2)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await serving
