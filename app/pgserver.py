@@ -11,10 +11,20 @@ Run by root, the wheel runs the server as its own user, and lets that user reach
 its binaries and its socket by `chmod g+rx,o+rx` on every folder above them up to `/`: a checkout
 in /root left /root open to every local user. That step is replaced (`_NarrowGrants`): the
 wheel's user alone gets search (x), through an ACL entry, on the folders it cannot pass.
+
+The wheel takes the server as running whenever the process named on the first line of the data
+folder's `postmaster.pid` exists: it then connects to the socket that file names and, the last one
+out, stops that process. After a power cut or a kill -9 the number may belong to an unrelated
+process by now, and in a folder copied while its server ran it names the original folder's
+server: every command failed (connection refused), or used the other installation's database and
+then stopped its server. Lock files that do not name this folder's live server are removed before
+the wheel reads them, with a copied folder's list of holders (`_drop_stale_lock_files`), and the
+wheel's stop is kept from signalling any process but this folder's server (`_disarm_unless_ours`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -50,6 +60,7 @@ class EmbeddedPostgres:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         _ensure_system_user(postgres_server.PostgresServer._lock)
         _forget_the_dead(self.data_dir, postgres_server.PostgresServer._lock)
+        _drop_stale_lock_files(self.data_dir, postgres_server.PostgresServer._lock)
         grants = _NarrowGrants()
         # The wheel's widening, replaced for good: its module looks the name up at each call.
         postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
@@ -77,7 +88,9 @@ class EmbeddedPostgres:
     def stop(self) -> None:
         """Release this process's handle; the last process out stops the server."""
         if self._server is not None:
-            _forget_the_dead(self.data_dir, type(self._server)._lock)
+            lock = type(self._server)._lock
+            _forget_the_dead(self.data_dir, lock)
+            _disarm_unless_ours(self._server, self.data_dir, lock)
             self._server.cleanup()
             self._server = None
 
@@ -151,12 +164,7 @@ def _forget_the_dead(data_dir: Path, lock: Any) -> None:
     are gone, under the wheel's own lock (a process starting or leaving meanwhile waits)."""
     holders = data_dir / ".handle_pids.json"
     with lock:
-        try:
-            pids = json.loads(holders.read_text())
-        except (OSError, ValueError):
-            return  # none yet, or not the wheel's: left as it is
-        if not isinstance(pids, list):
-            return
+        pids = _holders(holders)
         alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
         if alive != pids:
             dead = ", ".join(str(pid) for pid in pids if pid not in alive)
@@ -164,9 +172,23 @@ def _forget_the_dead(data_dir: Path, lock: Any) -> None:
                 "dropped processes that died holding the embedded PostgreSQL: %s", dead,
                 extra={"action": "pg_holders_dropped"},
             )  # fmt: skip
-            spare = holders.with_name(holders.name + ".tmp")
-            spare.write_text(json.dumps(alive))
-            os.replace(spare, holders)
+            _write_holders(holders, alive)
+
+
+def _holders(path: Path) -> list[Any]:
+    """The wheel's list of holders in `path`; [] where there is none, or none of the wheel's."""
+    try:
+        pids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []  # none yet, or not the wheel's: left as it is
+    return pids if isinstance(pids, list) else []
+
+
+def _write_holders(path: Path, pids: list[Any]) -> None:
+    """Replace the wheel's list of holders in `path` with `pids`, whole or not at all."""
+    spare = path.with_name(path.name + ".tmp")
+    spare.write_text(json.dumps(pids))
+    os.replace(spare, path)
 
 
 def _alive(pid: int) -> bool:
@@ -178,3 +200,126 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# The lock files a PostgreSQL server keeps in its data folder: its own, and its socket's (the wheel
+# puts the socket there when the folder's path is short enough for one).
+_LOCK_FILES = ("postmaster.pid", ".s.PGSQL.*.lock")
+
+
+def _drop_stale_lock_files(data_dir: Path, lock: Any) -> None:
+    """Remove the data folder's lock files that do not name this folder's live server, under the
+    wheel's lock (no server of ours starts or stops meanwhile), so that the wheel starts a fresh
+    server instead of trusting them. PostgreSQL itself would refuse to start beside the copied
+    ones: the original server is alive and runs as the same user. Removing them is safe: a folder
+    in use is still refused, its shared memory being keyed by the folder. A folder copied while
+    its server ran also lists that server's holders: they never leave this folder's list, and its
+    server would never be stopped; the list is emptied."""
+    pidfile = data_dir / "postmaster.pid"
+    with lock:
+        found = [path for pattern in _LOCK_FILES for path in data_dir.glob(pattern)]
+        stale = {path: why for path in found if (why := _stale_because(path, data_dir)) is not None}
+        original = _copied_from(pidfile, data_dir) if pidfile in stale else None
+        for path in stale:
+            path.unlink(missing_ok=True)
+        holders = data_dir / ".handle_pids.json"
+        theirs = _holders(holders) if original is not None else []
+        if theirs:
+            _write_holders(holders, [])
+    for path, why in stale.items():
+        log.warning(
+            "removed %s, a leftover lock file of the embedded PostgreSQL: %s", path, why,
+            extra={"action": "pg_lock_file_dropped", "path": str(path)},
+        )  # fmt: skip
+    if theirs:
+        log.warning(
+            "emptied the list of processes holding the embedded PostgreSQL of %s: it was copied from %s, "
+            "and named that folder's holders (%s)", data_dir, original, ", ".join(map(str, theirs)),
+            extra={"action": "pg_holders_dropped"},
+        )  # fmt: skip
+
+
+def _copied_from(pidfile: Path, data_dir: Path) -> Path | None:
+    """The other, existing data folder that the lock file `pidfile` names (this folder being a copy
+    of it); None where it names this folder, none, or one no longer there (this folder, moved)."""
+    try:
+        named = Path(pidfile.read_text().splitlines()[1].strip())
+        return named if named.is_absolute() and not os.path.samefile(named, data_dir) else None
+    except (OSError, IndexError):
+        return None
+
+
+def _stale_because(lock_file: Path, data_dir: Path) -> str | None:
+    """Why `lock_file` is a leftover; None where the process it names is this folder's live server
+    (or cannot be told from one, which is then trusted, as PostgreSQL and the wheel do)."""
+    try:
+        lines = lock_file.read_text().splitlines()
+    except OSError:
+        return None  # gone meanwhile, or unreadable: the wheel or PostgreSQL says so
+    folder = lines[1].strip() if len(lines) > 1 else "none"
+    try:
+        pid = abs(int(lines[0]))  # negative for a single-user postgres
+    except (IndexError, ValueError):
+        return f"it names no process (nor a data folder: {folder})"
+    if _serves(pid, data_dir) is not False:
+        return None
+    if not _alive(pid):
+        return f"process {pid}, named in it (with the data folder {folder}), is gone"
+    return f"process {pid}, named in it (with the data folder {folder}), is not this folder's server"
+
+
+def _serves(pid: int, data_dir: Path) -> bool | None:
+    """Whether process `pid` is a PostgreSQL server of `data_dir`: a `postgres` process of the user
+    owning `data_dir` (PostgreSQL runs as no other) whose working folder is `data_dir` (PostgreSQL
+    changes into its data folder) or, where that cannot be read (another user's process, to a root
+    without CAP_SYS_PTRACE, as in a container), one started with `-D` naming it. None where
+    neither can tell."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if (proc / "comm").read_text().strip() != "postgres":
+            return False
+        if os.stat(proc).st_uid != os.stat(data_dir).st_uid:
+            return False
+        try:
+            return os.path.samestat(os.stat(proc / "cwd"), os.stat(data_dir))
+        except PermissionError:
+            return _started_on(proc, data_dir)
+    except FileNotFoundError:  # gone, a zombie (no working folder), or a folder no longer there
+        return None if _alive(pid) and not proc.exists() else False  # alive, hidden (hidepid)
+    except OSError:
+        return None
+
+
+def _started_on(proc: Path, data_dir: Path) -> bool | None:
+    """Whether the PostgreSQL process `proc` (its /proc folder) was started with `-D data_dir`, as
+    the wheel's `pg_ctl` starts it (an absolute path); None where its command line names none."""
+    args = [os.fsdecode(arg) for arg in (proc / "cmdline").read_bytes().split(b"\0")]
+    folders = [value for flag, value in itertools.pairwise(args) if flag == "-D"]
+    if len(folders) != 1 or not os.path.isabs(folders[0]):
+        return None
+    return os.path.samestat(os.stat(folders[0]), os.stat(data_dir))
+
+
+def _disarm_unless_ours(server: Any, data_dir: Path, lock: Any) -> None:
+    """Keep the wheel's stop from signalling any process but this folder's server. The last one
+    out, the wheel runs `pg_ctl stop`, which signals the process that `postmaster.pid` names at
+    that moment, then SIGTERM and SIGKILL to the process it took for the server at start. Where
+    either is another process, the wheel is left no server to stop (as when its server is gone):
+    a server whose lock file no longer names it stops itself within a minute."""
+    info = server._postmaster_info
+    if info is None or not info.is_running():
+        return  # the wheel signals nothing then
+    with lock:
+        try:
+            named: int | None = int((data_dir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            named = None  # `pg_ctl stop` signals no one then
+        serves = _serves(info.pid, data_dir) is True
+    if serves and named in (None, info.pid):
+        return
+    server._postmaster_info = None  # the wheel stops nothing then
+    why = f"postmaster.pid names process {named}, not it" if serves else "it is no longer that server"
+    log.warning(
+        "did not stop the embedded PostgreSQL of %s (process %d at start): %s", data_dir, info.pid, why,
+        extra={"action": "pg_stop_refused", "data_dir": str(data_dir)},
+    )  # fmt: skip

@@ -3,9 +3,10 @@ children serving the socket it bound.
 
 The children share the listening socket: the child the kernel wakes first accepts the connections
 waiting (asyncio takes up to its backlog at a wake-up), so a burst may land on one child, and
-connections spread out only as they come at different times (docs/operations.md). Only child 0 runs the in-process worker. A child that dies is started again (after a
-pause if it died young); one that could not start at all on its first try (a database, a setting)
-ends the whole command with its exit code. The parent does no HTTP itself: it waits on the
+connections spread out only as they come at different times (docs/operations.md). Only child 0
+runs the in-process worker. A child that dies is started again (after a pause if it died young);
+one that could not start at all on its first try (a database, a setting) ends the whole command
+with its exit code. The parent does no HTTP itself: it waits on the
 children and on SIGTERM/SIGINT, which it passes on. Each child is one app/apiserver.py process.
 """
 
