@@ -236,8 +236,8 @@ class Settings(BaseSettings):
         30,
         gt=0,
         description="How long a client may take to send a request's line and headers (from its "
-        "connection or its previous answer), or pause while sending a body; then 408 and the "
-        "connection is closed",
+        "connection or its previous answer), pause while sending a body, or stop taking an answer; "
+        "then 408 (for an answer: none) and the connection is closed",
     )
     upload_min_kb_per_s: float = Field(
         8,

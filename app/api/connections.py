@@ -8,6 +8,21 @@ byte at a time (slowloris). `HeadLimits` is that protocol with both bounded: a h
 `MAX_HEAD_BYTES` is answered 431, and one not whole `timeout_s` after the connection opened or its
 previous response ended is answered 408 (a connection that sent nothing is closed). Either way the
 connection closes. The deadline is the head's alone: a long response (an event stream) is not cut.
+
+An answer is bounded in time too, but by its client's reading, not by its length. uvicorn waits
+for its write buffer to drain without a limit, so a client that stopped reading (a large download,
+an image) held its connection, the task sending the answer and any file it read for ever, and an
+answer written whole held its unsent rest in memory. Once the buffer is full (`pause_writing`: the
+kernel's send buffer is full and the transport's own past its high-water mark) the client has
+`timeout_s` to take enough for it to drain (`resume_writing`; Linux wakes a writer once about a
+third of the send buffer is free, which grows to 4 MB at most by default); else the connection is
+aborted: the answer's task reads a disconnect and ends, and its file is closed. The clock starts
+again each time the buffer drains, so a slow reader gets a long answer whole, and an event stream,
+a few bytes now and then, never fills the buffer while its client reads.
+
+At a graceful stop an answer still being sent is broken off the same way shortly before uvicorn's
+grace (`timeout_graceful_shutdown`) runs out: its task then ends as for a client gone, where
+uvicorn would cancel it and log an error and a traceback for a download that was merely long.
 """
 
 from __future__ import annotations
@@ -27,6 +42,9 @@ log = logging.getLogger("gpujobs.api")
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TOO_LARGE = f"the request's line and headers are larger than {MAX_HEAD_BYTES // 1024} KB"
 HEAD_TOO_SLOW = "the request's line and headers did not arrive in time"
+# How long before uvicorn's grace runs out an answer still being sent is broken off: uvicorn looks
+# for the end of the requests in flight every 0.1 s, from 0.1 s after it asked connections to end.
+STOP_MARGIN_S = 0.5
 
 
 class HeadTooLarge(Exception):
@@ -47,6 +65,8 @@ class HeadLimits(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
         self._dropped = 0  # after a refusal: bytes read and thrown away (`_refuse`)
+        self._write_timer: asyncio.TimerHandle | None = None  # the client has an answer to take
+        self._stop_timer: asyncio.TimerHandle | None = None  # a graceful stop, an answer in flight
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -54,7 +74,30 @@ class HeadLimits(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        for timer in (self._write_timer, self._stop_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The transport's buffer is past its high-water mark: the client has to take some of it.
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.timeout_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        # The client took enough of the answer for the buffer to drop below its low-water mark.
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def shutdown(self) -> None:
+        super().shutdown()  # closes an idle connection; one with an answer in flight ends after it
+        grace_s = self.config.timeout_graceful_shutdown
+        in_flight = self.cycle is not None and not self.cycle.response_complete
+        if in_flight and grace_s is not None and self._stop_timer is None:
+            self._stop_timer = self.loop.call_later(max(grace_s - STOP_MARGIN_S, 0), self._break_off)
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:  # answered: what the client still sends is dropped
@@ -120,6 +163,25 @@ class HeadLimits(HttpToolsProtocol):
             self._refuse(408, HEAD_TOO_SLOW)
         else:  # nothing sent: nothing to answer
             self.transport.close()
+
+    def _not_reading(self) -> None:
+        """The client has not taken enough of its answer in `timeout_s` for the write buffer to
+        drain: drop the connection. Aborted, as a close would wait for that buffer to drain."""
+        self._write_timer = None
+        log.warning(
+            "closed a connection whose client stopped reading its answer for %g s", self.timeout_s,
+            extra={"action": "client_not_reading", "timeout_s": self.timeout_s},
+        )  # fmt: skip
+        self.transport.abort()
+
+    def _break_off(self) -> None:
+        """The server is stopping and the answer is still being sent: end it as a client gone would."""
+        self._stop_timer = None
+        log.info(
+            "broke off an answer still being sent: the server is stopping",
+            extra={"action": "answer_cut"},
+        )
+        self.transport.abort()
 
     def _refuse(self, status: int, detail: str) -> None:
         """Answer `status` with `{"detail": detail}`, and close.

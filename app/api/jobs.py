@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Response, UploadFile
+from fastapi.responses import StreamingResponse
 from starlette.datastructures import FormData
 
 from app import errors, intake
 from app.api import forms
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
+from app.queue import manager as manager_
 from app.queue.jobs import JobState
 from app.settings import DEFAULT_PRIORITY
 
@@ -145,8 +150,68 @@ async def get_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -
 @router.get("/{job_id}/input", responses={200: {"content": {"image/*": {}}}, **ERRORS})
 async def get_input(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep) -> Response:
     """The uploaded image, byte for byte."""
-    media_type, data = await services.manager.input_image(job_id, owner=caller.owner_filter)
-    return Response(data, media_type=media_type, headers={"Cache-Control": "private, max-age=86400"})
+    image = await INPUTS_SENT.read(services.manager, job_id, owner=caller.owner_filter)
+    return ImageResponse(image, headers={"Cache-Control": "private, max-age=86400"})
+
+
+# An image is sent this much at a time, each piece once the client has taken most of the one
+# before (uvicorn's flow control). Written whole, the unsent rest of an image (up to 20 MB) waited
+# in the transport's buffer, a copy per request, for as long as its client did not read.
+IMAGE_PIECE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, weakref_slot=True)
+class Image:
+    """An uploaded image as it is sent: its media type and bytes."""
+
+    media_type: str
+    data: bytes
+
+
+class InputsSent:
+    """The uploaded images being sent now, each held once however many answers send it.
+
+    A client takes an answer as slowly as it likes, pausing up to GPUJOBS_CLIENT_TIMEOUT_S each
+    time (app/api/connections.py): with a copy per request, a client with N connections that read
+    one image slowly made the API hold N copies of up to 20 MB. A request for an image being sent
+    shares that copy rather than read another from the database; it goes when the last answer
+    sending it ends (weak references: no count to get wrong). Requests for one image at the same
+    moment may each read it; all copies but the first kept are dropped at once.
+    """
+
+    def __init__(self) -> None:
+        # By the manager's image reader as well as the id: the apps of two databases in one
+        # process (as tests run them) have ids in common.
+        self._sending: weakref.WeakValueDictionary[tuple[object, int | None], Image] = (
+            weakref.WeakValueDictionary()
+        )
+
+    async def read(self, manager: manager_.JobManager, job_id: uuid.UUID, *, owner: str | None) -> Image:
+        """The job's uploaded image: 404 if `owner` may not read the job, 410 if retention deleted it."""
+        job = await manager.get(job_id, owner=owner)
+        key = (manager.inputs, job.input_id)
+        if (image := self._sending.get(key)) is None:
+            media_type, data = await manager.inputs.by_id(job.input_id)  # 410 for no image
+            image = self._sending.setdefault(key, Image(media_type, data))
+        return image
+
+
+INPUTS_SENT = InputsSent()
+
+
+class ImageResponse(StreamingResponse):
+    """An image, sent IMAGE_PIECE_BYTES at a time as its client takes it, with its length."""
+
+    def __init__(self, image: Image, *, headers: Mapping[str, str]) -> None:
+        length = {"Content-Length": str(len(image.data))}
+        super().__init__(_pieces(image), media_type=image.media_type, headers={**headers, **length})
+
+
+async def _pieces(image: Image) -> AsyncIterator[memoryview]:
+    """The bytes of `image`, in pieces; `image` is held (for `InputsSent`) until the answer ends."""
+    view = memoryview(image.data)
+    for start in range(0, len(view), IMAGE_PIECE_BYTES):
+        yield view[start : start + IMAGE_PIECE_BYTES]
 
 
 @router.get("/{job_id}/events", response_model=list[EventPublic], responses=ERRORS)

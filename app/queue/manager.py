@@ -142,11 +142,6 @@ class JobManager:
             raise errors.JobNotFound(f"no job {job_id}")
         return Job.from_row(row)
 
-    async def input_image(self, job_id: uuid.UUID, *, owner: str | None = None) -> tuple[str, bytes]:
-        """The job's uploaded image: (media type, bytes)."""
-        job = await self.get(job_id, owner=owner)
-        return await self.inputs.by_id(job.input_id)
-
     async def events(self, job_id: uuid.UUID, *, owner: str | None = None) -> list[records.Event]:
         """The job's history, oldest first."""
         async with self._auto.connect() as conn:
