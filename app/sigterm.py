@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -49,9 +48,9 @@ def interrupts_held(first: str, second: str) -> Iterator[Callable[[], int | None
         name = signal.Signals(signum).name
         if not held:
             held.append(signum)
-            sys.stderr.write(f"{name}: {first}\n")
+            _say(f"{name}: {first}\n")
             return
-        sys.stderr.write(f"{name}: {second}\n")
+        _say(f"{name}: {second}\n")
         handler = previous[signum]
         if callable(handler):
             handler(signum, frame)
@@ -68,3 +67,10 @@ def interrupts_held(first: str, second: str) -> Iterator[Callable[[], int | None
     finally:
         for s in taken:
             signal.signal(s, previous[s])
+
+
+def _say(line: str) -> None:
+    """Write `line` on stderr from a signal handler: straight to its file descriptor, since the
+    handler may run inside a write to sys.stderr (a second signal during the first one's message:
+    "reentrant call inside <_io.BufferedWriter name='<stderr>'>")."""
+    os.write(2, line.encode(errors="replace"))

@@ -55,10 +55,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
-from app import db, migrate, pgserver, settings
+from app import db, pgserver, settings
 from app.queue import claims, sql
 from app.queue import manager as manager_
 from tests import dbadmin, plans
+from tests.bench import bench_queue
 
 MODEL = "aging-bench"
 VRAM_MB = 1000
@@ -123,15 +124,8 @@ async def scratch_database(database_url: str | None) -> AsyncIterator[tuple[str,
             where = make_url(server_url).render_as_string(hide_password=True)
         else:
             server_url, where = await asyncio.to_thread(server.start), "embedded, in a temporary folder"
-        name = f"gpujobs_bench_aging_{os.getpid()}"
-        await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await dbadmin.admin(server_url, f"CREATE DATABASE {name}")
-        try:
-            url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
-            await asyncio.to_thread(migrate.upgrade, url)
+        async with bench_queue.bench_database(server_url) as url:
             yield url, where
-        finally:
-            await dbadmin.admin(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -73,6 +73,7 @@ import httpx
 from PIL import Image
 
 from tests.bench import rawhttp
+from tests.bench.bench_throughput import status_kb
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: `python -m app` runs from there
 PARTS = ("streams", "polling")  # --only picks one
@@ -113,15 +114,6 @@ class Server:
 
 
 # --- the API process, seen from /proc ---------------------------------------------------------
-
-
-def status_kb(pid: int, key: str) -> int:
-    """A `Vm...` line of /proc/<pid>/status, in kB (0 when unreadable)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1])
-    return 0
 
 
 def open_files(pid: int) -> int:

@@ -77,40 +77,43 @@ async def stored_for(admin: asyncpg.Connection, secret: str) -> str | None:
     return await admin.fetchval(query, auth.hash_key(secret))
 
 
-async def test_ctrl_c_while_the_key_commits_still_shows_the_key(tmp_path):
-    """The interrupt cancelled the commit's wait, after the row was written: the key was stored,
-    and the command exited without printing it. Now the first Ctrl-C waits for the commit, the key
-    is printed, and the command then exits as interrupted."""
+@contextlib.asynccontextmanager
+async def interrupted_while_committing(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[asyncpg.Connection, asyncio.subprocess.Process, list[str]]]:
+    """`keys create` sent SIGINT once its commit waits (its row written): the admin connection that
+    holds the commits, the process, and what it said on stderr up to its answer to the signal."""
     async with own_server(tmp_path / "pg") as url:
         raw = url.replace("postgresql+asyncpg://", "postgresql://")
         async with commits_held(raw) as admin:
             process = await start_keys_create(url, tmp_path)
             await until(lambda: committing(admin), timeout_s=60)
             process.send_signal(signal.SIGINT)
-            told = await said_or_ended(process, "Ctrl-C again")
-            await release(admin)
-            out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-            stderr = "".join(told) + err.decode()
-            assert process.returncode == 130, stderr
-            [secret] = out.decode().split()
-            assert await stored_for(admin, secret) == "alice", stderr
-            assert "created user key" in stderr and "Traceback" not in stderr, stderr
+            yield admin, process, await said_or_ended(process, "Ctrl-C again")
+
+
+async def test_ctrl_c_while_the_key_commits_still_shows_the_key(tmp_path):
+    """The interrupt cancelled the commit's wait, after the row was written: the key was stored,
+    and the command exited without printing it. Now the first Ctrl-C waits for the commit, the key
+    is printed, and the command then exits as interrupted."""
+    async with interrupted_while_committing(tmp_path) as (admin, process, told):
+        await release(admin)
+        out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+        stderr = "".join(told) + err.decode()
+        assert process.returncode == 130, stderr
+        [secret] = out.decode().split()
+        assert await stored_for(admin, secret) == "alice", stderr
+        assert "created user key" in stderr and "Traceback" not in stderr, stderr
 
 
 async def test_a_second_ctrl_c_gives_up_and_says_the_key_may_be_stored(tmp_path):
     """With the database stuck, a second Ctrl-C ends the command at once, and what it says leads
     the operator to the key that may have been stored unseen."""
-    async with own_server(tmp_path / "pg") as url:
-        raw = url.replace("postgresql+asyncpg://", "postgresql://")
-        async with commits_held(raw) as admin:
-            process = await start_keys_create(url, tmp_path)
-            await until(lambda: committing(admin), timeout_s=60)
-            process.send_signal(signal.SIGINT)
-            told = await said_or_ended(process, "Ctrl-C again")
-            process.send_signal(signal.SIGINT)
-            out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-            stderr = "".join(told) + err.decode()
-            assert process.returncode == 130, stderr
-            assert out == b"", stderr
-            assert "gpujobs keys list" in stderr and "revoke" in stderr, stderr
-            assert "Traceback" not in stderr, stderr
+    async with interrupted_while_committing(tmp_path) as (_, process, told):
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+        stderr = "".join(told) + err.decode()
+        assert process.returncode == 130, stderr
+        assert out == b"", stderr
+        assert "gpujobs keys list" in stderr and "revoke" in stderr, stderr
+        assert "Traceback" not in stderr, stderr

@@ -19,7 +19,7 @@ def handler_for(signum: int, handler: object) -> Iterator[None]:
         signal.signal(signum, previous)
 
 
-def test_the_first_interrupt_is_held_and_said_and_another_goes_where_it_went(capsys):
+def test_the_first_interrupt_is_held_and_said_and_another_goes_where_it_went(capfd):
     seen: list[int] = []
 
     def mine(signum: int, _frame: object) -> None:
@@ -34,19 +34,19 @@ def test_the_first_interrupt_is_held_and_said_and_another_goes_where_it_went(cap
         assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
         os.kill(os.getpid(), signal.SIGTERM)
         assert seen == [signal.SIGINT, signal.SIGTERM]
-    assert capsys.readouterr().err.splitlines() == ["SIGTERM: carrying on", "SIGINT: given up"]
+    assert capfd.readouterr().err.splitlines() == ["SIGTERM: carrying on", "SIGINT: given up"]
 
 
-def test_nothing_held_when_nothing_came(capsys):
+def test_nothing_held_when_nothing_came(capfd):
     with sigterm.interrupts_held("carrying on", "given up") as held:
         pass
-    assert held() is None and capsys.readouterr().err == ""
+    assert held() is None and capfd.readouterr().err == ""
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_an_ignored_interrupt_stays_ignored(capsys):
+def test_an_ignored_interrupt_stays_ignored(capfd):
     with handler_for(signal.SIGINT, signal.SIG_IGN):
         with sigterm.interrupts_held("carrying on", "given up") as held:
             os.kill(os.getpid(), signal.SIGINT)
         assert held() is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    assert capsys.readouterr().err == ""
+    assert capfd.readouterr().err == ""
