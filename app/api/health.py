@@ -83,3 +83,8 @@ async def _readiness(request: Request) -> dict[str, Any]:
     live = [w for w in workers if w.state == "running" and w.heartbeat_age_s < dead_after_s]
     gpus = [{"worker": w.id, **{k: g.get(k) for k in GPU_FIELDS}} for w in live for g in w.gpus]
     return {"schema": {"current": current, "head": code_head()}, "workers": len(live), "gpus": gpus}
+
+
+# HEAD where GET answers (RFC 9110): uptime monitors and load balancers' health checks send it.
+router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)

@@ -35,6 +35,10 @@ async def get_metrics(request: Request) -> Response:
     return Response(body, media_type=metrics.CONTENT_TYPE)
 
 
+# HEAD where GET answers (RFC 9110), for the checks that send it; the same handler, its body dropped.
+router.add_api_route("/metrics", get_metrics, methods=["HEAD"], include_in_schema=False)
+
+
 def request_id(scope: Scope) -> str:
     """The client's X-Request-ID if it is a sane token, else a new one."""
     for name, value in scope.get("headers", []):

@@ -242,6 +242,17 @@ async def test_healthz_and_readyz(settings, make_worker):
         await asyncio.sleep(0.1)
         response = await http.get("/readyz")  # the worker stopped: 0 live workers
         assert response.status_code == 503 and "live workers" in response.json()["detail"]
+        assert (await http.head("/readyz")).status_code == 503
+
+
+async def test_probes_answer_head_as_they_answer_get(settings):
+    """HEAD, which uptime monitors and load balancers' health checks send, was 405 on the probes
+    and on /metrics (RFC 9110: a general-purpose server supports HEAD wherever it answers GET)."""
+    async with api_client(settings, key=None) as http:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            got, head = await http.get(path), await http.head(path)
+            assert head.status_code == got.status_code == 200, (path, head.status_code, head.text)
+            assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
 
 
 async def test_readyz_fails_when_the_schema_is_behind(settings):
