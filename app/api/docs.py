@@ -61,3 +61,7 @@ async def swagger_ui(request: Request) -> HTMLResponse:
     )
     page.headers["Content-Security-Policy"] = policy(bytes(page.body).decode())
     return page
+
+
+# HEAD where GET answers (RFC 9110), for the monitors that check the documentation's address so.
+router.add_api_route(DOCS_PATH, swagger_ui, methods=["HEAD"])

@@ -120,6 +120,9 @@ async def jobs_page(
     )
 
 
+router.add_api_route("/", jobs_page, methods=["HEAD"])  # as the service's root (app/web/session.py)
+
+
 @router.get("/jobs/{job_id}/row")
 async def job_row(job_id: str, services: ServicesDep, caller: CallerDep) -> Response:
     """One row of the jobs list, as it is now (the list's scripts swap it in)."""

@@ -93,6 +93,11 @@ async def page_without_slash() -> RedirectResponse:
     return RedirectResponse(HOME, status_code=303)
 
 
+# HEAD where GET answers (RFC 9110): uptime monitors check the address a person opens, often so.
+for _path, _page in (("/", root), ("/ui", page_without_slash)):
+    router.add_api_route(_path, _page, methods=["HEAD"])
+
+
 def two_sessions(request: Request) -> bool:
     """Whether the browser sent the session cookie twice (see `security.session_cookies`)."""
     return len(security.session_cookies(request.scope)) > 1
@@ -105,6 +110,9 @@ async def sign_in_page(
     """The sign-in page (saying so when the browser sends two session cookies)."""
     problem = security.TWO_SESSIONS if two_sessions(request) else ""
     return views.render("signin.html", caller=None, nav="", next=safe_next(next_), problem=problem)
+
+
+router.add_api_route("/ui/sign-in", sign_in_page, methods=["HEAD"])
 
 
 @router.post(SESSION_PATH, dependencies=[Depends(same_origin)])

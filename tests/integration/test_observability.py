@@ -255,6 +255,18 @@ async def test_probes_answer_head_as_they_answer_get(settings):
             assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
 
 
+async def test_the_pages_a_monitor_checks_answer_head_as_they_answer_get(settings):
+    """The service's root, the web page's addresses and /docs answered HEAD 405 (uptime monitors
+    check the address a person opens, and often with HEAD)."""
+    async with api_client(settings, key=None) as http:
+        for path in ("/", "/ui", "/ui/", "/ui/sign-in", "/docs"):
+            got, head = await http.get(path), await http.head(path)
+            assert head.status_code == got.status_code, (path, head.status_code, head.text)
+            assert head.content == b"", path
+            for name in ("content-type", "location", "content-security-policy"):
+                assert head.headers.get(name) == got.headers.get(name), (path, name)
+
+
 async def test_readyz_fails_when_the_schema_is_behind(settings):
     async with api_client(settings, key=None) as http:
         assert (await http.get("/readyz")).status_code == 200
