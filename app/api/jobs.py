@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import FormData
 
 from app import errors, intake
-from app.api import forms
+from app.api import forms, fullness
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
 from app.queue import manager as manager_
@@ -76,19 +76,24 @@ async def submit_job(
 ) -> JobPublic:
     """Upload an image and queue a job for a model."""
     check_fields(await request.form())  # parsed already, for the arguments above: no second read
-    job, created = await intake.submit(
-        services.manager,
-        services.models,
-        owner=caller.principal,
-        model=model,
-        priority=priority,
-        params=intake.parse_params(params),
-        image=image.file,
-        idempotency_key=idempotency_key,
-        limits=services.limits,
-        learner=services.learner,
-        gate=services.upload_gate,
-    )
+    try:
+        job, created = await intake.submit(
+            services.manager,
+            services.models,
+            owner=caller.principal,
+            model=model,
+            priority=priority,
+            params=intake.parse_params(params),
+            image=image.file,
+            idempotency_key=idempotency_key,
+            limits=services.limits,
+            learner=services.learner,
+            gate=services.upload_gate,
+        )
+    except errors.QueueFull:  # remembered: the next uploads are counted for before their bodies
+        memory: fullness.Fullness = request.app.state.fullness
+        memory.saw_full(caller.principal, waiting=services.manager.waiting.known)
+        raise
     response.headers["Location"] = f"/jobs/{job.id}"
     if not created:
         response.status_code = 200

@@ -8,7 +8,8 @@ enforced the same way, so their body is never parsed past a few kB. A body that 
 `idle_s` (a client gone without closing, or one holding what it sent in the API's memory), or that
 arrives slower than a minimum rate (one dripping a byte just before each pause runs out: `Pace`),
 is answered 408, and its connection closed. `refuse` sends these answers, and the other refusals
-made before the body is read (401, 403: app/api/security.py; 429: app/api/admission.py), at once.
+made before the body is read (401, 403: app/api/security.py; 429: app/api/admission.py and, for a
+queue known full, app/api/fullness.py), at once.
 
 Routes of `UploadRoute` keep a multipart upload of declared length (so within the limit) in
 memory while parsing it; only a body of unknown length (chunked) spools to disk past 1 MB. In

@@ -19,7 +19,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from app import auth, db, errors, intake, learning, links, modelsfile, storage
-from app.api import admin, admission, catalog, deps, docs, files, health, jobs, ops, paths, security, stream
+from app.api import (
+    admin,
+    admission,
+    catalog,
+    deps,
+    docs,
+    files,
+    fullness,
+    health,
+    jobs,
+    ops,
+    paths,
+    security,
+    stream,
+)
 from app.api.deps import Services
 from app.api.limits import BodyLimit
 from app.queue import factory
@@ -298,7 +312,12 @@ def create_app(settings: Settings) -> FastAPI:
         idle_s=settings.client_timeout_s,
         min_kb_per_s=settings.upload_min_kb_per_s,
     )
-    # Outside BodyLimit, so that its refusals read nothing; inside Authenticate, which names the caller.
+    # Outside BodyLimit, so that their refusals read nothing; inside Authenticate, which names the
+    # caller. An upload holds its slot of GPUJOBS_UPLOADS_PER_KEY while the queue is counted for it.
+    app.state.fullness = fullness.Fullness(
+        queue_limit=settings.queue_limit, owner_limit=settings.queue_limit_per_key
+    )
+    app.add_middleware(fullness.Precheck, fullness=app.state.fullness)
     app.add_middleware(admission.Admission, caps=admission.caps(settings))
     security.install(app, settings)
     app.add_middleware(ops.RequestContext)  # outermost: every answer gets a request id, latency, a log line

@@ -46,6 +46,25 @@ from app.queue.jobs import Claimed, Job, JobState, ResultFile
 AGE_STEP_NEVER_S = 100 * 365.25 * 86_400
 
 
+# An upload into a full queue, or by an owner whose share is full, may try again in this long.
+FULL_RETRY_AFTER_S = 30
+
+
+def queue_full(queue_limit: int) -> errors.QueueFull:
+    """The refusal of an upload into a queue with `queue_limit` jobs waiting."""
+    return errors.QueueFull(
+        f"the queue is full ({queue_limit} jobs waiting); try again later", retry_after_s=FULL_RETRY_AFTER_S
+    )
+
+
+def owner_full(owner_limit: int) -> errors.QueueFull:
+    """The refusal of an upload by an owner with `owner_limit` jobs waiting."""
+    return errors.QueueFull(
+        f"you have {owner_limit} jobs waiting, the most one key may queue; try again once some have started",
+        retry_after_s=FULL_RETRY_AFTER_S,
+    )
+
+
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
@@ -86,13 +105,9 @@ class JobManager:
         if row["outcome"] == "queued":
             self.waiting.added()
         if row["outcome"] == "queue_full":
-            raise errors.QueueFull(f"the queue is full ({queue_limit} jobs waiting); try again later")
+            raise queue_full(queue_limit)
         if row["outcome"] == "owner_full":
-            raise errors.QueueFull(
-                f"you have {owner_limit} jobs waiting, the most one key may queue; "
-                "try again once some have started",
-                retry_after_s=30,
-            )
+            raise owner_full(owner_limit)
         if row["id"] is None:  # a concurrent request with the same idempotency key won
             async with self._auto.connect() as conn:
                 if row["stored_input"] is not None:  # the image it stored is nobody's
@@ -105,6 +120,18 @@ class JobManager:
         if row["outcome"] == "queued":
             self._tell_queued(stored, row["submitted_event"])
         return stored, row["outcome"] == "queued"
+
+    async def room(
+        self, *, queue_limit: int | None, owner: str | None = None, owner_limit: int = 0
+    ) -> tuple[int | None, int | None]:
+        """The jobs waiting, counted up to `queue_limit` (None: not counted), and `owner`'s, up to
+        `owner_limit` (None unless both are given), as enqueue() counts them: one statement."""
+        values = {
+            "count_all": queue_limit is not None, "queue_limit": queue_limit or 0,
+            "count_owner": owner is not None and owner_limit > 0, "owner": owner, "owner_limit": owner_limit,
+        }  # fmt: skip
+        row = await db.fetch_row(self._engine, sql.ROOM, values)
+        return row["waiting"], row["owner_waiting"]
 
     def _tell_queued(self, job: Job, event: int) -> None:
         """Have the queued job's NOTIFYs sent (after ENQUEUE's commit: sql.TELL says why)."""

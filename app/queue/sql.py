@@ -38,6 +38,28 @@ FIND_IDEMPOTENT = text("SELECT * FROM jobs WHERE owner = :owner AND idempotency_
 _WAITING = """
             (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :queue_limit) AS q)
           + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'scheduled' LIMIT :queue_limit) AS s)"""
+# The owner's jobs waiting, each state counted up to :owner_limit, likewise.
+_OWNER_WAITING = """
+            (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE owner = :owner AND state = 'queued'
+                                   LIMIT :owner_limit) AS oq)
+          + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE owner = :owner AND state = 'scheduled'
+                                   LIMIT :owner_limit) AS os)"""
+
+# How full the queue is, counted as ENQUEUE counts it, for an upload refused before its body while
+# the API remembers the queue or the owner's share full (app/api/fullness.py): with :count_all the
+# jobs waiting, with :count_owner the owner's; a count not asked for is NULL and costs nothing.
+ROOM = text(
+    """
+    SELECT CASE WHEN CAST(:count_all AS boolean) THEN"""
+    + _WAITING
+    + """
+           END AS waiting,
+           CASE WHEN CAST(:count_owner AS boolean) THEN"""
+    + _OWNER_WAITING
+    + """
+           END AS owner_waiting
+    """
+)
 
 # Queue a job, in one statement (run in autocommit: no BEGIN / COMMIT round trips). In order:
 # - `prior`: the owner's job with this idempotency key: it comes back, nothing is written;
@@ -74,11 +96,9 @@ ENQUEUE = text(
     ), verdict AS (
         SELECT CASE
             WHEN EXISTS (SELECT 1 FROM prior) THEN 'repeat'
-            WHEN :owner_limit > 0
-                 AND (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE owner = :owner AND state = 'queued'
-                                            LIMIT :owner_limit) AS q)
-                   + (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE owner = :owner AND state = 'scheduled'
-                                            LIMIT :owner_limit) AS s) >= :owner_limit THEN 'owner_full'
+            WHEN :owner_limit > 0 AND"""
+    + _OWNER_WAITING
+    + """ >= :owner_limit THEN 'owner_full'
             WHEN (SELECT waiting FROM counted) >= :queue_limit THEN 'queue_full'
             ELSE 'queued'
         END AS outcome, (SELECT waiting FROM counted) AS waiting
