@@ -33,6 +33,10 @@ class Lanes:
         """The folder of every lane of a worker."""
         return self.scratch / _safe_name(owner)
 
+    def lock_file(self, owner: str) -> Path:
+        """The file whose lock a worker holds for its life (app/presence.py)."""
+        return presence.lock_file(self.folder(owner))
+
     def path(self, owner: str, index: int) -> Path:
         """Scratch lane `index` of a worker: a folder reused by one job after another."""
         return self.folder(owner) / str(index)
@@ -128,15 +132,17 @@ class Lanes:
         self._made.clear()
         self._inputs.clear()
 
-    def hold(self, owner: str) -> bool:
+    def hold(self, owner: str) -> bool | None:
         """At `owner`'s start, before `reset`: take the lock that keeps other workers' sweeps off
         its lanes (a few seconds at most, while a sweep removes what its previous life left).
-        False if it cannot be had: the lanes are then left to `owner` alone, as before locks."""
+        False if another process holds it still: a live worker of the same id, on another host
+        sharing this folder. None where no lock can be had: the lanes are then left to `owner`
+        alone, as before locks."""
         held = self._held.setdefault(owner, presence.Presence(self.folder(owner), owner))
         try:
             return held.held or held.take()
         except OSError:  # no flock on this file system
-            return False
+            return None
 
     def leave(self, owner: str) -> None:
         """At `owner`'s stop: its lanes removed, then its lock."""

@@ -33,11 +33,16 @@ LOCK_SUFFIX = ".lock"
 TAKE_WAIT_S = 5.0
 
 
+def lock_file(lanes_folder: Path) -> Path:
+    """The lock file of the worker whose lanes are `lanes_folder`: beside them."""
+    return lanes_folder.with_name(lanes_folder.name + LOCK_SUFFIX)
+
+
 class Presence:
     """One worker's lock file, held while the worker runs."""
 
     def __init__(self, lanes_folder: Path, worker_id: str) -> None:
-        self.path = lanes_folder.with_name(lanes_folder.name + LOCK_SUFFIX)  # beside the lanes
+        self.path = lock_file(lanes_folder)
         self._worker_id = worker_id
         self._fd: int | None = None
 

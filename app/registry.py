@@ -247,4 +247,8 @@ class Registry:
 
     def smallest_vram_mb(self) -> int:
         """The smallest VRAM estimate of any model (for an empty input)."""
-        return min((spec.estimate_vram_mb(0.0) for spec in self.models.values()), default=0)
+        return min(self.smallest_needs_mb().values(), default=0)
+
+    def smallest_needs_mb(self) -> dict[str, int]:
+        """Each model's VRAM estimate for an empty input: a GPU offering less never runs its jobs."""
+        return {name: spec.estimate_vram_mb(0.0) for name, spec in self.models.items()}

@@ -330,6 +330,7 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         name: str = "w1",
         inventory: FakeInventory | None = None,
         manager_: JobManager | None = None,
+        store_: storage.ResultStore | None = None,
         listen_url: str | None = None,
         **config: Any,
     ) -> Worker:
@@ -356,7 +357,7 @@ def make_worker(manager: JobManager, store: storage.ResultStore, settings: Setti
         assert settings.database_url
         return Worker(
             manager=manager_ or manager,
-            store=store,
+            store=store_ or store,
             models=modelsfile.load_registry(settings.models_file),
             inventory=inventory or FakeInventory(gpus_mb or [24_576]),
             config=WorkerConfig(**values),

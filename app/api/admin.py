@@ -161,7 +161,7 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     done = await manager.reports.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
     judged = done.succeeded + done.failed
     # A model dropped from the registry, or served only by workers that are down: its jobs wait.
-    serving = records.serving(seen, dead_after)
+    serving = records.serving(seen, dead_after, services.models.smallest_needs_mb())
     return StatsPublic(
         queue=[
             QueueDepthPublic(state=s, model=m, priority=p, jobs=n, live_workers=serving[m])

@@ -21,7 +21,8 @@ async def list_models(request: Request, services: ServicesDep) -> dict[str, Any]
     """Every registered model: parameters, VRAM declared and observed, timeout, outputs, and the
     live workers that serve it (0: its jobs wait until one starts)."""
     dead_after = request.app.state.settings.dead_worker_after_s
-    serving = records.serving(await services.manager.reports.workers(recent_s=0), dead_after)
+    workers = await services.manager.reports.workers(recent_s=0)
+    serving = records.serving(workers, dead_after, services.models.smallest_needs_mb())
     models = []
     for spec in services.models.models.values():
         entry = spec.public()

@@ -90,7 +90,7 @@ class GpuBook:
         buffer_mb = self._buffer_mb
         total = max((g.total_mb for g in gpus), default=0)
         offered = total - buffer_mb
-        needs = {name: spec.estimate_vram_mb(0.0) for name, spec in models.models.items()}
+        needs = models.smallest_needs_mb()
         large = [f"{name} ({mb} MB)" for name, mb in sorted(needs.items()) if mb > offered]
         if needs and len(large) == len(needs):
             sizes = ", ".join(f"GPU {g.index}: {g.total_mb} MB" for g in gpus) or "no GPUs"

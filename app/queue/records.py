@@ -162,14 +162,23 @@ class WorkerInfo:
         data["running_jobs"] = list(data["running_jobs"] or [])
         return cls(**data)
 
+    def offered_mb(self) -> int:
+        """The most one job may be given on this worker's largest GPU, as it last reported."""
+        return max((int(g.get("offered_mb") or 0) for g in self.gpus), default=0)
+
     def is_live(self, dead_after_s: float) -> bool:
         """Running, with a heartbeat younger than `dead_after_s` (older: its jobs will be reaped)."""
         return self.state == "running" and self.heartbeat_age_s < dead_after_s
 
 
-def serving(workers: list[WorkerInfo], dead_after_s: float) -> Counter[str]:
-    """How many live workers serve each model (a model no live worker serves is absent: 0)."""
-    return Counter(model for w in workers if w.is_live(dead_after_s) for model in set(w.models))
+def serving(workers: list[WorkerInfo], dead_after_s: float, needs_mb: Mapping[str, int]) -> Counter[str]:
+    """How many live workers serve each model (a model no live worker serves is absent: 0): those
+    that have it and a GPU offering its `needs_mb` (for the smallest input; a worker lists every
+    model of its registry, those its GPUs are too small for included, and never claims their jobs)."""
+    return Counter(
+        model for w in workers if w.is_live(dead_after_s)
+        for model in set(w.models) if w.offered_mb() >= needs_mb.get(model, 0)
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from app import childprocess, db, gpu, logs, registry, storage, subreaper, warmpool
+from app import childprocess, db, errors, gpu, logs, registry, storage, subreaper, warmpool
 from app.queue import attempt as attempt_
 from app.queue import (
     gpubook,
@@ -238,6 +238,7 @@ class Worker:
 
     async def _start(self) -> None:
         """Check the GPUs can run something, register, take back what a previous life left."""
+        await self._hold_lanes()  # first: with another live worker of this id, nothing is touched
         gpus = self._gpus.first_reading()
         self._gpus.check_fit(gpus, self._models, worker_id=self.id)
         await self._manager.fleet.register_worker(
@@ -248,15 +249,23 @@ class Worker:
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
         await self.reaper.take_back_own()
-        await self._hold_lanes()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         self._store.drop_runner_temps(self.id)  # and its runners' temporary folders
         log.info("worker started", extra={"action": "worker_started", "worker": self.id, "gpus": len(gpus)})
 
     async def _hold_lanes(self) -> None:
         """Lock this worker's lanes for its life, so that other workers' sweeps leave them alone
-        until it is gone (app/presence.py)."""
-        if not await asyncio.to_thread(self._store.lanes.hold, self.id):
+        until it is gone (app/presence.py). ConfigError if a live process holds the lock: a worker
+        of this id on another host sharing the storage folder (the id's socket is held per host),
+        whose running jobs and lanes this start would take for a crashed past life's."""
+        held = await asyncio.to_thread(self._store.lanes.hold, self.id)
+        if held is False:
+            lock = self._store.lanes.lock_file(self.id)
+            raise errors.ConfigError(
+                f"another worker with the id {self.id!r} is running on a host that shares this storage "
+                f"folder (it holds {lock}): give each worker its own GPUJOBS_WORKER_NAME, or hostname"
+            )
+        if held is None:
             folder = self._store.lanes.folder(self.id)
             log.warning(
                 "could not lock this worker's lanes: if it is killed, what it leaves there stays until "
