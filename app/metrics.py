@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, multiprocess, values
@@ -41,7 +42,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from app import db, tally
+from app import db, retention, tally
 from app.queue import manager as manager_
 from app.queue import records
 
@@ -233,6 +234,27 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
     yield from (age, running, *gpus.families())
 
 
+class StorageMetrics:
+    """The size and free bytes of each storage part's disk, read at each scrape (a prometheus
+    Collector): a disk filling up shows here before uploads fail and workers pause."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+
+    def collect(self) -> Iterable[Metric]:
+        """Two gauges by part (results, logs, scratch, pgdata): the disk's size and its free bytes."""
+        size = GaugeMetricFamily(
+            "gpujobs_storage_size_bytes", "Size of the storage part's disk", labels=["part"]
+        )
+        free = GaugeMetricFamily(
+            "gpujobs_storage_free_bytes", "Free bytes on the storage part's disk", labels=["part"]
+        )
+        for part, (total, left) in retention.disk_space(self._root).items():
+            size.add_metric([part], total)
+            free.add_metric([part], left)
+        yield from (size, free)
+
+
 class _GpuFamilies:
     """The per GPU gauges, filled one GPU of a worker's heartbeat snapshot at a time."""
 
@@ -336,10 +358,13 @@ class Metrics:
         cache_s: float,
         dead_after_s: float,
         models: Iterable[str] = (),
+        storage_dir: Path | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.database = DatabaseMetrics(manager, cache_s=cache_s, dead_after_s=dead_after_s, models=models)
         self.registry.register(self.database)
+        if storage_dir is not None:
+            self.registry.register(StorageMetrics(storage_dir))
         path = multiprocess_dir()
         if path is None:
             series = _process_series(self.registry, streams_doc="Open job streams in this process")

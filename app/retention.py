@@ -79,6 +79,19 @@ def disk_usage(root: Path) -> dict[str, int]:
     return usage
 
 
+def disk_space(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, free bytes) of the file system of each part of the storage root that exists, the
+    embedded database's folder included: each may be a mount of its own. Free is what an
+    unprivileged writer may still use (`statvfs`'s f_bavail), as `df` shows it. One call per part,
+    microseconds each: read on every scrape."""
+    space: dict[str, tuple[int, int]] = {}
+    for part in (*PARTS, "pgdata"):
+        with contextlib.suppress(OSError):  # not made yet, or an external database (no pgdata)
+            size, _used, free = shutil.disk_usage(root / part)
+            space[part] = (size, free)
+    return space
+
+
 def job_files(root: Path, job_ids: Collection[uuid.UUID]) -> list[Path]:
     """The folders and files that hold these jobs' files: result folders, log files (one scan of
     each log folder involved), and the per-job folders of earlier versions (logs, scratch)."""

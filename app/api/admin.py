@@ -156,6 +156,7 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
     """Queue depth by model and priority, wait and run p50/p95, throughput, failure rate, storage."""
     manager = services.manager
     dead_after = request.app.state.settings.dead_worker_after_s
+    storage_dir = request.app.state.settings.storage_dir
     depth = await manager.reports.queue_depth()
     seen = await manager.reports.workers(recent_s=0)
     done = await manager.reports.finished_stats(window_s=STATS_WINDOW_S, recent_s=THROUGHPUT_WINDOW_S)
@@ -178,6 +179,7 @@ async def get_stats(request: Request, services: ServicesDep) -> StatsPublic:
         throughput_window_s=THROUGHPUT_WINDOW_S,
         throughput_per_min=round(done.recent / (THROUGHPUT_WINDOW_S / 60), 3),
         storage_bytes=await request.app.state.disk_usage.read(),
+        storage_free_bytes={part: free for part, (_size, free) in retention.disk_space(storage_dir).items()},
     )
 
 

@@ -161,6 +161,7 @@ class Observability:
             cache_s=settings.metrics_cache_s,
             dead_after_s=settings.dead_worker_after_s,
             models=services.models.models,
+            storage_dir=settings.storage_dir,
         )
         app.state.pruner = retention.Pruner(services.manager, settings.storage_dir)
         app.state.disk_usage = retention.DiskUsage(settings.storage_dir)

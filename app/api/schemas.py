@@ -356,6 +356,9 @@ class StatsPublic(BaseModel):
     throughput_window_s: float
     throughput_per_min: float = Field(description="Jobs finished per minute over throughput_window_s")
     storage_bytes: dict[str, int] = Field(description="Bytes below storage/: results, logs, scratch, ...")
+    storage_free_bytes: dict[str, int] = Field(
+        description="Free bytes on the disk of each part of storage/ (results, logs, scratch, pgdata), now"
+    )
 
 
 class PruneRequest(BaseModel):

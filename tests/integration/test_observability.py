@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -420,6 +421,21 @@ async def test_admin_stats(settings, manager, make_worker, store, make_key):
     results = sum(p.stat().st_size for p in (store.root / "results").rglob("*") if p.is_file())
     assert stats["storage_bytes"]["results"] == results > 0
     assert stats["storage_bytes"]["logs"] > 0 and stats["storage_bytes"]["total"] >= results
+
+
+async def test_the_storage_folders_free_space_is_shown_before_a_full_disk_bites(settings, store):
+    """Only the bytes used were shown (`storage_bytes`): nothing said how close a disk was to full,
+    and a full one first showed as failed uploads and paused workers."""
+    async with api_client(settings) as http:
+        stats = (await http.get("/admin/stats")).json()
+        series = await scrape(http)
+    for part in ("results", "logs", "scratch"):
+        size, _used, free = shutil.disk_usage(store.root / part)
+        shown = stats["storage_free_bytes"][part]
+        assert abs(shown - free) < 64 * 2**20, (part, shown, free)  # the disk's others write meanwhile
+        labels = frozenset({("part", part)})
+        assert series[("gpujobs_storage_size_bytes", labels)] == size
+        assert abs(series[("gpujobs_storage_free_bytes", labels)] - free) < 64 * 2**20
 
 
 async def test_admin_actions_refuse_fields_they_do_not_know(settings, manager, make_worker, engine):
