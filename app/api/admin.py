@@ -128,13 +128,17 @@ STATS_WINDOW_S = 3600.0
 THROUGHPUT_WINDOW_S = 300.0
 
 
-def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
+def _worker_public(w: records.WorkerInfo, dead_after: float, store: storage.ResultStore) -> WorkerPublic:
+    live = w.is_live(dead_after)
     return WorkerPublic(
         id=w.id,
         host=w.host,
         pid=w.pid,
         state=w.state,
-        live=w.is_live(dead_after),
+        live=live,
+        # A live worker holds its lock file in its storage folder (app/presence.py): absent from
+        # this API's, the worker writes its results and logs where this API cannot serve them.
+        shares_storage=store.lanes.lock_file(w.id).exists() if live else None,
         started_at=w.started_at,
         heartbeat_at=w.heartbeat_at,
         heartbeat_age_s=round(w.heartbeat_age_s, 3),
@@ -148,7 +152,8 @@ def _worker_public(w: records.WorkerInfo, dead_after: float) -> WorkerPublic:
 async def list_workers(request: Request, services: ServicesDep) -> list[WorkerPublic]:
     """Workers seen in the last day: host, state, heartbeat age, GPUs with their VRAM, running jobs."""
     dead_after = request.app.state.settings.dead_worker_after_s
-    return [_worker_public(w, dead_after) for w in await services.manager.reports.workers()]
+    workers = await services.manager.reports.workers()
+    return [_worker_public(w, dead_after, services.store) for w in workers]
 
 
 @router.get("/stats", response_model=StatsPublic)

@@ -316,6 +316,10 @@ class WorkerPublic(BaseModel):
     pid: int
     state: str = Field(description="running, stopping, stopped or dead")
     live: bool = Field(description="Running and heartbeating within the dead-worker limit")
+    shares_storage: bool | None = Field(
+        description="Whether the worker writes to this API's storage folder (false: its results and "
+        "logs cannot be downloaded here); null unless live"
+    )
     started_at: datetime
     heartbeat_at: datetime
     heartbeat_age_s: float

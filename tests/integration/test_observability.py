@@ -438,6 +438,26 @@ async def test_the_storage_folders_free_space_is_shown_before_a_full_disk_bites(
         assert abs(series[("gpujobs_storage_free_bytes", labels)] - free) < 64 * 2**20
 
 
+async def test_a_worker_that_does_not_share_the_apis_storage_folder_is_shown_so(
+    settings, store, make_worker, tmp_path
+):
+    """Results and logs are served from the API's storage folder: a worker writing to another one
+    (a host without the shared mount) made jobs whose downloads answered 404, and logs empty, with
+    nothing anywhere saying why."""
+    from app import storage
+
+    apart = storage.ResultStore(tmp_path / "another-host")
+    async with (
+        running(make_worker(burst=False, name="shares")),
+        running(make_worker(burst=False, name="apart", store_=apart)),
+        api_client(settings) as http,
+    ):
+        shown = {w["id"]: w["shares_storage"] for w in (await http.get("/admin/workers")).json()}
+    assert shown == {worker_id("shares"): True, worker_id("apart"): False}
+    async with api_client(settings) as http:  # stopped: a lock file is held only while a worker runs
+        assert {w["shares_storage"] for w in (await http.get("/admin/workers")).json()} == {None}
+
+
 async def test_admin_actions_refuse_fields_they_do_not_know(settings, manager, make_worker, engine):
     """A misspelt field is not a missing one: `{"dry-run": true}` pruned for real, and a retry filter
     with a typo (`modle`) queued every failed job of every model again."""
