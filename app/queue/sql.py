@@ -624,7 +624,10 @@ HEARTBEAT = text(
 # or fail them when their attempts are used up, or cancel them if a cancel was asked for.
 _TAKE_BACK = f"""
     WITH lost AS (
-        SELECT id FROM jobs WHERE state = 'running' AND {{where}}
+        -- `ends`: the job ends here (canceled, quarantined or failed) rather than queued again.
+        SELECT id, cancel_requested OR attempt >= max_attempts OR abnormal_runs + 1 >= :quarantine_after
+                   AS ends
+        FROM jobs WHERE state = 'running' AND {{where}}
         ORDER BY lease_expires_at LIMIT :limit
         FOR UPDATE SKIP LOCKED
     ), back AS (
@@ -638,8 +641,11 @@ _TAKE_BACK = f"""
                     || j.attempt || ')',
             abnormal_runs = j.abnormal_runs + 1,
             lease_expires_at = NULL, run_after = now(),
-            finished_at = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
-                               OR j.abnormal_runs + 1 >= :quarantine_after THEN now() END
+            finished_at = CASE WHEN lost.ends THEN now() END,
+            -- Queued again, it shows no progress (as a job handed back does); one that ends here
+            -- keeps what its run made. Its worker and pid stay: the lost run is found by them.
+            progress = CASE WHEN lost.ends THEN j.progress ELSE 0 END,
+            progress_message = CASE WHEN lost.ends THEN j.progress_message END
         FROM lost WHERE j.id = lost.id
         RETURNING j.id, j.attempt, j.worker_id, j.state, j.pid, j.host, j.model, j.progress
     ), event AS (

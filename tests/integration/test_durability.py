@@ -225,6 +225,30 @@ async def test_a_lease_that_runs_out_after_the_leftover_check_waits_for_the_next
 EXPIRE_LEASE = text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :id")
 
 
+async def test_a_job_taken_back_into_the_queue_shows_no_progress_of_its_lost_run(manager, engine):
+    """A job a lost worker left went back to the queue still showing that run's progress (0.4,
+    "step 2 of 5"), where a job handed back at a graceful stop shows none: a queued job had made
+    progress. Its worker stays recorded (a later round kills the lost run by it); a job that
+    ends there (failed, here) keeps the progress it made."""
+    claim = {"host": "elsewhere", "models": ["toy"], "budgets": {0: 24_576}, "lease_s": 60}
+    queued, ended = await enqueue(manager), await enqueue(manager, max_attempts=1)
+    for job_id in (queued, ended):
+        [attempt] = await manager.claim(worker_id="test:lost", **claim)
+        assert not await manager.progress(attempt.job, 0.4, "step 2 of 5")  # no cancel pending
+        async with engine.begin() as conn:
+            await conn.execute(EXPIRE_LEASE, {"id": job_id})
+    taken = await manager.fleet.recover_expired(by_worker="test:elsewhere")
+    assert {t.id: t.state for t in taken} == {queued: JobState.queued, ended: JobState.failed}
+    back, failed = await manager.get(queued), await manager.get(ended)
+    assert (back.state, back.progress, back.progress_message, back.worker_id) == (
+        JobState.queued,
+        0,
+        None,
+        "test:lost",
+    )
+    assert (failed.state, failed.progress, failed.progress_message) == (JobState.failed, 0.4, "step 2 of 5")
+
+
 async def test_a_restarted_worker_kills_runs_of_its_past_whose_jobs_went_elsewhere(
     manager, spawn_worker, engine
 ):
