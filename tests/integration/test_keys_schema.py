@@ -1,4 +1,5 @@
-"""On the embedded database only `serve`, `worker` and `migrate` migrate: `gpujobs keys` checks.
+"""On the embedded database only `serve`, `worker` and `migrate` upgrade a schema: `gpujobs keys`
+checks it, and migrates only a database never migrated (a new storage folder, which no `serve` uses).
 
 Every command migrated the embedded database at start: `gpujobs keys list` of a newer checkout
 upgraded the schema under an older `serve` still using the same storage folder. `serve` migrating a
@@ -17,7 +18,6 @@ from pathlib import Path
 from alembic.script import ScriptDirectory
 
 from app import db, migrate, pgserver
-from tests.conftest import worker_name
 from tests.integration.test_client import run_cli
 
 
@@ -78,17 +78,18 @@ async def test_keys_on_a_schema_one_revision_behind_say_to_migrate_and_change_no
         assert code == 0 and "principal" in stdout, stderr[-3000:]
 
 
-async def test_a_fresh_folder_is_migrated_by_worker_not_by_keys(tmp_path):
-    """On a fresh storage folder, `keys list` says to migrate (and leaves the schema unmade), and
-    `worker` (as `serve`) migrates it out of the box."""
+async def test_keys_create_on_a_fresh_folder_migrates_it_and_makes_the_key(tmp_path):
+    """A first key made before anything ran on the storage folder (the README's quick start): the
+    never-migrated database is brought to head, the key printed alone on stdout and usable. (A
+    schema one behind is still refused, unchanged: the test above.)"""
     storage = tmp_path / "storage"
     env = _env(tmp_path, storage)
-    code, stdout, stderr = await run_cli(env, "keys", "list", timeout_s=120)
-    assert code == 2 and stdout == "" and "Traceback" not in stderr, stderr[-3000:]
-    [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert "schema is at nothing" in line and "run `gpujobs migrate`" in line, line
-    worker = env | {"GPUJOBS_WORKER_NAME": worker_name("keys-schema")}  # not the host's default
-    code, _, stderr = await run_cli(worker, "worker", "--burst", timeout_s=120)
-    assert code == 0, stderr[-3000:]
+    code, stdout, stderr = await run_cli(env, "keys", "create", "alice", timeout_s=120)
+    assert code == 0 and "Traceback" not in stderr, stderr[-3000:]
+    [secret] = stdout.splitlines()
+    assert f"migrated the new embedded database to revision {migrate.head()}" in stderr, stderr[-3000:]
     async with _held(storage / "pgdata") as url:
         assert await _revision(url) == migrate.head()
+    code, stdout, stderr = await run_cli(env, "keys", "list", timeout_s=120)
+    assert code == 0 and "alice" in stdout and secret[:8] in stdout, (stdout, stderr[-3000:])
+    assert "migrated" not in stderr, stderr[-3000:]  # once only: now it is at head
