@@ -189,8 +189,8 @@ def test_serve_and_a_worker_start_a_killed_server_again_once_and_stop_it_at_the_
         logs["worker"] = _start(started, tmp_path, "worker", "worker")
         key = _key(tmp_path)
         _ready(base, 60, workers=1)
-        # Killed while its listener subscribes, a worker stops (app/queue/listener.py takes only a
-        # failed connect for an outage): the kill waits until it listens.
+        # The kill comes once the worker listens: its restart, not its first subscription, is what
+        # this test is about (a connection lost while subscribing: tests/integration/test_listener_outage.py).
         _listening(data, timeout_s=30)
         first, socket_dir = _postmaster(data), _socket_dir(data)
 
