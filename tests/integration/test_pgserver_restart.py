@@ -9,6 +9,7 @@ one storage folder here, as they do on a single GPU box; the in-process tests dr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -65,8 +66,15 @@ def _listening(data: Path, timeout_s: float) -> None:
         finally:
             await conn.close()
 
+    def ask() -> bool:
+        # asyncio.run in a thread of its own: run in the main thread, it attaches the child watcher
+        # to its loop and detaches it at its end, and this process's later tests (on the session's
+        # loop) could spawn no subprocess ("get_child_watcher() is not activated").
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, subscribed()).result()
+
     deadline = time.monotonic() + timeout_s
-    while not asyncio.run(subscribed()):
+    while not ask():
         assert time.monotonic() < deadline, f"the worker did not LISTEN within {timeout_s} s"
         time.sleep(0.1)
 
