@@ -162,9 +162,11 @@ class WorkerInfo:
         data["running_jobs"] = list(data["running_jobs"] or [])
         return cls(**data)
 
-    def offered_mb(self) -> int:
-        """The most one job may be given on this worker's largest GPU, as it last reported."""
-        return max((int(g.get("offered_mb") or 0) for g in self.gpus), default=0)
+    def can_take(self, need_mb: int) -> bool:
+        """Whether this worker's largest GPU, as it last reported, offers `need_mb` to one job (a
+        snapshot without `offered_mb`, an earlier version's: its size; one with no GPUs: yes)."""
+        sizes = [int(g.get("offered_mb", g.get("total_mb")) or 0) for g in self.gpus]
+        return not sizes or max(sizes) >= need_mb
 
     def is_live(self, dead_after_s: float) -> bool:
         """Running, with a heartbeat younger than `dead_after_s` (older: its jobs will be reaped)."""
@@ -177,7 +179,7 @@ def serving(workers: list[WorkerInfo], dead_after_s: float, needs_mb: Mapping[st
     model of its registry, those its GPUs are too small for included, and never claims their jobs)."""
     return Counter(
         model for w in workers if w.is_live(dead_after_s)
-        for model in set(w.models) if w.offered_mb() >= needs_mb.get(model, 0)
+        for model in set(w.models) if w.can_take(needs_mb.get(model, 0))
     )  # fmt: skip
 
 
