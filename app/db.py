@@ -187,6 +187,10 @@ _CONNECTION_ERRORS = (
     asyncpg.TooManyConnectionsError,
     asyncpg.InternalClientError,  # a connection asyncpg finds mid-operation (after a restart): unusable
 )
+# PostgreSQL short of a resource (SQLSTATE class 53), which frees up again: not 53400
+# (configuration_limit_exceeded), a statement over a configured limit, which fails again when sent again.
+DISK_FULL, OUT_OF_MEMORY = "53100", "53200"
+_SHORTAGES = frozenset({"53000", DISK_FULL, OUT_OF_MEMORY, "53300"})
 # Statements PostgreSQL failed to break a deadlock (40P01) or a serialization conflict (40001).
 _ROLLED_BACK = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
 # Other OSErrors count only with one of these numbers and no file name: a socket that could not
@@ -227,12 +231,28 @@ def is_unavailable(error: BaseException) -> bool:
     still starting up (57P03), straight out of `engine.raw_connection()`, unwrapped by SQLAlchemy.
     A pool with no connection free within its timeout (a server that hangs, a lock held) counts too:
     the statement never reached PostgreSQL, and waiting is what helps; so does a statement PostgreSQL
-    failed to break a deadlock, which wrote nothing."""
+    failed to break a deadlock, which wrote nothing, and one it refused short of disk space, memory
+    or connections (`shortage`)."""
     if isinstance(error, exc.TimeoutError):  # the pool's wait (sqlalchemy.exc), not a statement's
+        return True
+    if shortage(error) is not None:
         return True
     if isinstance(error, exc.DBAPIError):
         return error.connection_invalidated or _is_connection_error(error.orig) or _rolled_back(error.orig)
     return isinstance(error, exc.InterfaceError) or _is_connection_error(error) or _rolled_back(error)
+
+
+def shortage(error: BaseException | None) -> str | None:
+    """The SQLSTATE of PostgreSQL short of a resource that comes back (class 53: its disk full,
+    out of memory, every connection taken) behind `error`, however wrapped; None for any other
+    error. The statement wrote nothing, and once the operator (or time) frees room it goes through:
+    passing trouble, not the client's nor the job's."""
+    for found in (error, getattr(error, "orig", None)):
+        for cause in (found, getattr(found, "__cause__", None)):
+            state: str | None = getattr(cause, "sqlstate", None)
+            if isinstance(cause, asyncpg.PostgresError) and state in _SHORTAGES:
+                return state
+    return None
 
 
 def _rolled_back(error: BaseException | None) -> bool:

@@ -17,6 +17,7 @@ on in a fresh file. Either way the pipes are read as before and the tail is the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from pathlib import Path
@@ -28,6 +29,10 @@ _LOG = logging.getLogger("gpujobs.runlog")
 
 TAIL_BYTES = 4096
 TAIL_LINES = 40
+# A log write failing so is the host's disk full (or its quota used up): said in the tail too, where
+# the run's verdict looks for it (app/queue/verdict.py, disk_trouble), since the model's own writes
+# to that disk (its outputs) most likely failed as well, and the job is not to be charged for that.
+_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def open_log(path: Path) -> BinaryIO:
@@ -107,8 +112,7 @@ class RunLog:
             self._file = open_log(self.path)
             self._size = os.fstat(self._file.fileno()).st_size
         except OSError as exc:
-            _LOG.error("cannot open a run log: %s", exc, extra={"action": "log_write_failed"})
-            self._shut()
+            self._failed("cannot open a run log", exc)
             return
         self._put(b"".join(waiting))
 
@@ -167,8 +171,7 @@ class RunLog:
             self._file = open_log(self.path)
             self._size = os.fstat(self._file.fileno()).st_size
         except OSError as exc:
-            _LOG.error("cannot rotate a log: %s", exc, extra={"action": "log_write_failed"})
-            self._shut()
+            self._failed("cannot rotate a log", exc)
 
     def _ending(self) -> bytes:
         """What a capped log ends with: a line saying how many bytes were left out, then the last
@@ -192,11 +195,18 @@ class RunLog:
         try:
             self._file.write(data)
         except OSError as exc:
-            _LOG.error("cannot write a run log: %s", exc, extra={"action": "log_write_failed"})
-            self._shut()
+            self._failed("cannot write a run log", exc)
             return
         self._size += len(data)
         self._line_ended = data.endswith(b"\n")
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """The file cannot be written: say so (once: nothing more is written to it), and in the
+        tail too when the disk is full."""
+        _LOG.error("%s: %s", what, exc, extra={"action": "log_write_failed", "path": str(self.path)})
+        if exc.errno in _FULL_DISK:
+            self._keep(f"[{self._tag}] {what}: {exc}\n".encode())
+        self._shut()
 
     def _shut(self) -> None:
         """Close the file, if open; nothing more is written to it."""

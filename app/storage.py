@@ -76,6 +76,11 @@ class OutputInvalid(errors.AppError):
     """The model exited 0 but its outputs are missing, empty or too large."""
 
 
+class OutputMissing(OutputInvalid):
+    """A required output was not written, or is empty: what a model's writes to a full disk leave,
+    so the verdict asks whether the disk was full (app/queue/verdict.py) before blaming the job."""
+
+
 @dataclass(frozen=True, slots=True)
 class FoundOutput:
     """A declared output the model wrote, staged and checked but for its hash (ResultStore.stage)."""
@@ -115,7 +120,7 @@ def _staged(out_dir: Path, staging: Path, spec: ExpectedOutput) -> FoundOutput |
                 else:
                     os.unlink(path)
         if spec.required:
-            raise OutputInvalid(f"output {spec.name!r} {_not_a_file(info)}")
+            raise (OutputInvalid if info else OutputMissing)(f"output {spec.name!r} {_not_a_file(info)}")
         return None
     if info.st_nlink > 1:  # a second name elsewhere: whoever holds it could change the file served
         with contextlib.suppress(OSError):
@@ -125,7 +130,7 @@ def _staged(out_dir: Path, staging: Path, spec: ExpectedOutput) -> FoundOutput |
             "write its outputs, or copy them, into its output folder"
         )
     if info.st_size == 0:
-        raise OutputInvalid(f"output {spec.name!r} is empty")
+        raise OutputMissing(f"output {spec.name!r} is empty")
     if info.st_size > spec.max_bytes:
         raise OutputInvalid(f"output {spec.name!r} is {info.st_size} bytes, over the {spec.max_bytes} cap")
     return FoundOutput(spec, path, info.st_size)
@@ -161,19 +166,34 @@ class ResultStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self.lanes = lanes.Lanes(self.root / "scratch")
         self._made: set[Path] = set()  # runner folders known to exist
         self._new_jobs: set[uuid.UUID] = set()  # jobs whose results folder `stage` made: flushed at `publish`
-        for part in PARTS:
-            folder = self.root / part
-            try:
-                if part != "runners":  # made with the first warm runner
-                    folders.make_folder(folder)
-                folders.close_to_others(folder)
-            except OSError as exc:  # a file in the way, or a folder this user cannot write
-                raise unusable(
-                    folder, exc, "not a folder" if isinstance(exc, FileExistsError) else None
-                ) from exc
+        # Each part's real path, read once: a part may be a link to another disk (results on a
+        # bigger one). Every path below is made from these, so a link below a part (results/<job>
+        # linked elsewhere) still makes a real path differ from its path, and is refused.
+        real = {part: self._part(part) for part in PARTS}
+        self._results, self._logs, self._runners = real["results"], real["logs"], real["runners"]
+        self.lanes = lanes.Lanes(real["scratch"])
+
+    def _part(self, part: str) -> Path:
+        """The folder `part` below the root, made if missing (but `runners`, made with the first
+        warm runner) and closed to others: its real path. ConfigError for a file in the way, a link
+        to no folder, or a folder this user cannot write."""
+        folder = self.root / part
+        try:
+            if part != "runners":
+                folders.make_folder(folder)
+            real = Path(os.path.realpath(folder))
+            folders.close_to_others(real)
+        except OSError as exc:
+            reason = "not a folder" if isinstance(exc, FileExistsError) else None
+            if os.path.islink(folder):
+                reason = (
+                    f"a link to {os.path.realpath(folder)}, which is not a folder: make that folder, or "
+                    "replace the link"
+                )
+            raise unusable(folder, exc, reason) from exc
+        return real
 
     def probe(self, owner: str) -> None:
         """OSError unless `owner`'s scratch folder takes a file of PROBE_BYTES and the results
@@ -182,12 +202,12 @@ class ResultStore:
         folders.make_folder(scratch)
         with tempfile.TemporaryFile(dir=scratch) as f:  # nameless (O_TMPFILE): a crash leaves nothing
             os.posix_fallocate(f.fileno(), 0, PROBE_BYTES)
-        with tempfile.TemporaryDirectory(prefix=".probe-", dir=self.root / "results"):
+        with tempfile.TemporaryDirectory(prefix=".probe-", dir=self._results):
             pass
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
         """The working folder of a warm runner (its HOME and its own log)."""
-        path = self.root / "runners" / f"{model}-gpu{'none' if gpu is None else gpu}"
+        path = self._runners / f"{model}-gpu{'none' if gpu is None else gpu}"
         if path not in self._made:  # asked for on every warm job: made once
             folders.make_folder(path)
             self._made.add(path)
@@ -201,13 +221,13 @@ class ResultStore:
     def drop_runner_temps(self, worker_id: str) -> None:
         """Remove the runners' temporary folders a previous life of `worker_id` left (killed with
         it, they were never removed), in every runner folder: at its start, before any runner."""
-        for stale in (self.root / "runners").glob(f"*/{_temp_prefix(worker_id)}*"):
+        for stale in self._runners.glob(f"*/{_temp_prefix(worker_id)}*"):
             folders.remove_quietly(stale)
 
     def log_path(self, job_id: uuid.UUID, attempt: int) -> Path:
         """Where an attempt's log goes (nothing is made: the log is made once its model prints,
         app/runlog.py)."""
-        return log_file(self.root, job_id, attempt)
+        return log_in(self._logs, job_id, attempt)
 
     def stage(
         self, job_id: uuid.UUID, attempt: int, out_dir: Path, expected: Sequence[ExpectedOutput]
@@ -225,7 +245,7 @@ class ResultStore:
             raise OutputInvalid("the output folder was replaced by the model: it is not a folder")
         for spec in expected:
             if spec.required and not os.path.lexists(out_dir / spec.name):
-                raise OutputInvalid(f"output {spec.name!r} was not written")
+                raise OutputMissing(f"output {spec.name!r} was not written")
         written = [spec for spec in expected if os.path.lexists(out_dir / spec.name)]
         if not written:  # no folder made and removed for nothing (as for /bin/true)
             return []
@@ -248,7 +268,7 @@ class ResultStore:
 
     def _staging(self, job_id: uuid.UUID, attempt: int) -> Path:
         """The hidden folder an attempt's outputs are gathered in before they are put in place."""
-        return self.root / "results" / str(job_id) / f".{attempt}.partial"
+        return self._results / str(job_id) / f".{attempt}.partial"
 
     def publish(self, job_id: uuid.UUID, attempt: int, files: Iterable[ResultFile]) -> Path:
         """Put the staged outputs (`stage`) in place: results/<job>/<attempt>/, in one atomic rename.
@@ -256,7 +276,7 @@ class ResultStore:
         Files and folders are on disk (fsync) before this returns, so the success written next
         never names files that a crash of the host would leave empty or missing. Each file gets
         folders.FILE_MODE, whatever mode its model gave it."""
-        final = self.root / "results" / str(job_id) / str(attempt)
+        final = self._results / str(job_id) / str(attempt)
         staging = self._staging(job_id, attempt)
         new_job = job_id in self._new_jobs
         self._new_jobs.discard(job_id)
@@ -281,14 +301,14 @@ class ResultStore:
 
     def unpublish(self, job_id: uuid.UUID, attempt: int) -> None:
         """Remove an attempt's published results (its completion lost to fencing)."""
-        shutil.rmtree(self.root / "results" / str(job_id) / str(attempt), ignore_errors=True)
+        shutil.rmtree(self._results / str(job_id) / str(attempt), ignore_errors=True)
 
     def drop_attempts(self, job_id: uuid.UUID, *, upto: int) -> None:
         """Remove the result folders, whole or hidden, of attempts 1 to `upto` of a job that ended:
         at attempt `upto` without success, or at `upto` + 1 with it. A worker that died while
         storing them left them. None of those attempts can ever win the fenced success; a later
         one (after an admin retry) may be storing its results now, and is left alone."""
-        folder = self.root / "results" / str(job_id)
+        folder = self._results / str(job_id)
         with contextlib.suppress(OSError), os.scandir(folder) as entries:
             for entry in entries:
                 found = ATTEMPT_DIR.match(entry.name)
@@ -303,19 +323,20 @@ class ResultStore:
         (yet) and the run did not end badly (app/runlog.py). That log is empty, not missing."""
         result = job.result(name)
         if result is not None:
-            path = self.root / "results" / str(job.id) / str(job.attempt) / result.name
+            path = self._results / str(job.id) / str(job.attempt) / result.name
             media_type, sha = result.media_type, result.sha256
         elif (match := LOG_NAME.match(name)) and 1 <= int(match.group(1)) <= job.attempt:
-            path = log_file(self.root, job.id, int(match.group(1)))
+            path = self.log_path(job.id, int(match.group(1)))
             if self._lstat(path) is None:  # written by an earlier version: one folder per job
-                path = self.root / "logs" / str(job.id) / name
+                path = self._logs / str(job.id) / name
             media_type, sha = "text/plain; charset=utf-8", None
             if self._lstat(path) is None:  # nothing there, not even a link (refused below)
                 return None, media_type, sha
         else:
             raise errors.FileNotFound(f"job {job.id} has no file {name!r}")
         # A link anywhere on the way (the file, or a folder: results/<job> linked to another job's)
-        # makes the real path differ; the root is resolved, so a path without links is its own.
+        # makes the real path differ; the root and its parts are resolved (a part may be a link to
+        # another disk: __init__), so a path without links below them is its own.
         info = self._lstat(path)
         if info is None or not stat.S_ISREG(info.st_mode) or os.path.realpath(path) != str(path):
             raise errors.FileNotFound(f"file {name!r} of job {job.id} is not on disk")
@@ -352,15 +373,29 @@ class ResultStore:
 
     def _unreadable(self, path: Path, exc: OSError) -> errors.StorageError:
         """The error for a file below the root that the API's user is not allowed to read."""
+        parts = {"results": self._results, "logs": self._logs}  # the parts' real paths
+        shown = next(
+            (
+                f"storage/{name}/{path.relative_to(real)}"
+                for name, real in parts.items()
+                if path.is_relative_to(real)
+            ),
+            str(path),
+        )
         return errors.StorageError(
-            f"the API's user cannot read storage/{path.relative_to(self.root)} ({exc.strerror}): "
+            f"the API's user cannot read {shown} ({exc.strerror}): "
             "give it read access to the file and the folders above it"
         )
 
 
 def log_file(root: Path, job_id: uuid.UUID, attempt: int) -> Path:
     """The log of one attempt: logs/<first two hex digits of the id>/<id>.attempt-<n>.log."""
-    return root / "logs" / job_id.hex[:2] / f"{job_id}.attempt-{attempt}.log"
+    return log_in(root / "logs", job_id, attempt)
+
+
+def log_in(logs: Path, job_id: uuid.UUID, attempt: int) -> Path:
+    """The log of one attempt in the folder `logs` (see `log_file`)."""
+    return logs / job_id.hex[:2] / f"{job_id}.attempt-{attempt}.log"
 
 
 def _opened_at(fd: int, path: Path) -> bool:

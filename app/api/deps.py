@@ -81,10 +81,20 @@ async def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Calle
 
 
 def unavailable(exc: BaseException) -> errors.Unavailable | None:
-    """The 503 for a database error that means "not now": the database is down, or so slow that no
-    pooled connection came free within the pool's timeout. None for any other error."""
+    """The 503 for a database error that means "not now": the database is down, short of disk
+    space, memory or connections, or so slow that no pooled connection came free within the pool's
+    timeout. None for any other error."""
     if isinstance(exc, sqlalchemy.exc.TimeoutError):  # the pool's wait, not a statement's
         return errors.Unavailable("the database is busy: no connection came free in time; try again shortly")
+    match db.shortage(exc):
+        case db.DISK_FULL:
+            return errors.Unavailable(
+                "the database is out of disk space: nothing was written; its operator must free space "
+                "on PostgreSQL's disk (its data folder); try again once it has room",
+                retry_after_s=30,
+            )
+        case db.OUT_OF_MEMORY:
+            return errors.Unavailable("the database is out of memory; try again shortly", retry_after_s=10)
     return errors.Unavailable() if db.is_unavailable(exc) else None
 
 

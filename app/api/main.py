@@ -269,11 +269,12 @@ def _clipped(value: Any) -> Any:
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    """Database outages (or no free connection) become 503 with Retry-After; other database errors
-    stay errors (500)."""
+    """Database outages (or no free connection, or PostgreSQL short of disk space or memory) become
+    503 with Retry-After; other database errors stay errors (500)."""
     if (down := deps.unavailable(exc)) is None:
         raise exc
-    log.warning("database unavailable", extra={"action": "db_down", "path": request.url.path})
+    extra = {"action": "db_down", "path": request.url.path}
+    log.warning("database unavailable: %s", down.message, extra=extra)
     return await _app_error(request, down)
 
 
@@ -303,6 +304,7 @@ def create_app(settings: Settings) -> FastAPI:
         OSError,
         asyncpg.PostgresConnectionError,
         asyncpg.InterfaceError,
+        asyncpg.InsufficientResourcesError,  # its disk full, say, on a statement sent with asyncpg itself
     ):
         app.add_exception_handler(kind, _database_error)
     app.add_middleware(

@@ -107,7 +107,7 @@ class Verdict:
         """The final write for a one-shot run that ended by itself (or at its timeout)."""
         spec = self._spec
         if result.ok:
-            return self.success(out_dir, result.duration_s)
+            return self.success(out_dir, result.duration_s, said=result.log_tail)
         if not result.timed_out and (trouble := await self.disk_trouble(result.log_tail)) is not None:
             return self.storage_failed(trouble)
         if not result.timed_out and spec.out_of_memory(result.exit_code, result.log_tail):
@@ -137,7 +137,7 @@ class Verdict:
         error = result.error or "(no message)"
         match result.outcome:
             case warmresult.Outcome.DONE:
-                return self.success(out_dir, result.duration_s, about)
+                return self.success(out_dir, result.duration_s, about, said=result.log_tail)
             case warmresult.Outcome.BAD_INPUT:
                 return self.failure(f"bad input: {error}", retryable=False)
             case warmresult.Outcome.OOM:
@@ -276,9 +276,12 @@ class Verdict:
 
         return write
 
-    def success(self, out_dir: Path, duration_s: float, about: Mapping[str, Any] | None = None) -> Write:
+    def success(
+        self, out_dir: Path, duration_s: float, about: Mapping[str, Any] | None = None, *, said: str = ""
+    ) -> Write:
         """The final write of a run whose model succeeded: its outputs checked, published, and the
-        job marked succeeded; `about` goes into the event's detail beside `duration_s`."""
+        job marked succeeded; `about` goes into the event's detail beside `duration_s`, `said` is
+        the run's last lines (read for a full disk when an output is missing or empty)."""
         expected = [
             storage.ExpectedOutput(name, media_type, spec.required, spec.max_mb * 1024 * 1024)
             for name, media_type, spec in self._spec.expected_outputs(self._job.params)
@@ -290,7 +293,7 @@ class Verdict:
         async def write() -> None:
             # Check and publish once; a retry after a database outage repeats only the database write.
             nonlocal published, unsure, files
-            if files is None and (files := await self._checked(out_dir, expected)) is None:
+            if files is None and (files := await self._checked(out_dir, expected, said)) is None:
                 return
             if not published and files and not await self._published(files):
                 return
@@ -313,12 +316,20 @@ class Verdict:
         return write
 
     async def _checked(
-        self, out_dir: Path, expected: list[storage.ExpectedOutput]
+        self, out_dir: Path, expected: list[storage.ExpectedOutput], said: str
     ) -> list[ResultFile] | None:
         """A successful run's outputs, checked and hashed; None when they could not be, the outcome
-        that means (a bad output, this host's storage trouble, an unreadable file) written instead."""
+        that means (a bad output, this host's storage trouble, an unreadable file) written instead.
+        An output missing or empty while the disk was full (the run's log could not be written,
+        its last lines name a full disk, or the storage folder takes no file now) is the host's
+        trouble: a model that exits 0 without checking its writes leaves just that."""
         try:
             return await self._checked_outputs(out_dir, expected)
+        except storage.OutputMissing as exc:
+            if (trouble := await self.disk_trouble(said)) is not None:
+                await self.storage_failed(f"{trouble}; {exc.message}")()
+            else:
+                await self.failure(f"bad output: {exc.message}", retryable=False)()
         except storage.OutputInvalid as exc:
             await self.failure(f"bad output: {exc.message}", retryable=False)()
         except errors.StorageError as exc:  # its cause, an OSError, reads as a database outage

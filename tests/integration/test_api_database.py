@@ -1,19 +1,22 @@
 """The API while PostgreSQL is slow (every connection of the pool is taken and none comes free),
-and once it is back after a restart."""
+out of disk space, and once it is back after a restart."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import text
+import asyncpg
+import pytest
+from sqlalchemy import exc, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app import auth
+from app import auth, db
 from app.queue.manager import JobManager
 from tests import dbadmin
-from tests.conftest import api_client
+from tests.conftest import api_client, png_bytes
 from tests.integration.test_retention_races import until_waiting
 from tests.integration.test_worker import enqueue
 
@@ -79,3 +82,58 @@ async def test_pooled_connections_the_server_closed_fail_no_request(settings, se
         await asyncio.sleep(0.2)  # the API's connections see the server close them
         answers = [(await http.get(f"/jobs/{job_id}")).status_code for _ in range(10)]
     assert answers == [200] * 10
+
+
+async def test_an_upload_while_the_database_disk_is_full_is_a_clear_503(settings, engine):
+    """What PostgreSQL says when its disk is full (SQLSTATE 53100, `could not extend file ...: No
+    space left on device`), raised here by a trigger on the insert of the upload's image, so the
+    driver gets the very error class a full disk gives (asyncpg.exceptions.DiskFullError). It was a
+    bare `500 Internal Server Error` (text/plain), logged as `http_error` with a traceback."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "CREATE FUNCTION disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " RAISE EXCEPTION 'could not extend file \"base/5/16403\": No space left on device'"
+                " USING ERRCODE = 'disk_full', HINT = 'Check free disk space.'; END $$"
+            )
+        )
+        await conn.execute(
+            text("CREATE TRIGGER disk_full BEFORE INSERT ON inputs FOR EACH ROW EXECUTE FUNCTION disk_full()")
+        )
+    async with api_client(settings) as http:
+        answer = await http.post(
+            "/jobs",
+            files={"image": ("photo.png", png_bytes(color=(7, 8, 9)), "image/png")},
+            data={"model": "toy", "params": json.dumps({})},
+        )
+    async with engine.connect() as conn:
+        jobs = (await conn.execute(text("SELECT count(*) FROM jobs"))).scalar_one()
+    assert jobs == 0, "nothing half-written"
+    assert answer.status_code == 503, (answer.status_code, answer.headers.get("content-type"), answer.text)
+    assert int(answer.headers["retry-after"]) > 0
+    assert "out of disk space" in answer.json()["detail"], answer.json()
+
+
+def wrapped(error: asyncpg.PostgresError) -> exc.DBAPIError:
+    """`error` as SQLAlchemy raises it: in its DBAPIError, around the dialect's own error."""
+    dialect_error = Exception(str(error))
+    dialect_error.__cause__ = error
+    return exc.DBAPIError("INSERT ...", {}, dialect_error)
+
+
+@pytest.mark.parametrize(
+    "error, passing",
+    [
+        (asyncpg.InsufficientResourcesError("53000"), True),
+        (asyncpg.DiskFullError("could not extend file"), True),
+        (asyncpg.OutOfMemoryError("out of memory"), True),
+        (asyncpg.TooManyConnectionsError("too many clients"), True),
+        # A statement over a configured limit fails again when sent again: not passing.
+        (asyncpg.ConfigurationLimitExceededError("too many range table entries"), False),
+    ],
+)
+def test_postgresql_short_of_a_resource_is_passing_trouble(error, passing):
+    """SQLSTATE class 53 but 53400, bare or wrapped, is the database unavailable for now (a 503,
+    workers retry their writes), not a client's error nor a job's."""
+    assert db.is_unavailable(error) is passing
+    assert db.is_unavailable(wrapped(error)) is passing

@@ -945,3 +945,36 @@ async def test_a_job_claimed_ahead_goes_back_unrun_when_claims_pause(
     [released] = [e for e in await manager.events(ahead) if e.kind == "released"]
     assert released.detail["reason"] == attempt_.PAUSED, released.detail
     assert "started" not in await kinds(manager, ahead)
+
+
+async def test_a_database_out_of_disk_at_the_outcome_does_not_fail_the_job(manager, make_worker, engine):
+    """PostgreSQL out of disk space refuses a job's final writes (SQLSTATE 53100: `could not extend
+    file ...: No space left on device`, seen live on the hand-back, then on the plain failure) for
+    2 s, then has room again. The worker took that for a failure it could not write: the job stayed
+    running until its lease ran out, and the reaper took it back as a dead worker's, an attempt and
+    an abnormal run spent (its last attempt: failed). A full database disk is passing trouble now,
+    and the final write is tried again."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "CREATE FUNCTION review_db_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " IF NEW.kind NOT IN ('submitted', 'claimed', 'started', 'progress') THEN"
+                " RAISE EXCEPTION 'could not extend file \"base/5/16491\": No space left on device'"
+                " USING ERRCODE = 'disk_full'; END IF; RETURN NEW; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER review_db_full BEFORE INSERT ON job_events"
+                " FOR EACH ROW EXECUTE FUNCTION review_db_full()"
+            )
+        )
+    job_id = await enqueue(manager, max_attempts=1, sleep=0.2)
+    async with running(make_worker(burst=False)):
+        await asyncio.sleep(2)
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP TRIGGER review_db_full ON job_events"))
+        job = await until(manager, job_id, lambda j: j.state.final, timeout_s=20)
+    history = await kinds(manager, job_id)
+    assert "recovered" not in history, f"taken back from its live worker as a dead one's: {history}"
+    assert job.state is JobState.succeeded, (job.state, job.error, history)

@@ -173,3 +173,31 @@ async def test_a_job_whose_outputs_never_fit_ends_after_a_few_returns(
     history = await kinds(manager, job_id)
     assert history.count("released") == verdict.STORAGE_RETURNS_MAX, history
     assert job.attempt == verdict.STORAGE_RETURNS_MAX + 1
+
+
+# Prints 1 MiB on stderr (its log takes the disk's last room), then writes its output as many tools
+# do, without checking that the bytes reached the disk, and exits 0.
+LOG_FILLS_DISK = (
+    "import sys; sys.stderr.write(('n' * 63 + chr(10)) * 16384); sys.stderr.flush()\n"
+    "try:\n    f = open(sys.argv[1] + '/out.txt', 'wb'); f.write(b'mesh'); f.close()\n"
+    "except OSError:\n    pass\n"
+)
+
+
+async def test_a_run_whose_log_fills_the_disk_is_not_charged_to_the_job(
+    settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path
+) -> None:
+    """About 512 KiB free: the run's own log takes it (the worker logs `log_write_failed`, ENOSPC),
+    and the model, exiting 0, leaves its output empty. The job ended `failed` for good ("bad output:
+    output 'out.txt' is empty", not retryable): the host's full disk charged to the job. It goes
+    back to the queue, `released`, no attempt spent, its error saying why."""
+    settings.models_file.write_text(
+        script_model("chatty", ["{python}", "-c", LOG_FILLS_DISK, "{output_dir}"], max_attempts=1)
+    )
+    full_disk_worker("full")
+    job_id = await enqueue(manager, model="chatty", max_attempts=1)
+    job = await until(manager, job_id, lambda j: j.state is not JobState.running and j.attempt == 1)
+    await said(tmp_path / "worker-full.log", "log_write_failed")
+    history = await kinds(manager, job_id)
+    assert (job.state, history[-1]) == (JobState.queued, "released"), (job.error, history)
+    assert "No space left on device" in (job.error or "") and "out.txt" in (job.error or ""), job.error

@@ -353,6 +353,28 @@ def test_a_file_in_the_way_of_a_folder_names_the_setting(tmp_path: Path, part: s
     assert refused.value.message == f"GPUJOBS_STORAGE_DIR: cannot use {tmp_path / part}: not a folder"
 
 
+@pytest.mark.parametrize("part", ["scratch", "results", "logs"])
+def test_a_part_may_be_a_link_to_another_disk_but_not_to_nothing(tmp_path: Path, part: str):
+    """A part linked to a folder elsewhere (results on a bigger disk) is used through its real
+    path, read at start (publish's O_NOFOLLOW fsync failed on `results`, and every download was
+    refused as "not on disk"); a link to no folder names the link and what to do."""
+    from app import errors
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / part).symlink_to(tmp_path / "big-disk")
+    with pytest.raises(errors.ConfigError) as refused:
+        storage.ResultStore(tmp_path / "root")
+    assert refused.value.message == (
+        f"GPUJOBS_STORAGE_DIR: cannot use {tmp_path / 'root' / part}: a link to {tmp_path / 'big-disk'}, "
+        "which is not a folder: make that folder, or replace the link"
+    )
+    (tmp_path / "big-disk").mkdir()
+    store = storage.ResultStore(tmp_path / "root")
+    store.probe("w1")
+    assert store.lanes.folder("w1").is_relative_to(tmp_path / "big-disk") is (part == "scratch")
+    assert store.log_path(uuid.uuid4(), 1).is_relative_to(tmp_path / "big-disk") is (part == "logs")
+
+
 def test_a_folder_in_the_way_of_the_link_secret_names_the_setting(tmp_path: Path):
     """A folder named `link_secret` was an IsADirectoryError in the start-up."""
     from app import errors, links
