@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +114,15 @@ async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
             await p.wait()
 
 
+async def exec_done(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until process `pid` runs its own program (`sleep`), not the fork of this one."""
+    deadline = time.monotonic() + timeout_s
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    while (await asyncio.to_thread(cmdline.read_bytes)).split(b"\0")[0] != b"sleep":
+        assert time.monotonic() < deadline, f"process {pid} did not exec in {timeout_s} s"
+        await asyncio.sleep(0.005)
+
+
 async def test_a_jobs_recorded_runner_is_killed_only_if_it_is_the_lost_workers():
     """A warm job's recorded pid is its runner's, marked as the runner of its worker: killed when
     the job is taken back from that worker; a process of another worker's at that pid (reused) is
@@ -124,6 +135,8 @@ async def test_a_jobs_recorded_runner_is_killed_only_if_it_is_the_lost_workers()
         for name in ("lost", "other")
     ]
     try:
+        for p in (ours, theirs):  # exec'd: until then /proc shows the test's own environment
+            await exec_done(p.pid)
         host = socket.gethostname()
         taken = records.TakenBack(uuid.uuid4(), 1, "h:lost", JobState.running, theirs.pid, host)
         assert not await leftovers.kill_leftover(taken, host=host, grace_s=5)
