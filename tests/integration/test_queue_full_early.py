@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +18,7 @@ import httpx
 from sqlalchemy import event
 
 from app.api import limits
+from tests import rawhttp
 from tests.conftest import api_client, client_for
 from tests.integration.test_api_intake import counts, submit
 
@@ -44,21 +44,16 @@ async def asked_first(http: httpx.AsyncClient, key: str | None = None) -> tuple[
     ]
     started = time.monotonic()
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
-    received, first_s = b"", math.inf
+
+    def enough(received: bytes) -> bool:
+        if received.startswith(b"HTTP/1.1 100 ") and b"\r\n\r\n" in received:
+            return True  # told to send the body: a client would now
+        if answered(received) and writer.can_write_eof():
+            writer.write_eof()  # then the server closes: at once, not after its drain
+        return False
+
     try:
-        while (left_s := started + 10 - time.monotonic()) > 0:
-            try:
-                piece = await asyncio.wait_for(reader.read(1 << 16), left_s)
-            except TimeoutError:
-                break
-            if not piece:  # closed by the server
-                break
-            first_s = min(first_s, time.monotonic() - started)
-            received += piece
-            if received.startswith(b"HTTP/1.1 100 ") and b"\r\n\r\n" in received:
-                break  # told to send the body: a client would now
-            if answered(received) and writer.can_write_eof():
-                writer.write_eof()  # then the server closes: at once, not after its drain
+        received, first_s = await rawhttp.collect(reader, started, enough=enough)
         return received, first_s, time.monotonic() - started
     finally:
         writer.close()
