@@ -42,6 +42,10 @@ log = logging.getLogger("gpujobs.api")
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TOO_LARGE = f"the request's line and headers are larger than {MAX_HEAD_BYTES // 1024} KB"
 HEAD_TOO_SLOW = "the request's line and headers did not arrive in time"
+MALFORMED = (
+    "not a well-formed HTTP/1.1 request: its request line or a header could not be read (a header "
+    "name holds only letters, digits and !#$%&'*+-.^_`|~)"
+)
 # How long before uvicorn's grace runs out an answer still being sent is broken off: uvicorn looks
 # for the end of the requests in flight every 0.1 s, from 0.1 s after it asked connections to end.
 STOP_MARGIN_S = 0.5
@@ -141,10 +145,10 @@ class HeadLimits(HttpToolsProtocol):
             self._arm()
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is not None:
-            self._refuse(*self._refusal)
-        else:
-            super().send_400_response(msg)
+        # The parser gave up: on a head too large (on_headers_complete), or on one it cannot read
+        # (a header name with a space or a `;`, a bad request line), answered as every error is,
+        # in JSON with what to fix, not in uvicorn's plain text.
+        self._refuse(*(self._refusal or (400, MALFORMED)))
 
     def _arm(self) -> None:
         self._disarm()

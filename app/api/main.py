@@ -36,6 +36,7 @@ from app.api import (
 )
 from app.api.deps import Services
 from app.api.limits import BodyLimit
+from app.api.schemas import ErrorPublic
 from app.queue import factory
 from app.queue import manager as manager_
 from app.queue import worker as worker_
@@ -288,6 +289,9 @@ def create_app(settings: Settings) -> FastAPI:
         docs_url=None,  # app/api/docs.py serves /docs from the package, not a CDN; no /redoc
         redoc_url=None,
         redirect_slashes=False,  # a path's slash twin is a 404 that names it (app/api/paths.py)
+        # Any request the HTTP parser cannot read is answered 400 before it reaches a route
+        # (app/api/connections.py): said of every operation, beside each one's own 400s.
+        responses={400: {"model": ErrorPublic, "description": "Not a well-formed request"}},
     )
     app.state.settings = settings
     for router in (jobs.router, stream.router, files.router, catalog.router, admin.router, health.router):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import resource
 import subprocess
@@ -103,6 +104,23 @@ async def test_a_request_head_over_the_limit_is_refused_at_once(server, pieces):
     assert received.startswith(b"HTTP/1.1 431 "), received[:200]
     assert b'"detail":' in received and b"connection: close" in received.lower(), received
     assert closed_s < 1.0, (closed_s, received[-600:])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"GET /jobs HTTP/1.1\r\nHost: x\r\ntransfer-encoding;\r\n\r\n", b"GET /jobs HTTP/9.9 extra\r\n\r\n"],
+    ids=["a header name with a ';'", "a bad request line"],
+)
+async def test_a_request_the_parser_cannot_read_is_answered_in_json(server, head):
+    """uvicorn answered a head its parser could not read with a line of plain text, "Invalid HTTP
+    request received.", where every other error is JSON saying what to fix (and the API's
+    schema said nothing of a 400 on most routes: the fuzzer found it)."""
+    received, closed_s = await exchange(server, [head])
+    answer_head, _, body = received.partition(b"\r\n\r\n")
+    assert answer_head.startswith(b"HTTP/1.1 400 "), received[:300]
+    assert b"content-type: application/json" in answer_head.lower(), answer_head
+    assert "not a well-formed HTTP/1.1 request" in json.loads(body)["detail"]
+    assert closed_s < 1.0, closed_s
 
 
 async def test_a_request_head_at_the_limit_is_served(server):

@@ -30,6 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from app.api import connections
 from app.api.main import create_app
 from app.settings import Settings
 from tests.conftest import bearer, create_key, png_bytes
@@ -62,8 +63,9 @@ class ServerThread(threading.Thread):
             "alice": await create_key(url, "alice"),
         }
         config = uvicorn.Config(
-            create_app(self.settings), host="127.0.0.1", port=0, loop="none", log_level="warning"
-        )
+            create_app(self.settings), host="127.0.0.1", port=0, loop="none", log_level="warning",
+            http=connections.protocol(self.settings.client_timeout_s),  # as `gpujobs serve` speaks HTTP
+        )  # fmt: skip
         self.server = uvicorn.Server(config)
         await self.server.serve()
 
