@@ -215,13 +215,18 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
 
     A worker that stopped cleanly is left out. One that died (marked dead, or silent for
     `dead_after_s`) keeps its heartbeat age, which goes on growing for alerts to see, and its
-    running jobs (none once they are taken back); its GPUs are left out, since the snapshot of a
-    dead worker's reservations, jobs and runners is no longer true.
+    running jobs (none once they are taken back); its GPUs and `paused` are left out, since the
+    snapshot of a dead worker's reservations, jobs, runners and storage is no longer true.
     """
     age = GaugeMetricFamily(
         "gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat", labels=["worker"]
     )
     running = GaugeMetricFamily("gpujobs_worker_running_jobs", "Jobs the worker runs", labels=["worker"])
+    paused = GaugeMetricFamily(
+        "gpujobs_worker_paused",
+        "1 while the worker claims nothing (its storage folder takes no file), else 0",
+        labels=["worker"],
+    )
     gpus = _GpuFamilies()
     for w in workers:
         if w.state == "stopped":
@@ -229,9 +234,10 @@ def worker_families(workers: Sequence[records.WorkerInfo], *, dead_after_s: floa
         age.add_metric([w.id], w.heartbeat_age_s)
         running.add_metric([w.id], len(w.running_jobs))
         if w.state in ("running", "stopping") and w.heartbeat_age_s < dead_after_s:
+            paused.add_metric([w.id], 0 if w.paused is None else 1)
             for g in w.gpus:
                 gpus.add(w.id, g)
-    yield from (age, running, *gpus.families())
+    yield from (age, running, paused, *gpus.families())
 
 
 class StorageMetrics:

@@ -203,6 +203,7 @@ class WorkerRow(Base):
     heartbeat_at: Mapped[datetime] = mapped_column(TIMESTAMP, server_default=func.now())
     models: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
     gpus: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
+    paused: Mapped[str | None] = mapped_column(Text)  # why it claims nothing now; NULL: it claims
 
     __table_args__ = (CheckConstraint("state IN ('running', 'stopping', 'stopped', 'dead')", name="state"),)
 

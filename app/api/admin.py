@@ -136,6 +136,7 @@ def _worker_public(w: records.WorkerInfo, dead_after: float, store: storage.Resu
         pid=w.pid,
         state=w.state,
         live=live,
+        paused=w.paused,
         # A live worker holds its lock file in its storage folder (app/presence.py): absent from
         # this API's, the worker writes its results and logs where this API cannot serve them.
         shares_storage=store.lanes.lock_file(w.id).exists() if live else None,

@@ -78,11 +78,14 @@ async def _readiness(request: Request) -> dict[str, Any]:
     async with request.app.state.engine.connect() as conn:
         await conn.execute(text("SELECT 1"))
     current = await migrate.current(request.app.state.engine)
+    schema = {"current": current, "head": code_head()}
+    if current != schema["head"]:  # this code reads workers at its own schema (0009: `paused`)
+        return {"schema": schema, "workers": 0, "gpus": []}
     dead_after_s = settings.dead_worker_after_s
     workers = await request.app.state.services.manager.reports.workers(recent_s=0)
     live = [w for w in workers if w.state == "running" and w.heartbeat_age_s < dead_after_s]
     gpus = [{"worker": w.id, **{k: g.get(k) for k in GPU_FIELDS}} for w in live for g in w.gpus]
-    return {"schema": {"current": current, "head": code_head()}, "workers": len(live), "gpus": gpus}
+    return {"schema": schema, "workers": len(live), "gpus": gpus}
 
 
 # HEAD where GET answers (RFC 9110): uptime monitors and load balancers' health checks send it.

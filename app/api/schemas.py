@@ -316,6 +316,10 @@ class WorkerPublic(BaseModel):
     pid: int
     state: str = Field(description="running, stopping, stopped or dead")
     live: bool = Field(description="Running and heartbeating within the dead-worker limit")
+    paused: str | None = Field(
+        description="Why the worker claims nothing now (its storage folder takes no file: a full disk, "
+        "a folder gone read-only), as of its last heartbeat; null while it claims"
+    )
     shares_storage: bool | None = Field(
         description="Whether the worker writes to this API's storage folder (false: its results and "
         "logs cannot be downloaded here); null unless live"

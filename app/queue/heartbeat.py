@@ -1,5 +1,6 @@
-"""A worker's heartbeat: renews the leases of the jobs in hand and stores its GPUs' snapshot; its
-answer tells which of those jobs were canceled or taken from the worker, whose runs then stop."""
+"""A worker's heartbeat: renews the leases of the jobs in hand and stores its GPUs' snapshot and
+why it claims nothing (`paused`, its storage gate's trouble); its answer tells which of those jobs
+were canceled or taken from the worker, whose runs then stop."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ class Heartbeat:
         *,
         running: Mapping[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]],
         report: Callable[[], list[dict[str, Any]]],
+        paused: Callable[[], str | None],
         stopping: asyncio.Event,
     ) -> None:
         self._manager = manager
         self._config = config
         self._running = running  # the worker's attempts in hand, by job
         self._report = report  # the GPU snapshot to store (GpuBook.report)
+        self._paused = paused  # why the worker claims nothing now, None while it claims
         self._stopping = stopping  # set once the worker stops: its state says so
 
     async def run(self) -> None:
@@ -56,6 +59,7 @@ class Heartbeat:
             lease_s=self._config.lease_s,
             gpus=gpus,
             state="stopping" if self._stopping.is_set() else "running",
+            paused=self._paused(),
         )
         for job_id, (run, _) in in_hand.items():
             mine = owned.get(job_id)

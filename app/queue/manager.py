@@ -350,14 +350,18 @@ class JobManager:
         lease_s: float,
         gpus: Sequence[Mapping[str, Any]],
         state: str = "running",
+        paused: str | None = None,
     ) -> dict[uuid.UUID, tuple[int, bool]]:
-        """Renew the leases of `job_ids`; returns those still owned: id -> (attempt, cancel requested)."""
+        """Renew the leases of `job_ids` and store the worker's state (`paused`: why it claims
+        nothing now, None while it claims); returns those still owned: id -> (attempt, cancel
+        requested)."""
         values = {
             "worker_id": worker_id,
             "ids": list(job_ids),
             "lease_s": lease_s,
             "gpus": json.dumps(list(gpus)),
             "state": state,
+            "paused": paused,
         }
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.HEARTBEAT, values)).all()

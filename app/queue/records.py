@@ -152,6 +152,7 @@ class WorkerInfo:
     heartbeat_age_s: float
     models: list[str]
     gpus: list[dict[str, Any]]
+    paused: str | None  # why it claims nothing now (its storage folder takes no file); None: it claims
     running_jobs: list[uuid.UUID]
 
     @classmethod
@@ -175,10 +176,11 @@ class WorkerInfo:
 
 def serving(workers: list[WorkerInfo], dead_after_s: float, needs_mb: Mapping[str, int]) -> Counter[str]:
     """How many live workers serve each model (a model no live worker serves is absent: 0): those
-    that have it and a GPU offering its `needs_mb` (for the smallest input; a worker lists every
-    model of its registry, those its GPUs are too small for included, and never claims their jobs)."""
+    not paused (they claim nothing now) that have it and a GPU offering its `needs_mb` (for the
+    smallest input; a worker lists every model of its registry, those its GPUs are too small for
+    included, and never claims their jobs)."""
     return Counter(
-        model for w in workers if w.is_live(dead_after_s)
+        model for w in workers if w.is_live(dead_after_s) and w.paused is None
         for model in set(w.models) if w.can_take(needs_mb.get(model, 0))
     )  # fmt: skip
 

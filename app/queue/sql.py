@@ -595,7 +595,8 @@ def _server_up_for(seconds: str) -> str:
 
 _LEASE_RAN_OUT = f"lease_expires_at < now() AND {_server_up_for('lease_s')}"
 
-# Renew the leases of the jobs this worker is running (`:ids`) and its own heartbeat; returns
+# Renew the leases of the jobs this worker is running (`:ids`) and its own heartbeat (with its GPU
+# snapshot, its state, and `:paused`: why it claims nothing now, NULL while it claims); returns
 # those it still owns. A lease that ran out (`_LEASE_RAN_OUT`) is not renewed, even if no reaper
 # took the job yet: another worker may be killing its process and taking it back. A job
 # whose attempt died inside the worker is left to expire.
@@ -613,7 +614,8 @@ HEARTBEAT = text(
         WHERE id = ANY(ARRAY(SELECT id FROM held)) AND NOT ({_LEASE_RAN_OUT})
         RETURNING id, attempt, cancel_requested
     ), me AS (
-        UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state
+        UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state,
+            paused = CAST(:paused AS text)
         WHERE id = :worker_id
     )
     SELECT id, attempt, cancel_requested FROM renewed
@@ -709,11 +711,11 @@ MARK_DEAD_WORKERS = text(
 
 REGISTER_WORKER = text(
     """
-    INSERT INTO workers (id, host, pid, state, models, gpus)
-    VALUES (:id, :host, :pid, 'running', CAST(:models AS jsonb), CAST(:gpus AS jsonb))
+    INSERT INTO workers (id, host, pid, state, models, gpus, paused)
+    VALUES (:id, :host, :pid, 'running', CAST(:models AS jsonb), CAST(:gpus AS jsonb), NULL)
     ON CONFLICT (id) DO UPDATE
     SET host = EXCLUDED.host, pid = EXCLUDED.pid, state = 'running', started_at = now(),
-        heartbeat_at = now(), models = EXCLUDED.models, gpus = EXCLUDED.gpus
+        heartbeat_at = now(), models = EXCLUDED.models, gpus = EXCLUDED.gpus, paused = NULL
     """
 )
 
@@ -995,7 +997,7 @@ QUEUE_DEPTH = text(
 # jobs they are running now.
 WORKERS = text(
     """
-    SELECT w.id, w.host, w.pid, w.state, w.started_at, w.heartbeat_at, w.models, w.gpus,
+    SELECT w.id, w.host, w.pid, w.state, w.started_at, w.heartbeat_at, w.models, w.gpus, w.paused,
            extract(epoch FROM now() - w.heartbeat_at) AS heartbeat_age_s,
            coalesce(r.jobs, CAST('{}' AS uuid[])) AS running_jobs
     FROM workers AS w

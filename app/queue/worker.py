@@ -110,6 +110,7 @@ class Worker:
             config,
             running=running,
             report=lambda: self._gpus.report(self.in_hand()),
+            paused=lambda: self._storage.trouble,
             stopping=self._stopping,
         )
         self.reaper = reaper.Reaper(

@@ -20,7 +20,7 @@ import pytest
 
 from app.queue.jobs import JobState
 from app.queue.manager import JobManager
-from tests.conftest import script_model, toy_model, warm_model, worker_env
+from tests.conftest import api_client, script_model, toy_model, warm_model, worker_env
 from tests.integration.test_durability import kinds, until
 from tests.integration.test_worker import enqueue
 from tests.netcut import CuttableLink
@@ -201,3 +201,59 @@ async def test_a_run_whose_log_fills_the_disk_is_not_charged_to_the_job(
     history = await kinds(manager, job_id)
     assert (job.state, history[-1]) == (JobState.queued, "released"), (job.error, history)
     assert "No space left on device" in (job.error or "") and "out.txt" in (job.error or ""), job.error
+
+
+async def test_a_paused_worker_says_so_and_serves_nothing_until_its_storage_takes_a_file(
+    settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path
+) -> None:
+    """While its storage folder took no file the worker claimed nothing, yet `GET /admin/workers`
+    said it was running and live, `GET /models` counted it in `live_workers` (so `gpujobs submit`
+    warned of nothing) and /metrics had no sign of it: only its log said so. Now its heartbeat
+    reports why it claims nothing (`paused`), it serves no model meanwhile, and
+    `gpujobs_worker_paused` is 1; the first heartbeat after the probe passes clears it."""
+    settings.models_file.write_text(
+        script_model("big", ["{python}", "-c", WRITES_3_MB, "{output_dir}"], output="out.bin")
+        + toy_model("toy")
+    )
+    worker = full_disk_worker("full")
+    log = tmp_path / "worker-full.log"
+    big = await enqueue(manager, model="big", max_attempts=1)
+    await said(log, "storage_unusable")
+
+    paused = await _worker_until(settings, lambda w: w.get("paused") is not None)
+    me = paused["id"]
+    assert (paused["state"], paused["live"]) == ("running", True), paused
+    assert "No space left on device" in paused["paused"], paused
+    assert await _live_workers(settings, "toy") == 0
+    async with api_client(settings) as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert f'gpujobs_worker_paused{{worker="{me}"}} 1.0' in metrics, metrics
+
+    seen_by(worker, settings.storage_dir / "ballast").unlink()
+    await said(log, "storage_usable_again")
+    claiming = await _worker_until(settings, lambda w: w.get("paused", "") is None)
+    assert claiming["live"], claiming
+    assert await _live_workers(settings, "toy") == 1
+    async with api_client(settings) as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert f'gpujobs_worker_paused{{worker="{me}"}} 0.0' in metrics, metrics
+    assert (await until(manager, big, lambda j: j.state.final)).state is JobState.succeeded
+
+
+async def _worker_until(settings: Any, check: Any, timeout_s: float = 10) -> dict[str, Any]:
+    """The one worker's entry in `GET /admin/workers` once `check` passes on it."""
+    deadline = time.monotonic() + timeout_s
+    async with api_client(settings) as admin:
+        while True:
+            [found] = (await admin.get("/admin/workers")).json()
+            if check(found):
+                return found
+            assert time.monotonic() < deadline, found
+            await asyncio.sleep(0.1)
+
+
+async def _live_workers(settings: Any, model: str) -> int:
+    """`live_workers` of `model` in `GET /models`."""
+    async with api_client(settings) as http:
+        models = {m["name"]: m for m in (await http.get("/models")).json()["models"]}
+    return int(models[model]["live_workers"])
