@@ -103,6 +103,19 @@ async def said(log: Path, action: str, timeout_s: float = 15) -> list[str]:
     return lines
 
 
+async def a_job_that_fills_the_disk(
+    settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path
+) -> tuple[Any, Path, Any]:
+    """A worker on the nearly full disk, its log, and a job of one attempt whose model writes 3 MB
+    there (models `big` and `toy`)."""
+    settings.models_file.write_text(
+        script_model("big", ["{python}", "-c", WRITES_3_MB, "{output_dir}"], output="out.bin")
+        + toy_model("toy")
+    )
+    worker = full_disk_worker("full")
+    return worker, tmp_path / "worker-full.log", await enqueue(manager, model="big", max_attempts=1)
+
+
 async def test_a_model_that_fills_the_disk_spends_no_attempt_and_claims_pause(
     settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path
 ) -> None:
@@ -111,13 +124,7 @@ async def test_a_model_that_fills_the_disk_spends_no_attempt_and_claims_pause(
     so it failed) and the worker claimed the next job, so one full disk could fail a whole queue.
     Now the job goes back to the queue, no attempt spent, the worker claims nothing until its storage
     takes a file again, and then runs it."""
-    settings.models_file.write_text(
-        script_model("big", ["{python}", "-c", WRITES_3_MB, "{output_dir}"], output="out.bin")
-        + toy_model("toy")
-    )
-    worker = full_disk_worker("full")
-    log = tmp_path / "worker-full.log"
-    big = await enqueue(manager, model="big", max_attempts=1)
+    worker, log, big = await a_job_that_fills_the_disk(settings, manager, full_disk_worker, tmp_path)
     job = await until(manager, big, lambda j: j.state is not JobState.running and j.attempt == 1)
     assert (job.state, job.max_attempts, job.abnormal_runs) == (JobState.queued, 2, 0), job.error
     assert job.error is not None and "No space left on device" in job.error, job.error
@@ -211,13 +218,7 @@ async def test_a_paused_worker_says_so_and_serves_nothing_until_its_storage_take
     warned of nothing) and /metrics had no sign of it: only its log said so. Now its heartbeat
     reports why it claims nothing (`paused`), it serves no model meanwhile, and
     `gpujobs_worker_paused` is 1; the first heartbeat after the probe passes clears it."""
-    settings.models_file.write_text(
-        script_model("big", ["{python}", "-c", WRITES_3_MB, "{output_dir}"], output="out.bin")
-        + toy_model("toy")
-    )
-    worker = full_disk_worker("full")
-    log = tmp_path / "worker-full.log"
-    big = await enqueue(manager, model="big", max_attempts=1)
+    worker, log, big = await a_job_that_fills_the_disk(settings, manager, full_disk_worker, tmp_path)
     await said(log, "storage_unusable")
 
     paused = await _worker_until(settings, lambda w: w.get("paused") is not None)
