@@ -180,14 +180,21 @@ def _shown(url: str) -> str:
     return logs.mask(url)
 
 
-async def _check_schema(url: str) -> None:
+async def _schema_at(url: str) -> str | None:
+    """The schema revision of the database at `url` (None: never migrated)."""
     from app import db, migrate
 
     engine = db.create_engine(url, pool_size=1)
     try:
-        found = await migrate.current(engine)
+        return await migrate.current(engine)
     finally:
         await engine.dispose()
+
+
+async def _check_schema(url: str) -> None:
+    from app import migrate
+
+    found = await _schema_at(url)
     migrate.check_known(found)
     if found != migrate.head():
         raise errors.ConfigError(

@@ -56,16 +56,9 @@ def _with_store(action: Callable[[auth.KeyStore], Awaitable[_T]]) -> _T:
 def _migrate_if_new(url: str) -> None:
     """Migrate the database at `url` to the code's schema where it was never migrated (a first key
     made before `serve` or a `worker` ever ran on the folder); any other schema is left as it is."""
-    from app import db, migrate
+    from app import cli, migrate  # cli: the command module, which imports this one
 
-    async def found() -> str | None:
-        engine = db.create_engine(url, pool_size=1)
-        try:
-            return await migrate.current(engine)
-        finally:
-            await engine.dispose()
-
-    if asyncio.run(found()) is None:
+    if asyncio.run(cli._schema_at(url)) is None:
         migrate.upgrade(url)
         typer.echo(f"migrated the new embedded database to revision {migrate.head()}", err=True)
 
