@@ -5,6 +5,7 @@ were canceled or taken from the worker, whose runs then stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Mapping
@@ -37,11 +38,19 @@ class Heartbeat:
         self._report = report  # the GPU snapshot to store (GpuBook.report)
         self._paused = paused  # why the worker claims nothing now, None while it claims
         self._stopping = stopping  # set once the worker stops: its state says so
+        self._soon = asyncio.Event()
+
+    def soon(self) -> None:
+        """Beat now rather than at the interval's end: what the row shows has changed (`paused`)."""
+        self._soon.set()
 
     async def run(self) -> None:
-        """Beat every heartbeat interval; a beat the database failed is logged and left for the next."""
+        """Beat every heartbeat interval, or at once when told soon(); a beat the database failed is
+        logged and left for the next."""
         while True:
-            await asyncio.sleep(self._config.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), self._config.heartbeat_interval_s)
+            self._soon.clear()
             try:
                 await self.beat()
             except Exception as exc:

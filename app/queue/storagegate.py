@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from app import storage
 from app.queue import attempt as attempt_
@@ -28,8 +28,10 @@ class StorageGate:
         worker_id: str,
         poll_interval_s: float,
         running: Mapping[uuid.UUID, tuple[attempt_.Attempt, asyncio.Task[None]]],
+        changed: Callable[[], None],
     ) -> None:
         self._store = store
+        self._changed = changed  # told when `trouble` is set or cleared (the heartbeat stores it)
         self._running = running  # the worker's attempts in hand, by job
         self._worker_id = worker_id
         self._poll_interval_s = poll_interval_s
@@ -51,6 +53,7 @@ class StorageGate:
             log.debug("storage folder still unusable: %s", exc, extra={"action": "storage_probe_failed"})
             return False
         self.trouble = None
+        self._changed()
         log.info("storage folder usable again; claiming", extra={"action": "storage_usable_again"})
         return True
 
@@ -61,6 +64,7 @@ class StorageGate:
         if self.trouble is not None:
             return
         self.trouble = run.storage_trouble
+        self._changed()
         for other, _ in self._running.values():  # claimed ahead, or starting: they go back unrun
             if other is not run and other.model_started_s is None:
                 other.stop(attempt_.PAUSED)

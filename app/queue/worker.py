@@ -102,7 +102,9 @@ class Worker:
         )
         self._slots = gpuslots.GpuSlots(config.scheduling.max_jobs_per_gpu, config.claim_ahead_s)
         self._warm = warmkeeper.WarmKeeper(self.pool, self.planner, self._models, config.warm_idle_s)
-        self._storage = storagegate.StorageGate(store, config.worker_id, config.poll_interval_s, running)
+        self._storage = storagegate.StorageGate(
+            store, config.worker_id, config.poll_interval_s, running, changed=lambda: self._heartbeat.soon()
+        )
         self._hand_back = handback.HandBack(manager, store, config.worker_id, running)
         self._listener = listener.Listener(listen_dsn, config, wake=self._wake.set, running=running)
         self._heartbeat = heartbeat_.Heartbeat(

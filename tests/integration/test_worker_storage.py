@@ -104,15 +104,15 @@ async def said(log: Path, action: str, timeout_s: float = 15) -> list[str]:
 
 
 async def a_job_that_fills_the_disk(
-    settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path
+    settings: Any, manager: JobManager, full_disk_worker: Any, tmp_path: Path, **overrides: Any
 ) -> tuple[Any, Path, Any]:
-    """A worker on the nearly full disk, its log, and a job of one attempt whose model writes 3 MB
-    there (models `big` and `toy`)."""
+    """A worker on the nearly full disk (its settings `overrides`), its log, and a job of one
+    attempt whose model writes 3 MB there (models `big` and `toy`)."""
     settings.models_file.write_text(
         script_model("big", ["{python}", "-c", WRITES_3_MB, "{output_dir}"], output="out.bin")
         + toy_model("toy")
     )
-    worker = full_disk_worker("full")
+    worker = full_disk_worker("full", **overrides)
     return worker, tmp_path / "worker-full.log", await enqueue(manager, model="big", max_attempts=1)
 
 
@@ -217,8 +217,11 @@ async def test_a_paused_worker_says_so_and_serves_nothing_until_its_storage_take
     said it was running and live, `GET /models` counted it in `live_workers` (so `gpujobs submit`
     warned of nothing) and /metrics had no sign of it: only its log said so. Now its heartbeat
     reports why it claims nothing (`paused`), it serves no model meanwhile, and
-    `gpujobs_worker_paused` is 1; the first heartbeat after the probe passes clears it."""
-    worker, log, big = await a_job_that_fills_the_disk(settings, manager, full_disk_worker, tmp_path)
+    `gpujobs_worker_paused` is 1, from the moment its claims pause (a heartbeat at once, not at
+    the interval's end: 30 s here); the probe that passes clears it as soon."""
+    worker, log, big = await a_job_that_fills_the_disk(
+        settings, manager, full_disk_worker, tmp_path, heartbeat_interval_s=30, lease_s=90
+    )
     await said(log, "storage_unusable")
 
     paused = await _worker_until(settings, lambda w: w.get("paused") is not None)
