@@ -81,9 +81,8 @@ async def _readiness(request: Request) -> dict[str, Any]:
     schema = {"current": current, "head": code_head()}
     if current != schema["head"]:  # this code reads workers at its own schema (0009: `paused`)
         return {"schema": schema, "workers": 0, "gpus": []}
-    dead_after_s = settings.dead_worker_after_s
     workers = await request.app.state.services.manager.reports.workers(recent_s=0)
-    live = [w for w in workers if w.state == "running" and w.heartbeat_age_s < dead_after_s]
+    live = [w for w in workers if w.is_live(settings.dead_worker_after_s)]
     gpus = [{"worker": w.id, **{k: g.get(k) for k in GPU_FIELDS}} for w in live for g in w.gpus]
     return {"schema": schema, "workers": len(live), "gpus": gpus}
 
