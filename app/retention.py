@@ -181,6 +181,7 @@ class Pruner:
         self._manager = manager
         self._root = root.resolve()
         self._batch = batch
+        self._pruning = False  # a prune of this process holds the lock (for the Conflict's words)
 
     async def prune(self, *, older_than_s: float, dry_run: bool = False) -> PruneReport:
         """Expire the jobs that finished more than `older_than_s` ago; Conflict if a prune is running."""
@@ -189,12 +190,17 @@ class Pruner:
         report = PruneReport(cutoff=cutoff, dry_run=dry_run)
         async with self._manager.advisory_lock(sql.RETENTION_LOCK_KEY) as held:
             if not held:
-                raise errors.Conflict("a prune is already running in another process; try again later")
-            if dry_run:
-                await self._estimate(report)
-            else:
-                await self._expire_all(report)
-                await self._sweep(report)
+                where = "in this process" if self._pruning else "in another process"
+                raise errors.Conflict(f"a prune is already running {where}; try again later")
+            self._pruning = True
+            try:
+                if dry_run:
+                    await self._estimate(report)
+                else:
+                    await self._expire_all(report)
+                    await self._sweep(report)
+            finally:
+                self._pruning = False
         if report.problems:
             log.warning(
                 "could not delete %d of the expired jobs' files or folders (first: %s); they stay until "

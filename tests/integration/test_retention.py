@@ -121,6 +121,38 @@ async def test_one_prune_at_a_time(settings, manager):
         assert (await http.post("/admin/prune", json={"older_than_s": WEEK_S})).status_code == 200
 
 
+async def test_a_prune_refused_for_one_of_the_same_process_says_so(settings, manager, engine):
+    """Two prunes at once through one API process: the second was told a prune ran "in another
+    process", and an operator with one `serve` looked for that process in vain."""
+    async with api_client(settings) as http:
+        async with engine.connect() as blocker:  # holds the first prune in its expiry, lock taken
+            await blocker.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+            first = asyncio.create_task(http.post("/admin/prune", json={"older_than_s": WEEK_S}))
+            await until_locked(engine)
+            second = await http.post("/admin/prune", json={"older_than_s": WEEK_S})
+            await blocker.rollback()
+        assert (await first).status_code == 200
+    assert second.status_code == 409, second.text
+    assert second.json()["detail"] == "a prune is already running in this process; try again later"
+
+
+async def until_locked(engine) -> None:
+    """Once a session holds the retention lock (pg_locks: an advisory lock on its key)."""
+    for _ in range(200):
+        async with engine.connect() as conn:
+            held = await conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND (classid::bigint << 32 | objid::bigint) = :key"
+                ),
+                {"key": sql.RETENTION_LOCK_KEY},
+            )
+        if held:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("no prune took the retention lock")
+
+
 async def test_folders_left_by_a_crash_are_swept(settings, manager, make_worker, engine, store):
     job_id = await enqueue(manager)
     await make_worker().run()
