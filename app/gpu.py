@@ -75,6 +75,16 @@ def _nvml_error(doing: str, exc: BaseException) -> errors.AppError:
     return error
 
 
+# NVML's return codes for a call an older driver lacks: not supported, function not found,
+# argument version mismatch.
+_UNSUPPORTED: Final = frozenset({3, 13, 25})
+
+
+def _unsupported(exc: BaseException) -> bool:
+    """Whether NVML's error says the call is missing or not supported (an older driver)."""
+    return getattr(exc, "value", None) in _UNSUPPORTED
+
+
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -104,6 +114,9 @@ class NvmlInventory:
             self.close()
             raise _nvml_error("listing devices", exc) from exc
         self._totals_mb = [0] * count  # each GPU's size as last read
+        # NVML's memory info v2 (newer drivers) tells the driver's own reservation apart;
+        # v1 counts it as used, so an idle GPU never shows its total free. False once v2 failed.
+        self._v2 = hasattr(nvml, "nvmlMemory_v2")
         self._unreadable: set[int] = set()  # GPUs whose last reading failed (said once per outage)
 
     @property
@@ -118,17 +131,37 @@ class NvmlInventory:
         gpus, failed = [], {}
         for index, handle in enumerate(self._handles):
             try:
-                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                total, free = self._memory(handle)
             except nvml.NVMLError as exc:
                 failed[index] = _nvml_error(f"reading memory of GPU {index}", exc)
                 free_mb = 0
             else:
-                self._totals_mb[index], free_mb = int(memory.total) // MB, int(memory.free) // MB
+                self._totals_mb[index], free_mb = total // MB, free // MB
             error = failed[index].message if index in failed else None
             name, uuid = self._names[index], self._uuids[index]
             gpus.append(Gpu(index, name, uuid, self._totals_mb[index], free_mb, False, error))
         self._note_unreadable(failed)
         return gpus
+
+    def _memory(self, handle: object) -> tuple[int, int]:
+        """(bytes a GPU can give its programs, bytes free now). The size leaves out what the driver
+        reserves for itself (memory info v2), which no program can have: with it, a job sized
+        between an idle GPU's free memory and its total was taken, or grown after running out of
+        memory, and then never fitted. Drivers without v2 answer v1: the total, the driver's part
+        in it."""
+        nvml = self._nvml
+        if self._v2:
+            try:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+            except nvml.NVMLError as exc:
+                if not _unsupported(exc):
+                    raise
+                self._v2 = False
+                logger.info("NVML has no memory info v2 (%s); GPU sizes include the driver's reserve", exc)
+            else:
+                return int(memory.total) - int(memory.reserved), int(memory.free)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(memory.total), int(memory.free)
 
     def process_memory_mb(self) -> dict[int, int]:
         """MB used per pid by compute processes (host pids; unknown amounts are left out), on the

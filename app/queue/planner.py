@@ -339,8 +339,18 @@ class Planner:
         if now - self._reservation_at < self._config.refresh_s:
             return
         self._reservation_at = now
+        ends = [scheduler.Running(r.gpu, r.job.vram_mb, self._expected_end(r)) for r in running]
+        # Ended jobs whose memory NVML still shows (rooms() counted it taken) give it back any
+        # moment: without them a GPU drained for the job looked as if it never would fit.
+        ends += [scheduler.Running(e.gpu, e.vram_mb, now) for e in self._settling]
         budget = max((r.available_mb for r in rooms), default=0)
-        capacity = max((r.capacity_mb for r in rooms), default=0)
+        # The most a GPU would have once this worker's jobs there end: memory another program holds
+        # stays taken, so a job larger than that is passed over (no GPU is held for it: it would
+        # hold one for nothing, and none for the jobs behind it).
+        drained = Counter({r.index: r.available_mb for r in rooms})
+        for end in ends:
+            drained[end.gpu] += end.vram_mb
+        capacity = max((min(r.capacity_mb, drained[r.index]) for r in rooms), default=0)
         head = await self._manager.reports.waiting_head(
             models=list(self._models.models), budget=budget, capacity=capacity
         )
@@ -348,10 +358,6 @@ class Planner:
         if head is not None:
             job_id, vram_mb, effective, waited_s = head
             waiting = scheduler.Waiting(job_id, vram_mb, effective, waited_s)
-            ends = [scheduler.Running(r.gpu, r.job.vram_mb, self._expected_end(r)) for r in running]
-            # Ended jobs whose memory NVML still shows (rooms() counted it taken) give it back any
-            # moment: without them a GPU drained for the job looked as if it never would fit.
-            ends += [scheduler.Running(e.gpu, e.vram_mb, now) for e in self._settling]
             self.reservation = scheduler.reserve(
                 waiting, rooms, ends, now, after_s=self._config.reserve_after_s
             )

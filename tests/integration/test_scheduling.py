@@ -26,13 +26,20 @@ from tests.integration.test_durability import kinds, running, until
 from tests.integration.test_worker import enqueue, peak_overlap, trace
 
 
-async def _starved_for(manager, make_worker, *, reserve_after_s: float, watch_s: float) -> float | None:
-    """A big job behind a stream of small ones on one 10 GB GPU: seconds until it started (None: never)."""
+async def _starved_for(
+    manager, make_worker, *, reserve_after_s: float, watch_s: float, held_outside_mb: int = 0
+) -> float | None:
+    """A big job behind a stream of small ones on one 10 GB GPU (`held_outside_mb` of it taken by
+    another program): seconds until it started (None: never)."""
     for sleep_s in (0.8, 0.95, 1.1):  # staggered like the feed: the GPU never frees all at once
         await enqueue(manager, vram_mb=3000, sleep=sleep_s, steps=1)
     big = await enqueue(manager, vram_mb=8192, sleep=0.1, steps=1)
     submitted = time.monotonic()
-    worker = make_worker([10_240], burst=False, reserve_after_s=reserve_after_s, backfill_min_samples=10_000)
+    inventory = FakeInventory([10_240])
+    inventory.set_free(0, 10_240 - held_outside_mb)
+    worker = make_worker(
+        inventory=inventory, burst=False, reserve_after_s=reserve_after_s, backfill_min_samples=10_000
+    )
 
     async def feed() -> None:
         while True:
@@ -63,6 +70,17 @@ async def test_reservation_bounds_the_wait_of_a_big_job(manager, make_worker):
     # (2.95 s and 3.53 s were seen with two to four test processes on 2 cores); without a
     # reservation it waits for as long as the small jobs keep coming (the test above).
     assert waited is not None and waited < 0.5 + 0.8 + 3.5
+
+
+async def test_a_job_no_gpu_can_drain_enough_for_holds_no_gpu_back_from_the_others(manager, make_worker):
+    """Another program holds 600 MB of the GPU for good. A 10,000 MB job fits the GPU's size but
+    never its memory: it was the waiting job the reservation looked at, found no time it would fit,
+    and held no GPU, for it or anyone, so the 8 GB job behind it starved as if reservations were
+    off. The reservation now looks only at jobs the GPUs can drain enough for."""
+    stuck = await enqueue(manager, vram_mb=10_000, priority=5)
+    waited = await _starved_for(manager, make_worker, reserve_after_s=0.5, watch_s=8, held_outside_mb=600)
+    assert waited is not None and waited < 0.5 + 0.8 + 3.5
+    assert (await manager.get(stuck)).state is JobState.queued  # it waits for the memory, as documented
 
 
 async def test_age_raises_effective_priority(manager, make_worker, engine, tmp_path):

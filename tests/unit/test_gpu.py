@@ -13,10 +13,18 @@ from app import errors, gpu
 from tests.fakes import FakeInventory
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 class FakeNvmlError(Exception):
-    """Stands in for pynvml.NVMLError."""
+    """Stands in for pynvml.NVMLError; `value` is NVML's return code (999: unknown)."""
+
+    def __init__(self, message: str, value: int = 999) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+MEMORY_V2 = 0x02000028  # pynvml.nvmlMemory_v2
 
 
 def fake_pynvml(
@@ -24,12 +32,16 @@ def fake_pynvml(
     *,
     processes: Sequence[Sequence[tuple[int, int | None]]] = (),
     init_error: str | None = None,
+    reserved: Sequence[int] | None = None,
+    v2_error: int | None = None,
 ) -> types.ModuleType:
     """A module with the slice of pynvml's API that NvmlInventory uses: (name, total, free) bytes.
+    With `reserved` (bytes the driver keeps, per device) it has memory info v2 too, which answers
+    NVML's error `v2_error` when given (13: the function is missing); v1 counts `reserved` as used.
     While `module.state["failing"]` holds a message, every reading of a device raises it; while
     `module.state["lost"]` maps a device's index to a message, readings of that device raise it."""
     module = types.ModuleType("fake_pynvml")
-    state: dict[str, Any] = {"initialised": 0, "shutdown": 0, "failing": None, "lost": {}}
+    state: dict[str, Any] = {"initialised": 0, "shutdown": 0, "failing": None, "lost": {}, "v2_calls": 0}
 
     def reading(index: int) -> None:
         if state["failing"] is not None:
@@ -45,10 +57,18 @@ def fake_pynvml(
     def shutdown() -> None:
         state["shutdown"] += 1
 
-    def memory(index: int) -> types.SimpleNamespace:
-        reading(index)
+    def memory(index: int, version: int | None = None) -> types.SimpleNamespace:
         _, total, free = devices[index]
-        return types.SimpleNamespace(total=total, free=free, used=total - free)
+        if version is None:
+            reading(index)
+            return types.SimpleNamespace(total=total, free=free, used=total - free)
+        assert reserved is not None and version == MEMORY_V2
+        state["v2_calls"] += 1
+        if v2_error is not None:
+            raise FakeNvmlError("Function Not Found", v2_error)
+        reading(index)
+        held = reserved[index]
+        return types.SimpleNamespace(total=total, reserved=held, free=free, used=total - held - free)
 
     def procs(index: int) -> list[types.SimpleNamespace]:
         reading(index)
@@ -67,6 +87,8 @@ def fake_pynvml(
         nvmlDeviceGetMemoryInfo=memory,
         nvmlDeviceGetComputeRunningProcesses=procs,
     )
+    if reserved is not None:
+        module.nvmlMemory_v2 = MEMORY_V2
     return module
 
 
@@ -183,6 +205,49 @@ def test_nvml_inventory_reads_devices_and_processes() -> None:
         inventory.snapshot()
 
 
+def test_a_gpus_size_leaves_out_the_drivers_reserve() -> None:
+    """NVML's memory info v1 counts the driver's reserve as used, so an idle GPU never showed its
+    total free: a job sized between the two was taken (the API's intake compares with the size),
+    or grown there after running out of memory, and never fitted. Read with v2, the size is what
+    programs can have, and an idle GPU shows all of it free."""
+    module = fake_pynvml(
+        [("NVIDIA A100", 40 * GIB, 40 * GIB - 912 * MIB), ("NVIDIA A100", 40 * GIB, 30 * GIB)],
+        reserved=[912 * MIB, 912 * MIB],
+    )
+    idle, busy = gpu.NvmlInventory(module).snapshot()
+    assert (idle.total_mb, idle.free_mb) == (40_960 - 912, 40_960 - 912)
+    assert (busy.total_mb, busy.free_mb) == (40_960 - 912, 30_720)
+
+
+@pytest.mark.parametrize("code", [3, 13, 25])  # not supported, function not found, version mismatch
+def test_a_driver_without_memory_info_v2_is_read_with_v1_from_then_on(
+    code: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gpujobs.gpu")
+    module = fake_pynvml([("Tesla T4", 16 * GIB, 15 * GIB)], reserved=[300 * MIB], v2_error=code)
+    inventory = gpu.NvmlInventory(module)
+    for _ in range(3):
+        [read] = inventory.snapshot()
+        assert (read.total_mb, read.free_mb, read.error) == (16_384, 15_360, None)
+    assert module.state["v2_calls"] == 1
+    assert [r.getMessage() for r in caplog.records][-1].startswith("NVML has no memory info v2")
+
+
+def test_another_error_of_memory_info_v2_is_the_gpus_not_the_drivers() -> None:
+    """A GPU fallen off the bus answers v2 with its error: that GPU is shown unreadable, and v2 is
+    kept for the others (not taken for a driver without it)."""
+    module = fake_pynvml(
+        [("NVIDIA L4", 24 * GIB, 20 * GIB), ("NVIDIA L4", 24 * GIB, 24 * GIB - 100 * MIB)],
+        reserved=[100 * MIB, 100 * MIB],
+    )
+    inventory = gpu.NvmlInventory(module)
+    module.state["lost"] = {0: "GPU is lost"}
+    lost, other = inventory.snapshot()
+    assert lost.error == "NVML: reading memory of GPU 0 failed: GPU is lost"
+    assert (other.total_mb, other.free_mb) == (24_476, 24_476)
+    assert module.state["v2_calls"] == 2
+
+
 def test_a_gpu_nvml_cannot_read_is_listed_full_while_the_others_are_read(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -297,5 +362,13 @@ def test_nvml_on_a_real_gpu() -> None:
             assert not device.virtual
         usage = inventory.process_memory_mb()
         assert all(pid > 0 and mb >= 0 for pid, mb in usage.items())
+        # With no process on them, GPUs offer (nearly) their whole size: the driver's reserve is
+        # not in it (memory info v2).
+        for device in gpus if not usage else []:
+            assert device.total_mb - device.free_mb <= IDLE_SLACK_MB, device
     finally:
         inventory.close()
+
+
+# What an idle GPU may show in use beyond the driver's reserve (NVML's own bookkeeping).
+IDLE_SLACK_MB = 64
