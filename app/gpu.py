@@ -92,8 +92,9 @@ def _text(value: object) -> str:
 class NvmlInventory:
     """The host's real GPUs, read through NVML (`pynvml` from nvidia-ml-py)."""
 
-    def __init__(self, nvml: ModuleType | None = None) -> None:
-        """Initialise NVML; raises `errors.AppError` naming the reason when it cannot."""
+    def __init__(self, nvml: ModuleType | None = None, *, visible: str | None = None) -> None:
+        """Initialise NVML; raises `errors.AppError` naming the reason when it cannot. `visible`:
+        the worker's CUDA_VISIBLE_DEVICES, the GPUs it may use (None: every one; see `select`)."""
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")
@@ -107,21 +108,32 @@ class NvmlInventory:
             raise _nvml_error("nvmlInit", exc) from exc
         try:
             count = int(nvml.nvmlDeviceGetCount())
-            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+            self._indexes = list(range(count)) if visible is None else select(visible, uuids)
+            self._handles = [handles[i] for i in self._indexes]
             self._names = [_text(nvml.nvmlDeviceGetName(h)) for h in self._handles]
-            self._uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in self._handles]
+            self._uuids = [uuids[i] for i in self._indexes]
         except nvml.NVMLError as exc:
             self.close()
             raise _nvml_error("listing devices", exc) from exc
-        self._totals_mb = [0] * count  # each GPU's size as last read
+        except errors.ConfigError:
+            self.close()
+            raise
+        self._totals_mb = [0] * len(self._handles)  # each GPU's size as last read
         # NVML's memory info v2 (newer drivers) tells the driver's own reservation apart;
         # v1 counts it as used, so an idle GPU never shows its total free. False once v2 failed.
         self._v2 = hasattr(nvml, "nvmlMemory_v2")
         self._unreadable: set[int] = set()  # GPUs whose last reading failed (said once per outage)
 
     @property
+    def indexes(self) -> list[int]:
+        """NVML's indexes of the GPUs this worker may use."""
+        return list(self._indexes)
+
+    @property
     def device_count(self) -> int:
-        """How many GPUs NVML sees (ignores CUDA_VISIBLE_DEVICES)."""
+        """How many GPUs this worker may use: those NVML sees, narrowed by `visible`."""
         return len(self._handles)
 
     def snapshot(self) -> list[Gpu]:
@@ -129,17 +141,17 @@ class NvmlInventory:
         with the error; only when no GPU can be read does this raise."""
         nvml = self._ready()
         gpus, failed = [], {}
-        for index, handle in enumerate(self._handles):
+        for at, (index, handle) in enumerate(zip(self._indexes, self._handles, strict=True)):
             try:
                 total, free = self._memory(handle)
             except nvml.NVMLError as exc:
                 failed[index] = _nvml_error(f"reading memory of GPU {index}", exc)
                 free_mb = 0
             else:
-                self._totals_mb[index], free_mb = total // MB, free // MB
+                self._totals_mb[at], free_mb = total // MB, free // MB
             error = failed[index].message if index in failed else None
-            name, uuid = self._names[index], self._uuids[index]
-            gpus.append(Gpu(index, name, uuid, self._totals_mb[index], free_mb, False, error))
+            name, uuid = self._names[at], self._uuids[at]
+            gpus.append(Gpu(index, name, uuid, self._totals_mb[at], free_mb, False, error))
         self._note_unreadable(failed)
         return gpus
 
@@ -169,7 +181,7 @@ class NvmlInventory:
         nvml = self._ready()
         usage: dict[int, int] = {}
         failed = {}
-        for index, handle in enumerate(self._handles):
+        for index, handle in zip(self._indexes, self._handles, strict=True):
             try:
                 processes = self._compute_processes(handle)
             except nvml.NVMLError as exc:
@@ -274,17 +286,53 @@ def parse_sizes(text: str, *, setting: str = "GPUJOBS_GPUS") -> list[int]:
     return sizes
 
 
+def select(visible: str, uuids: Sequence[str]) -> list[int]:
+    """The NVML indexes of the GPUs `visible` names (CUDA_VISIBLE_DEVICES: indexes in PCI bus
+    order, as NVML and nvidia-smi number them, or GPU UUIDs, whole or a unique prefix), in NVML's
+    order; "" or -1: none. ConfigError for an entry that names no GPU, or one named twice."""
+    chosen: list[int] = []
+    entries = [e.strip() for e in visible.split(",")] if visible.strip() not in ("", "-1") else []
+    for entry in entries:
+        if entry.isdigit():
+            found = [int(entry)] if int(entry) < len(uuids) else []
+        else:
+            found = [i for i, u in enumerate(uuids) if u.lower().startswith(entry.lower())] if entry else []
+        if len(found) != 1 or found[0] in chosen:
+            listed = ", ".join(f"{i}: {u}" for i, u in enumerate(uuids)) or "none"
+            why = "names a GPU twice" if found and found[0] in chosen else "matches no single GPU"
+            raise errors.ConfigError(
+                f"CUDA_VISIBLE_DEVICES={visible!r}: {entry!r} {why}; give indexes in PCI bus order"
+                f" (as nvidia-smi numbers them) or UUIDs. GPUs here: {listed}"
+            )
+        chosen.append(found[0])
+    return sorted(chosen)
+
+
 def detect_inventory(
-    configured: str | None, default_virtual_mb: int, *, nvml: ModuleType | None = None
+    configured: str | None,
+    default_virtual_mb: int,
+    *,
+    nvml: ModuleType | None = None,
+    visible: str | None = None,
 ) -> GpuInventory:
-    """NVML when it works and sees a GPU; otherwise virtual GPUs, announced by one warning."""
+    """NVML when it works and sees a GPU (of those `visible` names: the worker's
+    CUDA_VISIBLE_DEVICES; None: all); otherwise virtual GPUs, announced by one warning."""
     sizes = parse_sizes(configured) if configured else None
     try:
-        inventory = NvmlInventory(nvml)
+        inventory = NvmlInventory(nvml, visible=visible)
+    except errors.ConfigError:
+        raise
     except errors.AppError as exc:
         reason = exc.message
     else:
         if inventory.device_count > 0:
+            if visible is not None:
+                logger.info(
+                    "CUDA_VISIBLE_DEVICES=%r: this worker uses GPU(s) %s",
+                    visible,
+                    ", ".join(str(g) for g in inventory.indexes),
+                    extra={"action": "gpus_chosen"},
+                )
             if sizes is not None:
                 logger.warning(
                     "GPUJOBS_GPUS=%r is ignored: NVML sees %d GPU(s)",
@@ -294,7 +342,7 @@ def detect_inventory(
                 )
             return inventory
         inventory.close()
-        reason = "NVML sees no GPU"
+        reason = "NVML sees no GPU" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r} names none"
     return _virtual_fallback(reason, sizes, default_virtual_mb)
 
 

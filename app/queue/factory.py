@@ -6,6 +6,7 @@ Kept apart from the web layer so a worker process starts without importing it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -34,7 +35,9 @@ def build_worker(
         python=sys.executable,
         burst=burst,
     )
-    inventory = gpu.detect_inventory(settings.gpus, settings.virtual_gpu_mb)
+    # The GPUs it may use, as for any CUDA program: CUDA_VISIBLE_DEVICES (one worker per group).
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    inventory = gpu.detect_inventory(settings.gpus, settings.virtual_gpu_mb, visible=visible)
     return worker_.Worker(
         manager=manager,
         store=store,

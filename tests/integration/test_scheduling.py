@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 import uuid
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from app import db, scheduler
+from app import db, gpu, scheduler
 from app.queue import planner as planner_
 from app.queue import sql
 from app.queue.jobs import JobState
@@ -24,6 +25,7 @@ from tests.conftest import api_client, png_bytes
 from tests.fakes import FakeInventory
 from tests.integration.test_durability import kinds, running, until
 from tests.integration.test_worker import enqueue, peak_overlap, trace
+from tests.unit.test_gpu import GIB, fake_pynvml
 
 
 async def _starved_for(
@@ -487,3 +489,15 @@ async def test_learned_vram_replaces_the_declared_estimate(manager, make_worker,
     assert learning["observed"]["samples"] == 3 and learning["observed"]["max_peak_mb"] == 700
     assert learning["admits_on"] == "learned"
     assert models["relief"]["vram_learning"]["admits_on"] == "declared"
+
+
+async def test_a_worker_given_one_gpu_of_two_runs_its_jobs_there(manager, make_worker, tmp_path):
+    """CUDA_VISIBLE_DEVICES=1 for the worker: its job runs on GPU 1 and is told so."""
+    nvml = fake_pynvml([("NVIDIA test", 24 * GIB, 24 * GIB)] * 2)
+    inventory = gpu.detect_inventory(None, 24_576, nvml=nvml, visible="1")
+    log = tmp_path / "trace.jsonl"
+    job_id = await enqueue(manager, trace=str(log))
+    await make_worker(inventory=inventory).run()
+    job = await until(manager, job_id, lambda j: j.state.final)
+    assert (job.state, job.gpu) == (JobState.succeeded, 1)
+    assert json.loads(log.read_text().splitlines()[0])["gpu"] == "1"

@@ -10,6 +10,7 @@ from app.queue import factory
 from app.queue.manager import JobManager
 from app.settings import Settings
 from tests.conftest import modules_loaded_by
+from tests.unit.test_gpu import GIB, fake_pynvml
 
 
 async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_path: Path):
@@ -52,6 +53,31 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
     scheduling = config.scheduling
     assert (scheduling.vram_buffer_mb, scheduling.max_jobs_per_gpu, scheduling.claim_batch) == (100, 2, 3)
     assert (scheduling.gpu_settle_timeout_s, scheduling.reserve_after_s) == (9, 13)
+
+
+async def test_a_worker_uses_the_gpus_its_cuda_visible_devices_names(
+    models_file: Path, tmp_path: Path, monkeypatch
+):
+    """`gpujobs worker` started with CUDA_VISIBLE_DEVICES=1 (one worker per group of GPUs) used
+    both of the host's GPUs."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("NVIDIA L4", 24 * GIB, 24 * GIB)] * 2))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    settings = Settings(
+        database_url="postgresql+asyncpg://nobody@127.0.0.1:1/none",  # never connected to
+        models_file=models_file,
+        storage_dir=tmp_path / "storage",
+    )
+    engine = db.create_engine(settings.database_url or "")
+    worker = factory.build_worker(
+        settings,
+        manager=JobManager(engine),
+        store=storage.ResultStore(settings.storage_dir),
+        models=modelsfile.load_registry(models_file),
+        listen_dsn=None,
+        burst=True,
+    )
+    await engine.dispose()
+    assert [g.index for g in worker._inventory.snapshot()] == [1]
 
 
 def test_a_worker_process_builds_no_orm_classes():

@@ -319,6 +319,49 @@ def test_detect_rejects_a_bad_setting_even_with_nvml() -> None:
         gpu.detect_inventory("huge", 4096, nvml=fake_pynvml([("NVIDIA L4", GIB, GIB)]))
 
 
+FOUR = [("NVIDIA L4", 24 * GIB, 24 * GIB)] * 4  # fake_pynvml names them GPU-0000 .. GPU-0003
+
+
+@pytest.mark.parametrize(
+    ("visible", "chosen"),
+    [("1", [1]), ("3,1", [1, 3]), (" 2 , 0 ", [0, 2]), ("GPU-0002", [2]), ("gpu-0003,0", [0, 3])],
+)
+def test_cuda_visible_devices_narrows_the_worker_to_its_group(visible: str, chosen: list[int]) -> None:
+    """A worker started with CUDA_VISIBLE_DEVICES (one per group of GPUs on a host) listed every
+    GPU all the same, and gave its jobs NVML's index of whichever it placed them on: two such
+    workers shared every GPU, each blind to the other's jobs. Now it uses the GPUs named, by NVML's
+    index (PCI bus order) or UUID, and keeps their indexes, which its jobs are given."""
+    inventory = gpu.detect_inventory(None, 4096, nvml=fake_pynvml(FOUR), visible=visible)
+    assert [(g.index, g.uuid) for g in inventory.snapshot()] == [(i, f"GPU-{i:04d}") for i in chosen]
+
+
+@pytest.mark.parametrize(
+    ("visible", "why"),
+    [
+        ("4", "'4' matches no single GPU"),
+        ("1,1", "'1' names a GPU twice"),
+        ("GPU-000", "'GPU-000' matches no single GPU"),  # a prefix of every UUID here
+        ("MIG-1", "'MIG-1' matches no single GPU"),
+        ("0,,1", "'' matches no single GPU"),
+    ],
+)
+def test_cuda_visible_devices_that_names_no_gpu_stops_the_worker_saying_which(visible: str, why: str) -> None:
+    module = fake_pynvml(FOUR)
+    with pytest.raises(errors.ConfigError) as caught:
+        gpu.detect_inventory(None, 4096, nvml=module, visible=visible)
+    assert why in caught.value.message and "GPUs here: 0: GPU-0000, 1: GPU-0001" in caught.value.message
+    assert module.state["shutdown"] == 1
+
+
+@pytest.mark.parametrize("visible", ["", "-1"])
+def test_cuda_visible_devices_that_hides_every_gpu_gives_the_virtual_fallback(
+    visible: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    inventory = gpu.detect_inventory(None, 4096, nvml=fake_pynvml(FOUR), visible=visible)
+    assert [g.virtual for g in inventory.snapshot()] == [True]
+    assert f"CUDA_VISIBLE_DEVICES={visible!r} names none" in warnings_from(caplog)[0]
+
+
 def test_detect_falls_back_on_this_host(caplog: pytest.LogCaptureFixture) -> None:
     """The real pynvml: a host without a driver gets the default virtual GPU and one warning."""
     try:
