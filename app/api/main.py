@@ -16,7 +16,7 @@ import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from app import auth, db, errors, intake, learning, links, modelsfile, storage
 from app.api import (
@@ -226,6 +226,12 @@ def _finite(value: Any) -> Any:
     return value
 
 
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """A path no route serves: the web page's "not found" page for a browser under /ui, else JSON."""
+    page = web_pages.missing_page(request)
+    return page if page is not None else await paths.not_found(request, exc)
+
+
 async def _app_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, errors.AppError)
     headers = {}
@@ -301,7 +307,7 @@ def create_app(settings: Settings) -> FastAPI:
     web_pages.install(app)  # the web page under /ui (left out of the OpenAPI document)
     app.add_exception_handler(errors.AppError, _app_error)
     app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(404, paths.not_found)
+    app.add_exception_handler(404, _not_found)
     for kind in (
         sqlalchemy.exc.DBAPIError,
         sqlalchemy.exc.TimeoutError,  # no pooled connection came free

@@ -26,14 +26,18 @@ def served(scope: Scope) -> bool:
     return any(route.matches(scope)[0] is not Match.NONE for route in scope["app"].router.routes)
 
 
-def not_found_detail(scope: Scope) -> str:
-    """What the 404 of a path no route serves says: the path meant, if only a slash is off."""
+LISTED = f"the API's paths are listed at {docs.DOCS_PATH}"
+
+
+def not_found_detail(scope: Scope, *, noun: str = "path", listed: str | None = LISTED) -> str:
+    """What the 404 of a path no route serves says: the path meant, if only a slash is off, else
+    where the paths are `listed`."""
     path: str = scope["path"]
     shown = path if len(path) <= SHOWN_PATH_CHARS else path[:SHOWN_PATH_CHARS] + "…"
     twin = path.rstrip("/") if path.endswith("/") else path + "/"
     if twin and len(path) <= SHOWN_PATH_CHARS and served({**scope, "path": twin}):
-        return f"no such path: {shown} (did you mean {twin}?)"
-    return f"no such path: {shown} (the API's paths are listed at {docs.DOCS_PATH})"
+        return f"no such {noun}: {shown} (did you mean {twin}?)"
+    return f"no such {noun}: {shown}" + (f" ({listed})" if listed else "")
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send) -> None:

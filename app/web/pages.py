@@ -17,9 +17,10 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
+from fastapi.routing import APIRoute
 
-from app import errors, registry, storage
-from app.api import admin
+from app import auth, errors, registry, storage
+from app.api import admin, paths, security
 from app.api.deps import Caller, CallerDep, ServicesDep
 from app.queue import manager as manager_
 from app.queue.jobs import Job, JobState
@@ -78,6 +79,18 @@ def job_id_of(text: str) -> uuid.UUID:
         raise errors.JobNotFound(f"no job {text[:40]!r}") from exc
 
 
+def missing_page(request: Request) -> Response | None:
+    """A browser's page under /ui that no route serves (a mistyped address, a link copied with a
+    slash too many): the "not found" page, with its way back to the jobs, rather than the API's
+    JSON. None for anything else: scripts, the API's paths, files missing from the static folder."""
+    scope = request.scope
+    if not security.page_navigation(scope) or paths.served({**scope, "root_path": ""}):
+        return None
+    identity = getattr(request.state, "identity", None)
+    caller = Caller(identity.principal, identity.admin) if isinstance(identity, auth.Identity) else None
+    return _error(caller, errors.NotFound(paths.not_found_detail(scope, noun="page", listed=None)))
+
+
 def _error(caller: Caller | None, exc: errors.AppError) -> Response:
     """An error as a page: what went wrong and where to go instead."""
     return _page("error.html", caller, "", status_code=exc.status_code, message=exc.message)
@@ -118,9 +131,6 @@ async def jobs_page(
         priority_min=limits.priority_min,
         priority_max=limits.priority_max,
     )
-
-
-router.add_api_route("/", jobs_page, methods=["HEAD"])  # as the service's root (app/web/session.py)
 
 
 @router.get("/jobs/{job_id}/row")
@@ -261,3 +271,10 @@ async def admin_live(request: Request, services: ServicesDep, caller: CallerDep)
     if (refused := _admin_only(caller)) is not None:
         return refused
     return _page("_admin_live.html", caller, "admin", **await _admin_context(request, services))
+
+
+# HEAD where GET answers (RFC 9110), on every page and fragment: link checkers and monitors send
+# it, and a signed-in one got 405 where a signed-out one was sent to sign in.
+for _route in list(router.routes):
+    if isinstance(_route, APIRoute) and "GET" in (_route.methods or ()):
+        router.add_api_route(_route.path.removeprefix(router.prefix), _route.endpoint, methods=["HEAD"])

@@ -363,6 +363,51 @@ async def test_long_urls_and_filters_show_a_page_never_raw_json(settings, make_k
         assert "cursor" in cursor.text
 
 
+async def test_a_mistyped_page_address_shows_the_not_found_page(settings, make_key):
+    """A signed-in browser opening a /ui address no route serves (the list typed as /ui/jobs, a job
+    link copied with a slash too many) got the API's JSON 404, pointing at /docs, where a job that
+    does not exist gets the page's own "Not found" with its way back. Scripts still get JSON."""
+    alice = await make_key("alice")
+    async with api_client(settings, key=alice) as api:
+        job_id = await submit(api)
+        async with client_for(api, None) as browser:
+            await signed_in(browser, alice)
+            for path, said in [
+                ("/ui/jobs", "no such page: /ui/jobs<"),
+                (
+                    f"/ui/jobs/{job_id}/",
+                    f"no such page: /ui/jobs/{job_id}/ (did you mean /ui/jobs/{job_id}?)",
+                ),
+                ("/ui/admin/", "no such page: /ui/admin/ (did you mean /ui/admin?)"),
+            ]:
+                page = await browser.get(path)
+                assert page.status_code == 404 and page.headers["content-type"].startswith("text/html"), path
+                assert said in page.text and 'href="/ui/"' in page.text, page.text
+                assert "alice" in page.text  # the menu of a signed-in page
+            script = await browser.get("/ui/jobs", headers=XRW)
+            assert script.status_code == 404 and script.json()["detail"].startswith("no such path: /ui/jobs")
+            missing_asset = await browser.get("/ui/static/none.css")
+            assert missing_asset.json()["detail"] == "no such file: /ui/static/none.css"
+        assert (await api.get("/nowhere")).json()["detail"].endswith("(the API's paths are listed at /docs)")
+
+
+async def test_every_page_answers_head_as_its_get(settings, make_key):
+    """The job page, its fragments and the admin page answered a signed-in HEAD with a JSON 405,
+    where a signed-out HEAD was sent to sign in like a GET (link checkers and monitors send HEAD)."""
+    root = await make_key("root", admin=True)
+    async with api_client(settings, key=root) as api:
+        job_id = await submit(api)
+        async with client_for(api, None) as browser:
+            assert (await browser.head(f"/ui/jobs/{job_id}")).status_code == 303  # signed out: sign in
+            await signed_in(browser, root)
+            paths = ["/ui/", f"/ui/jobs/{job_id}", f"/ui/jobs/{job_id}/live", f"/ui/jobs/{job_id}/row"]
+            for path in [*paths, "/ui/admin", "/ui/admin/live", f"/ui/jobs/{job_id}/files/input"]:
+                got, head = await browser.get(path), await browser.head(path)
+                assert (head.status_code, head.content) == (got.status_code, b""), (path, head.status_code)
+                for name in ("content-type", "location", "content-security-policy"):
+                    assert head.headers.get(name) == got.headers.get(name), (path, name)
+
+
 def test_the_page_routes_are_not_in_the_api_document(settings):
     from app.api.main import create_app
 
