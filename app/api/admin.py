@@ -27,8 +27,9 @@ from app.api.schemas import (
     WorkerGpuPublic,
     WorkerPublic,
 )
+from app.queue import manager as manager_
 from app.queue import records
-from app.queue.jobs import JobState
+from app.queue.jobs import RETRYABLE_STATES, JobState
 from app.settings import Settings
 
 # Admin keys only: 401 without a key, 403 with a user's (also enforced by `security.Authenticate`).
@@ -55,6 +56,8 @@ async def retry_job(job_id: uuid.UUID, services: ServicesDep, caller: CallerDep)
     job = await services.manager.get(job_id)
     if job.expired_at is not None:
         raise _expired(job_id)
+    if job.state not in RETRYABLE_STATES:  # before the model: adding it back would not help
+        raise manager_.not_retryable(job_id, job.state.value)
     spec = services.models.models.get(job.model)
     if spec is None:  # no worker of this registry would run it; queued, it would wait for good
         raise _unserved(job_id, job.model, services.models.models)

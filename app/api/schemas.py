@@ -171,8 +171,11 @@ class RetryFilter(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt filter must not widen to every job
 
-    model: Text | None = None
-    error_contains: Text | None = Field(None, max_length=500)
+    # An empty filter is refused: "" in `error_contains` matched every error (an unset $PATTERN).
+    model: Text | None = Field(None, min_length=1)
+    error_contains: Text | None = Field(
+        None, min_length=1, max_length=500, description="Leave out to match any error"
+    )
     since: datetime | None = Field(None, description="Finished at or after")
     until: datetime | None = Field(None, description="Finished before")
 
@@ -213,8 +216,9 @@ class CancelFilter(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt filter must not widen to every job
 
-    model: Text | None = Field(None, description="Also a model no longer in the registry")
-    owner: Text | None = Field(None, description="The principal of the key that submitted them")
+    # Empty, they matched nothing and answered 200 {"canceled": 0}: an unset $OWNER read as "none waiting".
+    model: Text | None = Field(None, min_length=1, description="Also a model no longer in the registry")
+    owner: Text | None = Field(None, min_length=1, description="The principal of the key that submitted them")
     states: list[Cancelable] = Field(
         default_factory=lambda: list(WAITING),
         min_length=1,

@@ -33,6 +33,7 @@ class JobState(enum.StrEnum):
 
 
 FINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.canceled, JobState.quarantined})
+RETRYABLE_STATES = frozenset({JobState.failed, JobState.canceled, JobState.quarantined})  # by an admin
 
 # Jobs are grouped into size classes of an eighth of an octave (256 MB and below is class 0) so the
 # claim can probe "the best job of each class that fits" through an index instead of walking

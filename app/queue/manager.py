@@ -65,6 +65,13 @@ def owner_full(owner_limit: int) -> errors.QueueFull:
     )
 
 
+def not_retryable(job_id: uuid.UUID, state: str) -> errors.Conflict:
+    """The 409 of a retry of a job in a state no retry takes."""
+    return errors.Conflict(
+        f"job {job_id} is {state}; only failed, canceled or quarantined jobs can be retried"
+    )
+
+
 class JobManager:
     """Queue operations over one engine. Domain errors come out as `errors.AppError`."""
 
@@ -391,9 +398,7 @@ class JobManager:
         if row.expired:
             raise errors.Gone(f"job {job_id} expired: retention deleted its input and files")
         if row.id is None:  # worded from the state that refused it (sql.RETRY_ONE)
-            raise errors.Conflict(
-                f"job {job_id} is {row.seen_state}; only failed, canceled or quarantined jobs can be retried"
-            )
+            raise not_retryable(job_id, row.seen_state)
 
     # -- the database's clock and locks ------------------------------------------------
 

@@ -23,7 +23,7 @@ from app import auth, errors, registry, storage
 from app.api import admin, paths, security
 from app.api.deps import Caller, CallerDep, ServicesDep
 from app.queue import manager as manager_
-from app.queue.jobs import Job, JobState
+from app.queue.jobs import RETRYABLE_STATES, Job, JobState
 from app.web import session, views
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -31,7 +31,6 @@ router = APIRouter(prefix="/ui", include_in_schema=False)
 PAGE_SIZE = 50
 FAILED_SHOWN = 50
 LOG_TAIL_BYTES = 64 * 1024
-RETRYABLE = frozenset({JobState.failed, JobState.canceled, JobState.quarantined})
 MESH_FORMATS = {".glb": "glb", ".gltf": "glb", ".stl": "stl", ".obj": "obj"}
 # The web page's routes that take a body without a key, with their own limit (api.limits.BodyLimit).
 BODY_LIMITS = {session.SESSION_PATH: session.SIGN_IN_LIMIT}
@@ -155,7 +154,7 @@ async def _job_context(services: ServicesDep, caller: Caller, text: str) -> dict
         "log": log,
         "mesh": mesh,
         "mesh_format": MESH_FORMATS[Path(mesh.name).suffix.lower()] if mesh else None,
-        "retryable": caller.admin and job.expired_at is None and job.state in RETRYABLE,
+        "retryable": caller.admin and job.expired_at is None and job.state in RETRYABLE_STATES,
     }
 
 

@@ -37,8 +37,16 @@ async def states(manager: JobManager, job_ids: list[uuid.UUID]) -> list[JobState
 
 @pytest.mark.parametrize(
     "body",
-    [{}, {"states": ["running"]}, {"all": True, "model": "toy"}, {"modle": "toy"}, {"states": []}],
-    ids=["empty", "only states", "all with a model", "misspelt", "no states"],
+    [
+        {},
+        {"states": ["running"]},
+        {"all": True, "model": "toy"},
+        {"modle": "toy"},
+        {"states": []},
+        {"owner": ""},
+        {"model": ""},
+    ],
+    ids=["empty", "only states", "all with a model", "misspelt", "no states", "empty owner", "empty model"],
 )
 async def test_a_bulk_cancel_that_would_take_everyone_unasked_is_refused(manager, api, make_key, body):
     job = await enqueue(manager, vram_mb=BIG)
@@ -284,3 +292,31 @@ async def test_failed_jobs_of_a_model_gone_from_the_registry_are_counted_and_ref
     assert str(gone[0]) in detail and "'gone'" in detail and "registry" in detail, detail
     assert not detail.startswith("model:"), detail
     assert await states(manager, gone) == [JobState.failed] * 2
+
+
+@pytest.mark.parametrize("body", [{"error_contains": ""}, {"model": ""}], ids=["empty error", "empty model"])
+async def test_a_bulk_retry_with_an_empty_filter_is_refused_not_widened(manager, engine, api, body):
+    """`{"error_contains": ""}` (a script's unset $PATTERN) matched every failed job, since every
+    error contains "": it queued them all again. An empty filter is a 422 now, as GET /jobs's."""
+    failed = await failed_jobs(manager, engine, 2)
+    answer = await api.post("/admin/jobs/retry", json=body)
+    assert answer.status_code == 422, answer.text
+    assert await states(manager, failed) == [JobState.failed] * 2
+
+
+@pytest.mark.parametrize("state", ["queued", "succeeded"])
+async def test_a_retry_refused_for_its_state_says_so_even_if_its_model_is_gone(manager, engine, api, state):
+    """A queued or succeeded job of a model gone from the registry was told to add the model back to
+    be retried, which led only to a second 409, for its state."""
+    job = await enqueue(manager, vram_mb=BIG)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE jobs SET model = 'gone', state = CAST(:state AS job_state) WHERE id = :id"),
+            {"id": job, "state": state},
+        )
+    answer = await api.post(f"/admin/jobs/{job}/retry")
+    assert answer.status_code == 409, answer.text
+    assert (
+        answer.json()["detail"]
+        == f"job {job} is {state}; only failed, canceled or quarantined jobs can be retried"
+    )
