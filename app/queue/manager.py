@@ -385,7 +385,8 @@ class JobManager:
             raise errors.JobNotFound(f"no job {job_id}")
         if row.state is None:  # worded from the state that refused it (sql.CANCEL says why)
             raise errors.Conflict(
-                f"job {job_id} is {row.seen_state}; only queued, scheduled or running jobs can be canceled"
+                f"job {job_id} is {row.seen_state}; only queued, scheduled, running or quarantined jobs"
+                " can be canceled"
             )
         return JobState(row.state), row.attempt
 

@@ -732,7 +732,7 @@ _CANCEL = f"""
     WITH seen AS ({{seen}}
     ), target AS (
         SELECT id, state AS old_state FROM seen
-        WHERE state IN ('queued', 'scheduled') OR (state = 'running' AND NOT cancel_requested)
+        WHERE state IN ('queued', 'scheduled', 'quarantined') OR (state = 'running' AND NOT cancel_requested)
     ), changed AS (
         UPDATE jobs AS j
         SET cancel_requested = true,
@@ -753,6 +753,8 @@ _CANCEL = f"""
     )
 """
 
+# A quarantined job is canceled too: dismissed by someone who will not retry it, it is finished
+# for good, and retention (which keeps quarantined jobs for an admin) deletes its files in time.
 # One job, by id. One row when the job exists for :owner: `seen_state` is the state the cancel
 # found (it locks the row, so it is the newest), `state` the job's after it, NULL when that state
 # refused the cancel. A refusal is worded from `seen_state`: the job read again afterwards may have

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from app import storage
 from app.api import security
@@ -406,6 +407,25 @@ async def test_every_page_answers_head_as_its_get(settings, make_key):
                 assert (head.status_code, head.content) == (got.status_code, b""), (path, head.status_code)
                 for name in ("content-type", "location", "content-security-policy"):
                     assert head.headers.get(name) == got.headers.get(name), (path, name)
+
+
+async def test_a_quarantined_jobs_page_offers_its_cancel(settings, make_key, engine):
+    """A quarantined job is canceled to dismiss it (README, "HTTP API"): its page offers that."""
+    alice = await make_key("alice")
+    async with api_client(settings, key=alice) as api:
+        job_id = await submit(api)
+        async with client_for(api, None) as browser:
+            await signed_in(browser, alice)
+            assert 'data-action="cancel"' in (await browser.get(f"/ui/jobs/{job_id}")).text  # queued
+            async with engine.begin() as conn:
+                await conn.execute(
+                    text("UPDATE jobs SET state = 'quarantined', finished_at = now() WHERE id = :id"),
+                    {"id": job_id},
+                )
+            page = (await browser.get(f"/ui/jobs/{job_id}")).text
+            assert 'data-action="cancel"' in page and "Retry job" not in page  # alice is no admin
+            await api.post(f"/jobs/{job_id}/cancel")
+            assert 'data-action="cancel"' not in (await browser.get(f"/ui/jobs/{job_id}")).text
 
 
 def test_the_page_routes_are_not_in_the_api_document(settings):

@@ -444,8 +444,28 @@ async def test_cancel_queued_running_and_finished(manager, make_worker, api, tmp
     finished = await api.post(f"/jobs/{slow}/cancel")
     assert finished.status_code == 409 and "canceled" in finished.json()["detail"]
     # The states it names are all the ones a cancel takes (a job waiting for its retry too).
-    assert finished.json()["detail"].endswith("only queued, scheduled or running jobs can be canceled")
+    said = "only queued, scheduled, running or quarantined jobs can be canceled"
+    assert finished.json()["detail"].endswith(said)
     assert (await api.post(f"/jobs/{uuid.uuid4()}/cancel")).status_code == 404
+
+
+async def test_a_quarantined_job_can_be_dismissed_by_a_cancel_and_is_then_pruned(manager, engine, api):
+    """A quarantined job waited for an admin's retry and nothing else: one nobody would retry could
+    not be canceled (409) and retention kept it, its image and logs, for good. A cancel now ends it
+    `canceled`, and retention deletes its files in time."""
+    job = await enqueue(manager, vram_mb=40_000)
+    async with engine.begin() as conn:  # as the reaper parks it after its runs died
+        await conn.execute(
+            text("UPDATE jobs SET state = 'quarantined', attempt = 3, finished_at = now() WHERE id = :id"),
+            {"id": job},
+        )
+    answer = await api.post(f"/jobs/{job}/cancel")
+    assert answer.status_code == 200 and answer.json()["state"] == "canceled", answer.text
+    assert (await kinds(manager, job))[-1] == "canceled"
+    await asyncio.sleep(0.05)
+    pruned = await api.post("/admin/prune", json={"older_than_s": 0.01})
+    assert pruned.json()["jobs"] == 1, pruned.text
+    assert (await manager.get(job)).expired_at is not None
 
 
 async def test_admin_retry(manager, make_worker, api):
@@ -488,7 +508,7 @@ async def test_a_refused_cancel_or_retry_names_the_state_that_refused_it(manager
     with pytest.raises(errors.Conflict) as refused:
         await manager.cancel(canceled, owner=None, by="alice")
     assert refused.value.message == (
-        f"job {canceled} is canceled; only queued, scheduled or running jobs can be canceled"
+        f"job {canceled} is canceled; only queued, scheduled, running or quarantined jobs can be canceled"
     )
 
     queued = await enqueue(manager, vram_mb=40_000)
