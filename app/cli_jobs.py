@@ -113,7 +113,15 @@ def cancel_many(
     if as_json:
         typer.echo(json.dumps(count))
         return
-    typer.echo(f"canceled {count['canceled']} jobs; {count['stopping']} running jobs asked to stop")
+    typer.echo(canceled_line(count))
+
+
+def canceled_line(count: dict[str, Any]) -> str:
+    """What `cancel-many` prints of the answer: what it did, and what it left (held by others)."""
+    line = f"canceled {count['canceled']} jobs; {count['stopping']} running jobs asked to stop"
+    if count.get("left"):
+        line += f"; {count['left']} left (held by other statements): run the same command again"
+    return line
 
 
 @jobs.command("retry-many")

@@ -117,7 +117,7 @@ async def cancel_jobs(body: CancelFilter, services: ServicesDep, caller: CallerD
     )
     if done.ended_waiting:  # their lost attempts' files go, as a single cancel's do
         await asyncio.to_thread(_drop_attempts, services.store, done.ended_waiting)
-    return CancelCount(canceled=done.canceled, stopping=done.stopping)
+    return CancelCount(canceled=done.canceled, stopping=done.stopping, left=done.left)
 
 
 def _drop_attempts(store: storage.ResultStore, jobs: list[tuple[uuid.UUID, int]]) -> None:

@@ -241,6 +241,11 @@ class CancelCount(BaseModel):
 
     canceled: int
     stopping: int = Field(description="Running jobs asked to stop; each ends `canceled` when killed")
+    left: int = Field(
+        0,
+        description="Matching jobs not canceled: other statements (a claim, a finishing run) held them "
+        "for 5 s; the same filter asked again takes them",
+    )
 
 
 class CancelPublic(BaseModel):

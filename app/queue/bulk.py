@@ -41,18 +41,23 @@ class BulkActions:
         `model` and `owner` (None: any) submitted by now, in batches of `batch` (sql.CANCEL_MATCHING)."""
         values = {"by": by, "model": model, "owner": owner, "before": await self._now(), "limit": batch}
         rows: list[Any] = []
+        left = 0
         # In the order a job moves through them: one promoted or claimed meanwhile is met again
         # in its next state, when that is asked for too.
         for state in (JobState.scheduled, JobState.queued, JobState.running):
             if state in states:
-                rows += await self._cancel_batches({**values, "state": state.value}, patience_s)
+                taken, held = await self._cancel_batches({**values, "state": state.value}, patience_s)
+                rows += taken
+                left += held
         stopping = sum(r.state == JobState.running for r in rows)
         waited = [(r.id, r.attempt) for r in rows if r.state == JobState.canceled and r.attempt > 0]
-        return records.Canceled(canceled=len(rows) - stopping, stopping=stopping, ended_waiting=waited)
+        return records.Canceled(
+            canceled=len(rows) - stopping, stopping=stopping, ended_waiting=waited, left=left
+        )
 
-    async def _cancel_batches(self, values: Mapping[str, Any], patience_s: float) -> list[Any]:
+    async def _cancel_batches(self, values: Mapping[str, Any], patience_s: float) -> tuple[list[Any], int]:
         """Batches of sql.CANCEL_MATCHING until no job is left, or none could be taken (others held
-        them: sql.CANCEL_MATCHING skips them) for `patience_s`."""
+        them: sql.CANCEL_MATCHING skips them) for `patience_s`; (the rows changed, the jobs left)."""
         rows: list[Any] = []
         deadline = time.monotonic() + patience_s
         while True:
@@ -62,15 +67,18 @@ class BulkActions:
                 left = full or (await conn.execute(sql.CANCELABLE_LEFT, values)).scalar_one()
             rows += taken
             if not left:
-                return rows
+                return rows, 0
             if taken:
                 deadline = time.monotonic() + patience_s
             elif time.monotonic() > deadline:
+                async with self._auto.connect() as conn:
+                    held = (await conn.execute(sql.CANCELABLE_COUNT, values)).scalar_one()
                 log.warning(
-                    "bulk cancel gave up on jobs held by other statements",
+                    "bulk cancel gave up on %d jobs held by other statements",
+                    held,
                     extra={"action": "cancel_matching_held", "state": values["state"]},
                 )
-                return rows
+                return rows, held
             if not full:
                 await asyncio.sleep(0.02)  # the holders are short statements
 

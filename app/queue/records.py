@@ -122,11 +122,13 @@ class Expired:
 @dataclass(frozen=True, slots=True)
 class Canceled:
     """A bulk cancel: jobs ended `canceled`, running jobs asked to stop, and of the former those
-    that had run before (waiting for a retry), as (id, attempt): their attempts' files may go."""
+    that had run before (waiting for a retry), as (id, attempt): their attempts' files may go;
+    `left`: matching jobs other statements held past its patience, not canceled."""
 
     canceled: int
     stopping: int
     ended_waiting: list[tuple[uuid.UUID, int]]
+    left: int = 0
 
 
 @dataclass(frozen=True, slots=True)

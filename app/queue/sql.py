@@ -802,8 +802,10 @@ CANCEL_MATCHING = text(
     """
 )
 
-# Whether any job a bulk cancel would take is left (held by another statement when last tried).
+# Whether any job a bulk cancel would take is left (held by another statement when last tried),
+# and how many, once it gives up on them.
 CANCELABLE_LEFT = text(f"SELECT EXISTS ({_CANCELABLE}) AS remaining")
+CANCELABLE_COUNT = text(f"SELECT count(*) AS remaining FROM ({_CANCELABLE}) AS matching")
 
 # Admin retry: a failed or canceled job is queued again with a fresh budget of attempts.
 # `attempt` keeps counting (fencing needs it to only grow); `max_attempts` moves up instead.

@@ -67,23 +67,23 @@ async def test_bulk_cancel_by_owner_and_by_a_model_gone_from_the_registry(manage
     (store.root / "results" / str(waiting) / ".1.partial").mkdir(parents=True)  # its attempt's leftovers
 
     both = await api.post("/admin/jobs/cancel", json={"owner": "mallory", "model": "dropped"})
-    assert both.json() == {"canceled": 0, "stopping": 0}  # model and owner: jobs matching both
+    assert both.json() == {"canceled": 0, "stopping": 0, "left": 0}  # model and owner: jobs matching both
     answer = await api.post("/admin/jobs/cancel", json={"owner": "mallory"})
     assert answer.status_code == 200, answer.text
-    assert answer.json() == {"canceled": 6, "stopping": 0}
+    assert answer.json() == {"canceled": 6, "stopping": 0, "left": 0}
     assert await states(manager, [*flood, waiting]) == [JobState.canceled] * 6
     assert not (store.root / "results" / str(waiting) / ".1.partial").exists()  # as a single cancel does
     history = await manager.events(flood[0])
     assert history[-1].kind == "canceled" and history[-1].detail == {"by": "admin"}
 
     answer = await api.post("/admin/jobs/cancel", json={"model": "dropped"})
-    assert answer.json() == {"canceled": 2, "stopping": 0}
+    assert answer.json() == {"canceled": 2, "stopping": 0, "left": 0}
     assert await states(manager, [*gone, *kept]) == [JobState.canceled] * 2 + [JobState.queued] * 2
     again = await api.post("/admin/jobs/cancel", json={"model": "dropped"})
-    assert again.json() == {"canceled": 0, "stopping": 0}
+    assert again.json() == {"canceled": 0, "stopping": 0, "left": 0}
 
     answer = await api.post("/admin/jobs/cancel", json={"all": True})
-    assert answer.json() == {"canceled": 2, "stopping": 0}
+    assert answer.json() == {"canceled": 2, "stopping": 0, "left": 0}
     assert await states(manager, kept) == [JobState.canceled] * 2
 
 
@@ -119,8 +119,11 @@ async def test_bulk_cancel_takes_a_job_another_statement_holds_once_it_is_let_go
         await holder.execute(text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": stuck})
         done = await manager.bulk.cancel_matching(by="admin", states={JobState.queued}, patience_s=0.3)
         await holder.rollback()
-    assert (done.canceled, done.stopping) == (0, 0)
+    # It says so: the answer read as complete, and only the log told of the job left.
+    assert (done.canceled, done.stopping, done.left) == (0, 0, 1)
     assert (await manager.get(stuck)).state is JobState.queued
+    line = cli_jobs.canceled_line({"canceled": 0, "stopping": 0, "left": 1})
+    assert line.endswith("; 1 left (held by other statements): run the same command again"), line
 
 
 async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make_worker, api):
@@ -131,17 +134,17 @@ async def test_bulk_cancel_stops_running_jobs_through_their_worker(manager, make
     async with running(worker):
         jobs = [await until(manager, j, lambda j: j.pid is not None) for j in slow]
         waiting = await api.post("/admin/jobs/cancel", json={"model": "toy"})  # the waiting ones only
-        assert waiting.json() == {"canceled": 1, "stopping": 0}
+        assert waiting.json() == {"canceled": 1, "stopping": 0, "left": 0}
         assert await states(manager, [*slow, queued]) == [JobState.running] * 2 + [JobState.canceled]
 
         asked = time.monotonic()
         body = {"model": "toy", "states": ["queued", "scheduled", "running"]}
         answer = await api.post("/admin/jobs/cancel", json=body)
-        assert answer.json() == {"canceled": 0, "stopping": 2}
+        assert answer.json() == {"canceled": 0, "stopping": 2, "left": 0}
         done = [await until(manager, j, lambda j: j.state.final) for j in slow]
         assert time.monotonic() - asked < 2  # the NOTIFYs reached the worker
         again = await api.post("/admin/jobs/cancel", json=body)  # already asked: not asked again
-        assert again.json() == {"canceled": 0, "stopping": 0}
+        assert again.json() == {"canceled": 0, "stopping": 0, "left": 0}
     assert [j.state for j in done] == [JobState.canceled] * 2
     assert not any(alive(j.pid or 0) for j in jobs)
     for job_id in slow:

@@ -626,7 +626,7 @@ async def test_jobs_cancel_and_retry_many_by_filter(settings, make_key, tmp_path
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "retry-many", "--model", "toy")
         assert code == 0 and stdout.strip() == "retried 0 jobs; none left", stderr
         code, stdout, stderr = await gpujobs(http, admin, "jobs", "cancel-many", "--all", "--json")
-        assert code == 0 and json.loads(stdout) == {"canceled": 0, "stopping": 0}, stderr
+        assert code == 0 and json.loads(stdout) == {"canceled": 0, "stopping": 0, "left": 0}, stderr
 
 
 def test_a_result_written_meanwhile_by_another_job_is_not_replaced(tmp_path):
