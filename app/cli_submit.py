@@ -41,7 +41,10 @@ Force = Annotated[bool, typer.Option("--force", help="Replace results already in
 
 
 FINAL = frozenset({"succeeded", "failed", "canceled", "quarantined"})
-RECONNECTS = 20
+RECONNECTS = 20  # tries in a row of a job's stream that bring no event
+# How long, in all, an upload answered 429 (nothing stored: the key's uploads at their cap, the
+# queue full) is sent again after the answer's Retry-After before `submit` gives up.
+UPLOAD_PATIENCE_S = 120.0
 # Answers to a GET that mean "not now" (the database away, the API restarting behind a load
 # balancer, too many requests): a stream is asked again, after Retry-After when the answer has one.
 TRY_AGAIN = frozenset({429, 502, 503, 504})
@@ -124,11 +127,23 @@ def submit(
 def upload(http: httpx.Client, image: Path, f: BinaryIO, data: dict[str, str]) -> dict[str, Any]:
     """POST /jobs with the image `f` (opened from `image`) and the form `data`: the job, or exit 2
     with the server's refusal or the image's read error."""
+    waited_s = 0.0
     try:
-        files = {"image": (image.name, f, "application/octet-stream")}
-        job: dict[str, Any] = client.call(
-            http, "POST", "/jobs", files=files, data=data, expect=cli_jobs.JOB_KEYS
-        )
+        while True:
+            f.seek(0)  # a try refused before its body was read may have sent part of it
+            files = {"image": (image.name, f, "application/octet-stream")}
+            response = client.request(http, "POST", "/jobs", files=files, data=data)
+            pause_s = retry_after_s(response, 5.0) if response.status_code == 429 else None
+            if pause_s is None or waited_s + pause_s > UPLOAD_PATIENCE_S:
+                break
+            # Nothing was stored: the key's uploads at their cap, or the queue full for now.
+            client.stderr().print(
+                f"upload answered 429 ({client.detail_of(response)}); sending it again in {pause_s:g} s",
+                highlight=False,
+            )
+            time.sleep(pause_s)
+            waited_s += pause_s
+        job: dict[str, Any] = client.answer(response, expect=cli_jobs.JOB_KEYS)
     except OSError as exc:  # reading the image (the network's errors are httpx's)
         client.fail(f"cannot read {image}: {exc}")
     return job
@@ -176,7 +191,8 @@ def results_folder(out: Path | None, image: Path, force: bool) -> Path | None:
     `force`."""
     if out is None:
         return None
-    folder = out / image.stem
+    # An image named "..png" or "...png" has the stem "." or "..": OUT itself, or its parent.
+    folder = out / (image.stem if image.stem.strip(".") else image.name)
     if folder.exists() and not folder.is_dir():
         client.fail(f"{folder} is a file: the results of {image.name} go into a folder of that name")
     there_now = next(p for p in (folder, *folder.parents) if p.exists())  # `.` or `/` at the least
@@ -306,18 +322,26 @@ def follow(http: httpx.Client, job_id: str) -> None:
         TimeElapsedColumn(), console=client.stderr(), transient=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("queued", total=1.0)
-        for attempt in range(RECONNECTS):
+        # Tries in a row that brought no event: a stream that delivered one starts the count again
+        # (an API restarted twenty times over a long job is no reason to give up on it).
+        failures = 0
+        while failures < RECONNECTS:
             headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last} if last else {})}
-            pause_s = min(0.5 * 2**attempt, 10)
+            pause_s = min(0.5 * 2**failures, 10)
             try:
                 path = f"/jobs/{client.job_path(job_id)}/stream"
                 with http.stream("GET", path, headers=headers) as response:
+                    if response.status_code == 429:  # the key's streams at their cap: one will end
+                        time.sleep(_pause_asked(response, pause_s))
+                        continue
                     if response.status_code in TRY_AGAIN:
+                        failures += 1
                         time.sleep(_pause_asked(response, pause_s))
                         continue
                     if _ended(response):
                         return
                     for event_id, data in _states(response):
+                        failures = 0
                         last = event_id or last
                         label = (
                             f"{data['state']} (attempt {data['attempt']})"
@@ -329,8 +353,9 @@ def follow(http: httpx.Client, job_id: str) -> None:
                             return
             except httpx.HTTPError as exc:
                 client.stderr().print(f"stream interrupted ({exc}); reconnecting", highlight=False)
-            time.sleep(pause_s)
-    client.fail(f"lost the stream of job {job_id} {RECONNECTS} times")
+            failures += 1
+            time.sleep(min(0.5 * 2 ** (failures - 1), 10))
+    client.fail(f"lost the stream of job {job_id} {RECONNECTS} times in a row")
 
 
 def _pause_asked(response: httpx.Response, default_s: float) -> float:

@@ -72,22 +72,31 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def call(http: httpx.Client, method: str, path: str, *, expect: tuple[str, ...] = (), **kwargs: Any) -> Any:
     """One API call; its JSON answer (an object with the keys `expect` names), or exit 2 with the
     server's `detail`, or with "not the API" for an answer the API does not give."""
+    return answer(request(http, method, path, **kwargs), expect=expect)
+
+
+def request(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One request's answer, whatever its status; exit 2 when the API cannot be reached."""
     import httpx
 
     try:
-        response = http.request(method, path, **kwargs)
+        return http.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
         fail(f"cannot reach {http.base_url}: {exc}")
     except httpx.InvalidURL as exc:  # a URL that parsed, but has no usable port, say
         fail(f"the API's URL (--url, GPUJOBS_URL) {str(http.base_url)!r} is not usable: {exc}")
-    answer = None
+
+
+def answer(response: httpx.Response, *, expect: tuple[str, ...] = ()) -> Any:
+    """An answer's JSON (an object with the keys `expect` names), or exit 2 as `call` says."""
+    body = None
     with contextlib.suppress(ValueError):
         if response.headers.get("content-type", "").startswith("application/json") or response.is_success:
-            answer = response.json()
-    if response.status_code >= 400 and isinstance(answer, dict) and "detail" in answer:
+            body = response.json()
+    if response.status_code >= 400 and isinstance(body, dict) and "detail" in body:
         fail(f"{response.status_code}: {detail_of(response)}")
-    if response.is_success and isinstance(answer, dict) and all(k in answer for k in expect):
-        return answer
+    if response.is_success and isinstance(body, dict) and all(k in body for k in expect):
+        return body
     not_the_api(response)
 
 
