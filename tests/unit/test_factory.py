@@ -8,9 +8,25 @@ from pathlib import Path
 from app import db, modelsfile, storage
 from app.queue import factory
 from app.queue.manager import JobManager
+from app.queue.worker import Worker
 from app.settings import Settings
 from tests.conftest import modules_loaded_by
 from tests.unit.test_gpu import GIB, fake_pynvml
+
+
+async def built(settings: Settings) -> Worker:
+    """The worker `build_worker` makes of `settings` (its database never connected to)."""
+    engine = db.create_engine(settings.database_url or "")
+    worker = factory.build_worker(
+        settings,
+        manager=JobManager(engine),
+        store=storage.ResultStore(settings.storage_dir),
+        models=modelsfile.load_registry(settings.models_file),
+        listen_dsn=None,
+        burst=True,
+    )
+    await engine.dispose()
+    return worker
 
 
 async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_path: Path):
@@ -30,16 +46,7 @@ async def test_settings_reach_the_worker_and_its_planner(models_file: Path, tmp_
         gpu_settle_timeout_s=9,
         reserve_after_s=13,
     )
-    engine = db.create_engine(settings.database_url or "")
-    worker = factory.build_worker(
-        settings,
-        manager=JobManager(engine),
-        store=storage.ResultStore(settings.storage_dir),
-        models=modelsfile.load_registry(models_file),
-        listen_dsn=None,
-        burst=True,
-    )
-    await engine.dispose()
+    worker = await built(settings)
     config = worker._config
     assert (config.worker_id, config.lease_s, config.kill_grace_s, config.warm_idle_s) == (
         settings.worker_id,
@@ -67,17 +74,7 @@ async def test_a_worker_uses_the_gpus_its_cuda_visible_devices_names(
         models_file=models_file,
         storage_dir=tmp_path / "storage",
     )
-    engine = db.create_engine(settings.database_url or "")
-    worker = factory.build_worker(
-        settings,
-        manager=JobManager(engine),
-        store=storage.ResultStore(settings.storage_dir),
-        models=modelsfile.load_registry(models_file),
-        listen_dsn=None,
-        burst=True,
-    )
-    await engine.dispose()
-    assert [g.index for g in worker._inventory.snapshot()] == [1]
+    assert [g.index for g in (await built(settings))._inventory.snapshot()] == [1]
 
 
 def test_a_worker_process_builds_no_orm_classes():
