@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import stat
 import threading
 import warnings
@@ -55,6 +56,35 @@ WATCH_INTERVAL_S = 2.0
 # The wheel's lock is a lock between processes (fcntl), which two threads of one process would
 # hold at once: one thread here at a time starts, stops or watches a server.
 _IN_PROCESS = threading.Lock()
+
+
+# A server log line's prefix (time, zone, pid) and its level.
+_LOG_LINE = re.compile(r"^\S+ \S+ \S+ \[\d+\] (?P<level>[A-Z]+):\s+(?P<text>.*)$")
+
+
+def start_failure(log_file: Path, tail_bytes: int = 16_384) -> str | None:
+    """Why the server's last start failed, from the end of its log: its last FATAL or PANIC line
+    since an earlier run started or ended, with the DETAIL and HINT lines after it; None when the
+    log has none."""
+    try:
+        with log_file.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    said: list[str] = []
+    for line in lines:
+        found = _LOG_LINE.match(line)
+        if found is None:
+            continue
+        level, text = found["level"], found["text"]
+        if level in ("FATAL", "PANIC"):
+            said = [f"{level}: {text}"]
+        elif said and level in ("DETAIL", "HINT"):
+            said.append(f"{level}: {text}")
+        elif level == "LOG" and text.startswith(("starting PostgreSQL", "database system is shut down")):
+            said = []  # a failure before it is an earlier run's
+    return " ".join(said) or None
 
 
 class EmbeddedPostgres:
@@ -88,8 +118,9 @@ class EmbeddedPostgres:
             raise  # a folder the wheel's user cannot pass, said as it is
         except Exception as exc:  # the wheel raises CalledProcessError, OSError, AssertionError...
             log_file = self.data_dir / "log"
+            why = start_failure(log_file) or str(exc)  # pg_ctl's own error says only "see the log"
             raise errors.ConfigError(
-                f"the embedded PostgreSQL in {self.data_dir} did not start ({exc}); see {log_file}"
+                f"the embedded PostgreSQL in {self.data_dir} did not start: {why}; its whole log: {log_file}"
             ) from exc
         finally:
             grants.report()

@@ -52,6 +52,45 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
     assert not (data / "postmaster.pid").exists()  # the last one out stopped it
 
 
+def test_a_server_that_does_not_start_is_said_to_fail_for_its_reason(tmp_path):
+    """The error named pg_ctl's command and its exit status, and left the reason in the log: "the
+    embedded PostgreSQL in … did not start (Command '[…pg_ctl…]' returned non-zero exit status
+    1.); see …/log". It says the server's own FATAL line and its DETAIL now."""
+    data = tmp_path / "pgdata"
+    server = pgserver.EmbeddedPostgres(data)
+    server.start()
+    server.stop()
+    (data / "PG_VERSION").write_text("99\n")  # a folder of another major version
+    with pytest.raises(errors.ConfigError) as failed:
+        pgserver.EmbeddedPostgres(data).start()
+    assert failed.value.message == (
+        f"the embedded PostgreSQL in {data} did not start: FATAL: database files are incompatible"
+        " with server DETAIL: The data directory was initialized by PostgreSQL version 99, which is"
+        f" not compatible with this version {server_version(data)}.; its whole log: {data / 'log'}"
+    )
+
+
+def server_version(data: Path) -> str:
+    """The wheel's PostgreSQL version, as its log's first line said it ("starting PostgreSQL 18.6 …")."""
+    first = next(line for line in (data / "log").read_text().splitlines() if "starting PostgreSQL" in line)
+    return first.split("starting PostgreSQL ")[1].split()[0]
+
+
+def test_a_start_failure_is_read_from_the_servers_last_run_only(tmp_path):
+    log = tmp_path / "log"
+    earlier = '2026-11-28 04:00:00.000 UTC [10] FATAL:  role "nobody" does not exist\n'
+    ended = "2026-11-28 04:00:01.000 UTC [9] LOG:  database system is shut down\n"
+    log.write_text(earlier + ended)
+    assert pgserver.start_failure(log) is None  # the earlier run's client error is not the reason
+    log.write_text(
+        earlier
+        + ended
+        + "2026-11-28 04:01:00.000 UTC [11] PANIC:  could not locate a valid checkpoint record\n"
+    )
+    assert pgserver.start_failure(log) == "PANIC: could not locate a valid checkpoint record"
+    assert pgserver.start_failure(tmp_path / "none") is None
+
+
 @pytest.mark.parametrize(
     ("sig", "code", "ignored"),
     [
