@@ -76,10 +76,15 @@ class RunLog:
             self._open()
         self._put(data)
 
-    def note(self, text: str) -> None:
-        """One line of the worker's own: in the file if there is one, else waiting for it."""
+    def note(self, text: str, *, command: str = "") -> None:
+        """One line of the worker's own: in the file if there is one, else waiting for it. A
+        `command` (a model's command line, with the request's params in it) is added in the file
+        only: the tail is what a failed run is judged by (a full disk, the model's out-of-memory
+        patterns), and a param's text must not pass for the model's words there."""
         line = f"[{self._tag}] {text}\n".encode()
         self._keep(line)
+        if command:
+            line = f"[{self._tag}] {text}: {command}\n".encode()
         if self._waiting is not None:
             self._waiting.append(line)
         else:

@@ -228,7 +228,7 @@ class ModelProcess:
             self._stopped.set_result(None)
         subreaper.spawned(popen.pid)  # its own to wait for: never taken for a stray
         _LOG.debug("model started", extra={"action": "model_started", "pid": popen.pid})  # also in its log
-        self._log.note(f"started pid {popen.pid}: {' '.join(self._argv)}")
+        self._log.note(f"started pid {popen.pid}", command=" ".join(self._argv))
         self._pipes = [
             outputpipe.OutputPipe(stdout, parse=self._on_progress is not None),
             outputpipe.OutputPipe(stderr, parse=False),

@@ -23,7 +23,8 @@ ONE_GIB = 1 << 30
 @pytest.fixture
 def models_file(tmp_path: Path) -> Path:
     """`toy`; `term64`, which answers SIGTERM with its bad-input exit code 64 (timeout 1 s); `big`,
-    which writes a 1 GiB output (sparse: quick to write, not to hash)."""
+    which writes a 1 GiB output (sparse: quick to write, not to hash); `labelled`, which refuses
+    every input as bad (exit 65) whatever its `label` param says."""
     path = tmp_path / "models.toml"
     term64 = ["/bin/sh", "-c", "trap 'exit 64' TERM; sleep 100 & wait"]
     big = [
@@ -52,9 +53,41 @@ max_attempts = 1
 [[models.big.outputs]]
 name = "out.bin"
 max_mb = 2048
+
+[models.labelled]
+argv = {json.dumps(LABELLED)}
+vram = {{ base_mb = 1000 }}
+timeout_s = 30
+max_attempts = 3
+bad_input_exit_codes = [65]
+[models.labelled.params.label]
+type = "str"
+default = "plain"
+[[models.labelled.outputs]]
+name = "out.txt"
 """
     )
     return path
+
+
+LABELLED = ["{python}", "-c", "import sys; print('bad image', file=sys.stderr); sys.exit(65)", "{label}"]
+
+
+@pytest.mark.parametrize(
+    "label", ["plain", "a sign saying No space left on device", "a robot, CUDA out of memory"]
+)
+async def test_a_bad_input_is_judged_by_what_the_model_said_not_by_its_params(manager, make_worker, label):
+    """The worker's "started pid N: <command line>" was in the tail a failed run is judged by, and
+    the command line holds the request's params: a label saying "No space left on device" had the
+    job handed back three times as the host's full disk (claims paused, the worker reported its
+    storage unusable), then fail with "ran out of disk space"; one saying "CUDA out of memory" was
+    queued again twice with a larger VRAM estimate. Any user could do either."""
+    job_id = await enqueue(manager, model="labelled", vram_mb=1000, label=label)
+    await make_worker().run()
+    job = await manager.get(job_id)
+    kinds = [e.kind for e in await manager.events(job_id)]
+    assert (job.state, job.attempt, job.vram_mb) == (JobState.failed, 1, 1000), (kinds, job.error)
+    assert (job.error or "").startswith("bad input: exit code 65"), job.error
 
 
 async def test_a_timeout_is_no_bad_input_whatever_the_code_the_model_dies_with(manager, make_worker):

@@ -19,6 +19,18 @@ def test_a_quiet_run_makes_no_file_but_keeps_its_lines_in_the_tail(tmp_path: Pat
     assert log.tail() == "[runner] started pid 7\n[runner] exit code 0"
 
 
+def test_a_command_line_goes_to_the_file_but_not_to_the_tail_a_run_is_judged_by(tmp_path: Path) -> None:
+    """The command line holds the request's params: a label saying "No space left on device" in
+    the tail made a bad input pass for the host's full disk (app/queue/verdict.py)."""
+    path = tmp_path / "run.log"
+    log = RunLog(path, "runner")
+    log.note("started pid 7", command="model --label No space left on device")
+    log.write(b"bad image\n")
+    log.close()
+    assert log.tail() == "[runner] started pid 7\nbad image"
+    assert path.read_text() == "[runner] started pid 7: model --label No space left on device\nbad image\n"
+
+
 def test_the_first_output_writes_the_waiting_lines_first(tmp_path: Path) -> None:
     path = tmp_path / "logs" / "run.log"
     log = RunLog(path, "warm")
