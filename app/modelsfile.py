@@ -51,7 +51,7 @@ def load_registry(user_file: Path | None = None) -> registry.Registry:
 
 def _read_toml(path: Path) -> dict[str, object]:
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8").removeprefix("\ufeff"))  # an editor's BOM
     except FileNotFoundError:
         raise errors.RegistryError(f"{path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
@@ -160,6 +160,8 @@ class _Loader:
         )
         for index, element in enumerate(serve if isinstance(serve, list) else []):
             self.template(element, f"serve_argv[{index}]", {"python"})
+        if isinstance(serve, list) and serve:
+            self.program(serve[0], "serve_argv[0]", set())
         idle = table.get("idle_vram_mb")
         idle_mb = (
             None if idle is None else int(self.number(idle, "idle_vram_mb", True, high=registry.MAX_VRAM_MB))
@@ -220,7 +222,17 @@ class _Loader:
             raise self.error("argv", "must be a non-empty array of strings")
         for index, element in enumerate(value):
             self.template(element, f"argv[{index}]", registry.BUILTIN_PLACEHOLDERS | params.keys())
+        # The program is the operator's: a parameter there would let a request choose what runs.
+        self.program(value[0], "argv[0]", params.keys())
         return tuple(value)
+
+    def program(self, element: str, field: str, params: Set[str]) -> None:
+        """A command's first element: a program, named without a request's parameter."""
+        self.check(bool(element.strip()), field, "must name the program to run")
+        named = {name for _, name, _, _ in string.Formatter().parse(element) if name is not None}
+        self.check(
+            not named & params, field, "must not hold a parameter: a request would choose the program to run"
+        )
 
     def template(self, template: str, field: str, known: Set[str]) -> str:
         """`template` with every placeholder replaced by "x", once each is a known plain `{name}`."""

@@ -161,6 +161,10 @@ def _broken(old: str, new: str) -> str:
         (_broken('"--steps={steps}"', '"--steps={steps!r}"'), "argv[5]", "placeholder"),
         (_broken('"--steps={steps}"', '"--steps={steps"'), "argv[5]", "braces"),
         (_broken('argv = ["{python}", "-c"', 'argv = [1, "-c"'), "argv", "strings"),
+        # The program is the operator's: a request's parameter there would choose what runs.
+        (_broken('argv = ["{python}"', 'argv = ["{label}"'), "argv[0]", "a request would choose the program"),
+        (_broken('argv = ["{python}"', 'argv = ["/opt/{label}"'), "argv[0]", "must not hold a parameter"),
+        (_broken('argv = ["{python}"', 'argv = [" "'), "argv[0]", "must name the program to run"),
         (_broken("base_mb = 100", "base_mb = -1"), "vram.base_mb", "at least 0"),
         (_broken("base_mb = 100, ", ""), "vram.base_mb", "required"),
         (_broken("mb_per_megapixel = 10.5", "mb_per_megapixel = -1"), "vram.mb_per_megapixel", "at least 0"),
@@ -206,6 +210,13 @@ def test_broken_file_names_file_model_and_field(
     assert "models.toml: model 'tiny': " in message
     assert f"field '{field}': " in message
     assert words in message
+
+
+def test_a_models_file_an_editor_began_with_a_byte_order_mark_is_read(write_file: WriteFile) -> None:
+    """Saved "UTF-8 with BOM" (Windows editors), it was refused: "Invalid statement (at line 1, column 1)"."""
+    path = write_file(TINY)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert modelsfile.load_registry(path).get("tiny").name == "tiny"
 
 
 @pytest.mark.parametrize(
