@@ -169,6 +169,8 @@ FIND_KEYS = text(
     """
 )
 
+KEY_UNREVOKED = text("SELECT EXISTS (SELECT 1 FROM api_keys WHERE id = :id AND revoked_at IS NULL)")
+
 LIST_KEYS = text(f"SELECT {_COLUMNS} FROM api_keys WHERE :all OR revoked_at IS NULL ORDER BY id")
 
 HAS_ADMIN = text("SELECT EXISTS (SELECT 1 FROM api_keys WHERE role = 'admin' AND revoked_at IS NULL)")
@@ -205,6 +207,12 @@ class KeyStore:
         if row is None or not hmac.compare_digest(row["key_hash"], digest) or row["revoked_at"] is not None:
             raise Unauthorized()
         return Identity(row["id"], row["principal"], Role(row["role"]))
+
+    async def unrevoked(self, key_id: int) -> bool:
+        """Whether the key with this id still stands: a request that outlives its start (a stream
+        held open for hours) asks again, since `verify` answered only at its start."""
+        async with self._engine.connect() as conn:
+            return bool((await conn.execute(KEY_UNREVOKED, {"id": key_id})).scalar_one())
 
     async def find(self, key: str) -> KeyInfo:
         """One key by its id, the start of its prefix (as `keys list` shows it) or the whole key."""

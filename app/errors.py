@@ -12,6 +12,7 @@
     ├── UnsupportedMedia         415: the upload is not an accepted image
     ├── PayloadTooLarge          413: the upload is over the configured limit
     ├── QueueFull                429: too many queued jobs (carries `retry_after_s`)
+    ├── KeyRevoked               401: the request's API key was revoked while it was served
     ├── Forbidden                403: a download link that is tampered with or expired
     │   └── LinkExpired          a well signed link past its expiry
     ├── Unavailable              503: the database cannot be reached right now
@@ -100,6 +101,12 @@ class QueueFull(AppError):
     def __init__(self, message: str | None = None, *, retry_after_s: int = 30) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class KeyRevoked(AppError):
+    """The API key a request came with was revoked while it was being served."""
+
+    status_code = 401
 
 
 class Forbidden(AppError):

@@ -119,8 +119,10 @@ async def submit(
     limits: Limits,
     learner: learning.VramLearner | None = None,
     gate: asyncio.Semaphore | None = None,
+    key_id: int | None = None,
 ) -> tuple[Job, bool]:
-    """Check everything, store the image, queue the job; (job, created). Nothing is stored on error.
+    """Check everything, store the image, queue the job; (job, created). Nothing is stored on error,
+    nor when the API key `key_id` (the one the request came with) was revoked meanwhile (KeyRevoked).
 
     A repeated idempotency key gives back its job if the request is the same (check_repeat), else
     Conflict; a repeat refused now (the registry changed since) gets its job if sent the same.
@@ -142,7 +144,7 @@ async def submit(
     new = records.NewJob(
         owner=owner, model=spec.name, params=values, priority=priority, vram_mb=vram_mb,
         declared_vram_mb=declared, max_attempts=spec.max_attempts, idempotency_key=idempotency_key,
-        request_sha256=sent,
+        request_sha256=sent, key_id=key_id,
     )  # fmt: skip
     return await _enqueue(manager, new, checked, limits, gate)
 

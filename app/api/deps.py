@@ -39,6 +39,7 @@ class Caller:
 
     principal: str
     admin: bool
+    key_id: int | None = None  # its key, checked again where a request outlives its start
 
     @property
     def owner_filter(self) -> str | None:
@@ -70,7 +71,7 @@ async def get_caller(
     identity = getattr(request.state, "identity", None)
     if not isinstance(identity, auth.Identity):
         raise auth.Unauthorized()
-    return Caller(principal=identity.principal, admin=identity.admin)
+    return Caller(principal=identity.principal, admin=identity.admin, key_id=identity.key_id)
 
 
 async def require_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:

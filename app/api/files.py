@@ -69,7 +69,7 @@ async def download(
     answer = OpenFileResponse(found, filename=name, headers=headers)
     # The tag the answer carries: a result's digest, or for a log Starlette's (its time and size).
     etag = answer.headers["etag"]
-    if matches(request.headers.get("if-none-match", ""), etag):
+    if matches(", ".join(request.headers.getlist("if-none-match")), etag):  # one list, over any lines
         found.file.close()
         return Response(status_code=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
     return answer

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Resp
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import FormData
 
-from app import errors, intake
+from app import auth, errors, intake
 from app.api import forms, fullness
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, get_caller
 from app.api.schemas import CancelPublic, ErrorPublic, EventPublic, JobPublic, JobsPublic, Text
@@ -89,7 +89,10 @@ async def submit_job(
             limits=services.limits,
             learner=services.learner,
             gate=services.upload_gate,
+            key_id=caller.key_id,
         )
+    except errors.KeyRevoked:  # while its body arrived: as any request with that key is now
+        raise auth.Unauthorized() from None
     except errors.QueueFull:  # remembered: the next uploads are counted for before their bodies
         memory: fullness.Fullness = request.app.state.fullness
         memory.saw_full(caller.principal, waiting=services.manager.waiting.known)

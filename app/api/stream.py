@@ -21,10 +21,12 @@ reconnects with Last-Event-ID).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -129,8 +131,13 @@ class JobStream:
         keepalive_s: float,
         open_streams: prometheus_client.Gauge,
         exiting: asyncio.Event,
+        key_stands: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self._manager = manager
+        # Whether the caller's key is still unrevoked: asked at most once a keepalive interval,
+        # since a stream opened with it may be followed for hours (auth.KeyStore.unrevoked).
+        self._key_stands = key_stands
+        self._key_checked_s = time.monotonic()
         self._exiting = exiting  # set when the server is told to exit: the stream ends
         self._feed = feed
         self._open_streams = open_streams  # gpujobs_stream_subscribers
@@ -202,7 +209,7 @@ class JobStream:
             stale = subscription.pending  # notes that came before (or while) the database was read
             while not self.done:
                 item = await self._next(subscription, exiting)
-                if item is EXITING:
+                if item is EXITING or not await self._key_still_stands():
                     return
                 if item is None:
                     yield ": keepalive\n\n"
@@ -223,6 +230,17 @@ class JobStream:
             exiting.cancel()
             self._feed.unsubscribe(subscription)
             self._open_streams.dec()
+
+    async def _key_still_stands(self) -> bool:
+        """False once the caller's key was revoked (the stream then ends, and its client, asking
+        again, is refused); asked of the database at most once per keepalive interval."""
+        if self._key_stands is None or time.monotonic() - self._key_checked_s < self._keepalive_s:
+            return True
+        self._key_checked_s = time.monotonic()
+        try:
+            return await self._key_stands()
+        except db.ERRORS:
+            return True  # the database away: the stream's own reads end it if it stays away
 
     async def _read(self, after: int | None) -> list[str] | None:
         """`catch_up`, or None when the database failed the read: the stream then ends its body,
@@ -294,6 +312,7 @@ async def stream_job(
         events = await services.manager.events(job_id, owner=caller.owner_filter)
         if after == (events[-1].id if events else 0):  # it has seen the end: an EventSource stops on 204
             return Response(status_code=204)
+    stands = None if caller.key_id is None else functools.partial(services.keys.unrevoked, caller.key_id)
     stream = JobStream(
         services.manager,
         request.app.state.feed,
@@ -302,6 +321,7 @@ async def stream_job(
         keepalive_s=request.app.state.settings.stream_keepalive_s,
         open_streams=request.app.state.metrics.streams,
         exiting=request.app.state.exiting,
+        key_stands=stands,
     )
     return StreamingResponse(
         stream.events(after),

@@ -111,6 +111,8 @@ class JobManager:
             self.waiting.counted(row["jobs_waiting"])
         if row["outcome"] == "queued":
             self.waiting.added()
+        if row["outcome"] == "revoked":
+            raise errors.KeyRevoked(f"the API key {job.owner!r} sent this upload with was revoked meanwhile")
         if row["outcome"] == "queue_full":
             raise queue_full(queue_limit)
         if row["outcome"] == "owner_full":

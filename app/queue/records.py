@@ -58,6 +58,7 @@ class NewJob:
     idempotency_key: str | None = None
     declared_vram_mb: int | None = None  # the registry's estimate, when vram_mb was learned
     request_sha256: str | None = None  # the request as sent, with an idempotency key (intake.fingerprint)
+    key_id: int | None = None  # the API key it came with: still unrevoked when it is written, or nothing is
 
     def enqueue_values(self, image: NewInput, *, queue_limit: int, owner_limit: int) -> dict[str, Any]:
         """ENQUEUE's parameters for this job and its image, under these limits (0: no owner limit)."""
@@ -72,6 +73,7 @@ class NewJob:
             "max_attempts": self.max_attempts,
             "idempotency_key": self.idempotency_key,
             "request_sha256": self.request_sha256,
+            "key_id": self.key_id,
             "queue_limit": queue_limit,
             "owner_limit": max(owner_limit, 0),
             **image.row_values(),

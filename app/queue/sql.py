@@ -95,6 +95,11 @@ ENQUEUE = text(
         END AS waiting
     ), verdict AS (
         SELECT CASE
+            -- The key the upload came with, revoked while its body arrived (minutes, for a large
+            -- image on a slow link): nothing is written for it.
+            WHEN CAST(:key_id AS bigint) IS NOT NULL AND NOT EXISTS (
+                SELECT 1 FROM api_keys WHERE id = CAST(:key_id AS bigint) AND revoked_at IS NULL
+            ) THEN 'revoked'
             WHEN EXISTS (SELECT 1 FROM prior) THEN 'repeat'
             WHEN :owner_limit > 0 AND"""
     + _OWNER_WAITING

@@ -46,6 +46,7 @@ from tests.conftest import (
     wait_until_serving,
     worker_env,
 )
+from tests.integration.test_stream import events, submit_toy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -205,6 +206,59 @@ async def test_revoked_key_is_refused_at_once(settings, engine, make_key, png):
         assert 'error="invalid_token"' in refused.headers["www-authenticate"]
         assert (await submit(http, png(color=(1, 2, 3)))).status_code == 401
     assert (await counts(engine))[0] == 1
+
+
+def multipart(image: bytes, model: str = "toy") -> tuple[bytes, str]:
+    """A POST /jobs body of `image` for `model`, and its content type."""
+    boundary = "gpujobs-test-boundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{model}\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
+    return head + image + f"\r\n--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+async def test_a_key_revoked_while_its_upload_arrives_queues_nothing(settings, engine, make_key, png):
+    """The key was checked before the body, and never again: an upload takes minutes on a slow
+    link (20 MB at the minimum rate, 43), and one whose leaked key was revoked meanwhile still had
+    its job queued and run. Now the job's statement checks the key, and the answer is 401."""
+    key = await make_key("mallory")
+    body, content_type = multipart(png())
+    revoked = asyncio.Event()
+
+    async def half_then_the_rest() -> AsyncIterator[bytes]:
+        yield body[: len(body) // 2]
+        await revoked.wait()
+        yield body[len(body) // 2 :]
+
+    async with api_client(settings, key=key) as http:
+        upload = asyncio.create_task(
+            http.post("/jobs", content=half_then_the_rest(), headers={"Content-Type": content_type})
+        )
+        await asyncio.sleep(0.3)
+        await auth.KeyStore(engine).revoke(key[: auth.SHOWN_CHARS])
+        revoked.set()
+        answer = await upload
+    assert answer.status_code == 401, answer.text
+    assert await counts(engine) == (0, 0)  # no job, no image
+
+
+async def test_a_stream_ends_once_its_key_is_revoked(settings, engine, make_key):
+    """A job's event stream opened with a key went on for as long as the job (hours in the queue)
+    after the key was revoked: states, progress messages and the final error. It ends at its next
+    keepalive now, and asking again is refused."""
+    key = await make_key("alice")
+    async with api_client(settings, stream_keepalive_s=0.3) as admin, client_for(admin, key) as alice:
+        job_id = await submit_toy(alice)  # no worker: it stays queued
+        async with alice.stream("GET", f"/jobs/{job_id}/stream") as stream:
+            seen = events(stream)
+            assert (await anext(seen))["data"]["state"] == "queued"
+            await auth.KeyStore(engine).revoke(key[: auth.SHOWN_CHARS])
+            async with asyncio.timeout(5):
+                after = [event async for event in seen]  # the body ends
+        assert after == []
+        assert (await alice.get(f"/jobs/{job_id}/stream")).status_code == 401
 
 
 async def test_keys_are_stored_only_as_a_sha256_hash(engine):
