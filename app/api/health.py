@@ -43,7 +43,8 @@ async def readyz(request: Request) -> Any:
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     request.app.state.readyz_failing = False
     problems = []
-    if report["schema"]["current"] != report["schema"]["head"]:
+    schema_ok = report["schema"]["current"] == report["schema"]["head"]
+    if not schema_ok:
         try:
             migrate.check_known(report["schema"]["current"])
         except errors.ConfigError as exc:  # a newer release migrated it: migrating cannot help
@@ -52,7 +53,7 @@ async def readyz(request: Request) -> Any:
             problems.append("the database schema is not at the code's revision: run `gpujobs migrate`")
     if getattr(request.app.state, "worker_failed", False):
         problems.append("the in-process worker stopped after an error (see the log)")
-    if report["workers"] < settings.ready_min_workers:
+    if schema_ok and report["workers"] < settings.ready_min_workers:  # at another schema, not read
         problems.append(f"{report['workers']} live workers, {settings.ready_min_workers} needed")
     if problems:
         body = {"status": "unavailable", "detail": "; ".join(problems), **report}

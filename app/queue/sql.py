@@ -743,7 +743,10 @@ _CANCEL = f"""
         SET cancel_requested = true,
             state = CAST(CASE WHEN target.old_state = 'running' THEN 'running'
                          ELSE 'canceled' END AS job_state),
-            finished_at = CASE WHEN target.old_state = 'running' THEN NULL ELSE now() END
+            finished_at = CASE WHEN target.old_state = 'running' THEN NULL ELSE now() END,
+            -- A quarantined job's run ended long before its cancel: moved past its start, so that
+            -- the time it waited for an admin is not taken for run time (FINISHED_STATS).
+            run_after = CASE WHEN target.old_state = 'quarantined' THEN now() ELSE j.run_after END
         FROM target WHERE j.id = target.id
         RETURNING j.id, j.state, j.attempt, j.worker_id, j.progress
     ), event AS (

@@ -219,9 +219,15 @@ class Verdict:
             "peak_mb": peak_mb,
             "oom_retry": job.oom_retries + 1,
         }
-        return lambda: self._unless_canceled(
-            self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
-        )
+
+        async def write() -> None:
+            if await self._unless_canceled(
+                self._manager.requeue_oom(job, vram_mb=grown, error=error, detail=detail)
+            ):
+                extra = {"action": "job_queued", "job_id": str(job.id), "vram_mb": grown}
+                log.info("job queued again with more GPU memory, no attempt spent", extra=extra)
+
+        return write
 
     async def _unless_canceled(self, requeue: Awaitable[None]) -> bool:
         """Queue the job again without spending an attempt (a hand-back, an out-of-memory retry);

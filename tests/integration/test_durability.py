@@ -454,14 +454,20 @@ async def test_a_quarantined_job_can_be_dismissed_by_a_cancel_and_is_then_pruned
     not be canceled (409) and retention kept it, its image and logs, for good. A cancel now ends it
     `canceled`, and retention deletes its files in time."""
     job = await enqueue(manager, vram_mb=40_000)
-    async with engine.begin() as conn:  # as the reaper parks it after its runs died
+    async with engine.begin() as conn:  # parked an hour ago, after a run of 0.1 s died
         await conn.execute(
-            text("UPDATE jobs SET state = 'quarantined', attempt = 3, finished_at = now() WHERE id = :id"),
+            text(
+                "UPDATE jobs SET state = 'quarantined', attempt = 3, run_after = now() - interval '2 hours',"
+                " started_at = now() - interval '1 hour', finished_at = now() - interval '3599.9 seconds'"
+                " WHERE id = :id"
+            ),
             {"id": job},
         )
     answer = await api.post(f"/jobs/{job}/cancel")
     assert answer.status_code == 200 and answer.json()["state"] == "canceled", answer.text
     assert (await kinds(manager, job))[-1] == "canceled"
+    # Its hour in quarantine is no run time: /admin/stats took the cancel for its run's end.
+    assert (await api.get("/admin/stats")).json()["run_s"] is None
     await asyncio.sleep(0.05)
     pruned = await api.post("/admin/prune", json={"older_than_s": 0.01})
     assert pruned.json()["jobs"] == 1, pruned.text

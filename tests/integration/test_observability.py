@@ -278,17 +278,23 @@ async def test_readyz_fails_when_the_schema_is_behind(settings):
         assert "gpujobs migrate" in body["detail"] and body["schema"]["current"] != migrate.head()
 
 
-async def test_readyz_names_a_schema_newer_than_the_code(settings, engine):
+async def test_readyz_names_a_schema_newer_than_the_code(settings, engine, make_worker):
     """The code was rolled back behind a release that migrated the database: /readyz said to run
-    `gpujobs migrate`, which cannot help (this code does not know the newer revision)."""
-    async with api_client(settings, key=None) as http:
+    `gpujobs migrate`, which cannot help (this code does not know the newer revision). With
+    GPUJOBS_READY_MIN_WORKERS, it also said "0 live workers, 1 needed" beside a live worker: at
+    another schema the workers are not read at all."""
+    async with running(make_worker(burst=False)), api_client(settings, key=None, ready_min_workers=1) as http:
+        deadline = time.monotonic() + 10
+        while (ready := await http.get("/readyz")).status_code != 200:
+            assert time.monotonic() < deadline, ready.text
+            await asyncio.sleep(0.1)
         async with engine.begin() as conn:
             await conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfacecafe'"))
         response = await http.get("/readyz")
         assert response.status_code == 503
         detail = response.json()["detail"]
         assert "f00dfacecafe" in detail and "does not know" in detail
-        assert "run `gpujobs migrate`" not in detail
+        assert "run `gpujobs migrate`" not in detail and "live workers" not in detail, detail
 
 
 async def test_readyz_fails_when_the_database_is_down(settings):
@@ -550,3 +556,20 @@ async def test_the_queue_gauge_says_zero_rather_than_nothing(settings, make_work
         await make_worker().run()
         done = await scrape(http)
     assert done[("gpujobs_jobs", frozenset({"state": "queued", "model": "toy"}.items()))] == 0
+
+
+async def test_an_out_of_memory_run_queued_again_is_a_line_of_the_log(manager, make_worker):
+    """Each of a job's state changes is a log line (docs/operations.md, "Logs"), but a run out of
+    GPU memory went back to the queue without one: two `job_started` in a row, and nothing of why."""
+    handler, stop = capture(logs.JsonFormatter())
+    try:
+        job_id = await enqueue(manager, vram_mb=4000, oom_attempts=1, max_attempts=1)
+        async with running(make_worker(burst=False)):
+            job = await until(manager, job_id, lambda j: j.state.final)
+    finally:
+        stop()
+    mine = [
+        e for e in map(json.loads, handler.lines) if e.get("job_id") == str(job_id) and e["level"] != "DEBUG"
+    ]
+    assert [e["action"] for e in mine] == ["job_started", "job_queued", "job_started", "job_succeeded"]
+    assert mine[1]["vram_mb"] == job.vram_mb > 4000
