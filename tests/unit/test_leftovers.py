@@ -28,7 +28,7 @@ def sleepers() -> Iterator[dict[str, int]]:
         name: subprocess.Popen(["sleep", "30"], env={**path, **env}, start_new_session=True)
         for name, env in marks.items()
     }
-    yield {name: p.pid for name, p in started.items()}
+    yield {name: exec_done(p.pid) for name, p in started.items()}
     for p in started.values():
         p.kill()
         p.wait()
@@ -47,6 +47,7 @@ def test_a_runner_of_a_worker_whose_name_extends_another_with_a_colon_is_not_the
     env = {"PATH": os.environ["PATH"], "GPUJOBS_RUNNER": "h:w2:b:relief:0"}
     runner = subprocess.Popen(["sleep", "30"], env=env, start_new_session=True)
     try:
+        exec_done(runner.pid)  # a rerun in a fresh clone's run: looked at before its exec
         assert runner.pid in leftovers.find_worker_models("h:w2:b")
         assert runner.pid not in leftovers.find_worker_models("h:w2")
     finally:
@@ -102,6 +103,8 @@ async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
         for n in (1, 2)
     ]
     try:
+        for p in (old, new):
+            await asyncio.to_thread(exec_done, p.pid)
         taken = records.TakenBack(job_id, 1, "h:dead", JobState.running, None, socket.gethostname())
         assert await leftovers.kill_leftover(taken, host=socket.gethostname(), grace_s=5)
         assert await asyncio.wait_for(old.wait(), 5) is not None
@@ -114,13 +117,15 @@ async def test_a_leftover_of_one_attempt_spares_the_runs_of_the_next():
             await p.wait()
 
 
-async def exec_done(pid: int, timeout_s: float = 5.0) -> None:
-    """Wait until process `pid` runs its own program (`sleep`), not the fork of this one."""
+def exec_done(pid: int, timeout_s: float = 5.0) -> int:
+    """Wait until process `pid` runs its own program (`sleep`), not the fork of this one: until
+    then /proc shows this process's environment, without the marker looked for. Its pid."""
     deadline = time.monotonic() + timeout_s
     cmdline = Path(f"/proc/{pid}/cmdline")
-    while (await asyncio.to_thread(cmdline.read_bytes)).split(b"\0")[0] != b"sleep":
+    while cmdline.read_bytes().split(b"\0")[0] != b"sleep":
         assert time.monotonic() < deadline, f"process {pid} did not exec in {timeout_s} s"
-        await asyncio.sleep(0.005)
+        time.sleep(0.005)
+    return pid
 
 
 async def test_a_jobs_recorded_runner_is_killed_only_if_it_is_the_lost_workers():
@@ -136,7 +141,7 @@ async def test_a_jobs_recorded_runner_is_killed_only_if_it_is_the_lost_workers()
     ]
     try:
         for p in (ours, theirs):  # exec'd: until then /proc shows the test's own environment
-            await exec_done(p.pid)
+            await asyncio.to_thread(exec_done, p.pid)
         host = socket.gethostname()
         taken = records.TakenBack(uuid.uuid4(), 1, "h:lost", JobState.running, theirs.pid, host)
         assert not await leftovers.kill_leftover(taken, host=host, grace_s=5)
