@@ -118,11 +118,11 @@ class JobManager:
         if row["outcome"] == "owner_full":
             raise owner_full(owner_limit)
         if row["id"] is None:  # a concurrent request with the same idempotency key won
-            async with self._auto.connect() as conn:
-                if row["stored_input"] is not None:  # the image it stored is nobody's
+            if row["stored_input"] is not None:  # the image it stored is nobody's
+                async with self._auto.connect() as conn:
                     with contextlib.suppress(sa_exc.IntegrityError):  # a job took it meanwhile
                         await conn.execute(sql.DROP_UNUSED_INPUT, {"id": row["stored_input"]})
-                existing = await self._idempotent(conn, job.owner, job.idempotency_key)
+            existing = await self.find_idempotent(job.owner, job.idempotency_key or "")
             assert existing is not None
             return existing, False
         stored = Job.from_row(row)
@@ -150,13 +150,10 @@ class JobManager:
         self.teller.tell(sql.QUEUED_CHANNEL, job.model)
 
     async def find_idempotent(self, owner: str, key: str) -> Job | None:
-        """The owner's job queued with this idempotency key, if any."""
-        async with self._auto.connect() as conn:
-            return await self._idempotent(conn, owner, key)
-
-    @staticmethod
-    async def _idempotent(conn: AsyncConnection, owner: str, key: str | None) -> Job | None:
-        row = (await conn.execute(sql.FIND_IDEMPOTENT, {"owner": owner, "key": key})).first()
+        """The owner's job queued with this idempotency key, if any. Straight on asyncpg, like the
+        enqueue (db.fetch_row): its `SELECT *`, cached by SQLAlchemy's driver layer, failed once
+        per connection after a migration added a column to `jobs`; asyncpg prepares it again."""
+        row = await db.fetch_row(self._engine, sql.FIND_IDEMPOTENT, {"owner": owner, "key": key})
         return None if row is None else Job.from_row(row)
 
     # -- reading --------------------------------------------------------------------------

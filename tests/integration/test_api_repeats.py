@@ -131,3 +131,16 @@ async def test_a_repeat_of_a_job_queued_before_the_upgrade_is_compared_as_before
         other = await submit(http, png(), model="shape", params={"depth": 6}, headers=KEY)
     assert (first.status_code, again.status_code, other.status_code) == (201, 200, 409)
     assert again.json()["id"] == first.json()["id"]
+
+
+async def test_a_jobs_read_by_its_idempotency_key_rides_through_a_column_a_migration_adds(manager, engine):
+    """A refused repeat and an upload that lost its key's race read their job by its idempotency key
+    (`SELECT * FROM jobs`, through SQLAlchemy). Once another process's migration added a column to
+    `jobs` (0008 did, under the code before it), that read failed once per pooled connection:
+    "cached statement plan is invalid". The uploads' own statement never did (asyncpg prepares it
+    again), and this read now goes the same way."""
+    for _ in range(3):  # prepared and cached on the pooled connection
+        assert await manager.find_idempotent("alice", "k") is None
+    async with engine.begin() as conn:
+        await conn.execute(text("ALTER TABLE jobs ADD COLUMN added_by_a_newer_release text"))
+    assert await manager.find_idempotent("alice", "k") is None
