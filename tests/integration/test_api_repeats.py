@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import text
 
 from app.settings import Settings
-from tests.conftest import api_client, script_model
+from tests.conftest import api_client, png_bytes, script_model
 from tests.integration.test_api_intake import counts, submit
 
 KEY = {"Idempotency-Key": "retry-1"}
@@ -144,3 +144,18 @@ async def test_a_jobs_read_by_its_idempotency_key_rides_through_a_column_a_migra
     async with engine.begin() as conn:
         await conn.execute(text("ALTER TABLE jobs ADD COLUMN added_by_a_newer_release text"))
     assert await manager.find_idempotent("alice", "k") is None
+
+
+async def test_uploads_ride_through_a_column_a_migration_adds_under_a_running_api(settings, engine):
+    async with api_client(settings) as http:
+        images = iter(range(1, 7))
+
+        async def upload() -> int:
+            n = next(images)
+            sent = await submit(http, png_bytes(color=(n, 8, 9)), headers={"Idempotency-Key": f"k{n}"})
+            return sent.status_code
+
+        assert [await upload() for _ in range(3)] == [201] * 3  # the statement prepared, cached
+        async with engine.begin() as conn:
+            await conn.execute(text("ALTER TABLE jobs ADD COLUMN added_by_a_newer_release text"))
+        assert [await upload() for _ in range(3)] == [201] * 3
