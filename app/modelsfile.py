@@ -45,7 +45,10 @@ def load_registry(user_file: Path | None = None) -> registry.Registry:
     """The built-in models, plus (replacing same-named ones) those in `user_file`."""
     models = _load_file(BUILTIN_FILE)
     if user_file is not None:
-        models.update(_load_file(user_file))
+        try:
+            models.update(_load_file(user_file))
+        except errors.RegistryError as exc:  # where the path came from, for one set long ago
+            raise errors.RegistryError(f"GPUJOBS_MODELS_FILE: {exc.message}") from exc
     return registry.Registry(MappingProxyType(models))
 
 

@@ -473,5 +473,6 @@ async def test_a_bad_models_file_is_refused_before_the_database_is_made(tmp_path
         code, _, stderr = await run_cli(env, *args, timeout_s=120)
         assert code == 2 and "Traceback" not in stderr, (args, stderr[-3000:])
         [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert "models.toml" in line, line
+        # The setting too: the path alone left an operator guessing where it was set.
+        assert line.startswith(f"error: GPUJOBS_MODELS_FILE: {models}: "), line
         assert not (storage / "pgdata").exists(), args

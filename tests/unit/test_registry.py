@@ -125,7 +125,8 @@ def test_missing_user_file_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(errors.RegistryError) as caught:
         modelsfile.load_registry(missing)
-    assert caught.value.message == f"{missing}: file not found"
+    # The setting it came from, too: an env file or a compose file may have set it long ago.
+    assert caught.value.message == f"GPUJOBS_MODELS_FILE: {missing}: file not found"
 
 
 def test_toml_syntax_error_names_file_and_line(write_file: WriteFile) -> None:
