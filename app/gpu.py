@@ -165,8 +165,8 @@ class NvmlInventory:
         if self._v2:
             try:
                 memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-            except nvml.NVMLError as exc:
-                if not _unsupported(exc):
+            except (nvml.NVMLError, TypeError) as exc:  # TypeError: bindings without `version`
+                if not isinstance(exc, TypeError) and not _unsupported(exc):
                     raise
                 self._v2 = False
                 logger.info("NVML has no memory info v2 (%s); GPU sizes include the driver's reserve", exc)

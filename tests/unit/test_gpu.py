@@ -233,6 +233,14 @@ def test_a_driver_without_memory_info_v2_is_read_with_v1_from_then_on(
     assert [r.getMessage() for r in caplog.records][-1].startswith("NVML has no memory info v2")
 
 
+def test_bindings_that_name_memory_info_v2_but_take_no_version_are_read_with_v1() -> None:
+    module = fake_pynvml([("Tesla T4", 16 * GIB, 15 * GIB)], reserved=[300 * MIB])
+    v1 = module.nvmlDeviceGetMemoryInfo
+    module.nvmlDeviceGetMemoryInfo = lambda handle: v1(handle)  # an older signature
+    [read] = gpu.NvmlInventory(module).snapshot()
+    assert (read.total_mb, read.free_mb, read.error) == (16_384, 15_360, None)
+
+
 def test_another_error_of_memory_info_v2_is_the_gpus_not_the_drivers() -> None:
     """A GPU fallen off the bus answers v2 with its error: that GPU is shown unreadable, and v2 is
     kept for the others (not taken for a driver without it)."""
