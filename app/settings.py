@@ -224,7 +224,11 @@ class Settings(BaseSettings):
         le=PG_INT_MAX,
         description="/readyz answers 503 while fewer live workers heartbeat (0 = never)",
     )
-    stream_keepalive_s: Seconds = Field(15, gt=0, description="Comment line sent on an idle job stream")
+    # At most 50: a client reading a stream takes a minute of silence for a lost connection
+    # (`gpujobs submit`; nginx's proxy_read_timeout is 60 s too).
+    stream_keepalive_s: float = Field(
+        15, gt=0, le=50, description="Comment line sent on an idle job stream (at most 50)"
+    )
     streams_per_key: int = Field(
         32,
         ge=0,

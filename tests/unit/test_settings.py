@@ -43,6 +43,10 @@ def test_an_empty_models_file_is_unset(monkeypatch):
         # and a job asking for such a priority then failed with a 500.
         ("GPUJOBS_PRIORITY_MAX", str(2**31), "GPUJOBS_PRIORITY_MAX"),
         ("GPUJOBS_PRIORITY_MIN", str(-(2**31)), "GPUJOBS_PRIORITY_MIN"),
+        # A stream silent for a minute is taken for a lost connection by `gpujobs submit` (and by
+        # nginx's default proxy_read_timeout): with keepalives further apart, a queued job's
+        # `submit --wait` reconnected every minute, each time a failure in a row.
+        ("GPUJOBS_STREAM_KEEPALIVE_S", "61", "GPUJOBS_STREAM_KEEPALIVE_S"),
     ],
 )
 def test_bad_setting_is_named(monkeypatch, env, value, needle):
