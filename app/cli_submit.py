@@ -46,8 +46,9 @@ RECONNECTS = 20  # tries in a row of a job's stream that bring no event
 # queue full) is sent again after the answer's Retry-After before `submit` gives up.
 UPLOAD_PATIENCE_S = 120.0
 # Answers to a GET that mean "not now" (the database away, the API restarting behind a load
-# balancer, too many requests): a stream is asked again, after Retry-After when the answer has one.
-TRY_AGAIN = frozenset({429, 502, 503, 504})
+# balancer): a stream is asked again, after Retry-After when the answer has one, each a failure in
+# a row. A 429 (the key's streams at their cap) is waited on apart: it counts no failure.
+TRY_AGAIN = frozenset({502, 503, 504})
 RETRY_AFTER_MAX_S = 30.0
 
 
