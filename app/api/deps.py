@@ -68,9 +68,17 @@ async def get_caller(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> Caller:
     """The caller, as authenticated by the security middleware; 401 if it was not."""
+    caller = caller_of(request)
+    if caller is None:
+        raise auth.Unauthorized()
+    return caller
+
+
+def caller_of(request: Request) -> Caller | None:
+    """The caller the security middleware authenticated, or None (a request it let through bare)."""
     identity = getattr(request.state, "identity", None)
     if not isinstance(identity, auth.Identity):
-        raise auth.Unauthorized()
+        return None
     return Caller(principal=identity.principal, admin=identity.admin, key_id=identity.key_id)
 
 

@@ -19,9 +19,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.routing import APIRoute
 
-from app import auth, errors, registry, storage
+from app import errors, registry, storage
 from app.api import admin, paths, security
-from app.api.deps import Caller, CallerDep, ServicesDep
+from app.api.deps import Caller, CallerDep, ServicesDep, caller_of
 from app.queue import manager as manager_
 from app.queue.jobs import RETRYABLE_STATES, Job, JobState
 from app.web import session, views
@@ -85,9 +85,8 @@ def missing_page(request: Request) -> Response | None:
     scope = request.scope
     if not security.page_navigation(scope) or paths.served({**scope, "root_path": ""}):
         return None
-    identity = getattr(request.state, "identity", None)
-    caller = Caller(identity.principal, identity.admin) if isinstance(identity, auth.Identity) else None
-    return _error(caller, errors.NotFound(paths.not_found_detail(scope, noun="page", listed=None)))
+    detail = paths.not_found_detail(scope, noun="page", listed=None)
+    return _error(caller_of(request), errors.NotFound(detail))
 
 
 def _error(caller: Caller | None, exc: errors.AppError) -> Response:
