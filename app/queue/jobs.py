@@ -34,6 +34,8 @@ class JobState(enum.StrEnum):
 
 FINAL_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.canceled, JobState.quarantined})
 RETRYABLE_STATES = frozenset({JobState.failed, JobState.canceled, JobState.quarantined})  # by an admin
+# A cancel ends a waiting job, stops a running one, and dismisses a quarantined one (sql._CANCEL).
+CANCELABLE_STATES = frozenset({JobState.queued, JobState.scheduled, JobState.running, JobState.quarantined})
 
 # Jobs are grouped into size classes of an eighth of an octave (256 MB and below is class 0) so the
 # claim can probe "the best job of each class that fits" through an index instead of walking

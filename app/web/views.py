@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 
-from app.queue.jobs import Job, JobState
+from app.queue.jobs import CANCELABLE_STATES, Job, JobState
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES_DIR = HERE / "templates"
@@ -113,8 +113,13 @@ def timings(job: Job, now: datetime) -> tuple[float | None, float | None]:
 
 
 def active(job: Job) -> bool:
-    """Whether the job may still change by itself (and can be canceled)."""
+    """Whether the job may still change by itself."""
     return job.state in ACTIVE
+
+
+def cancelable(job: Job) -> bool:
+    """Whether a cancel takes the job (its page and row offer one)."""
+    return job.state in CANCELABLE_STATES
 
 
 def _environment() -> jinja2.Environment:
@@ -128,7 +133,7 @@ def _environment() -> jinja2.Environment:
     env.filters.update(
         duration=duration, size=size, mib=mib, iso=iso, clock=clock, short=short, plain=plain, when=when
     )
-    env.globals.update(timings=timings, active=active, static=STATIC_URL)
+    env.globals.update(timings=timings, active=active, cancelable=cancelable, static=STATIC_URL)
     return env
 
 

@@ -424,6 +424,7 @@ async def test_a_quarantined_jobs_page_offers_its_cancel(settings, make_key, eng
                 )
             page = (await browser.get(f"/ui/jobs/{job_id}")).text
             assert 'data-action="cancel"' in page and "Retry job" not in page  # alice is no admin
+            assert 'data-action="cancel"' in (await browser.get(f"/ui/jobs/{job_id}/row")).text
             await api.post(f"/jobs/{job_id}/cancel")
             assert 'data-action="cancel"' not in (await browser.get(f"/ui/jobs/{job_id}")).text
 
