@@ -112,7 +112,7 @@ class JobManager:
         if row["outcome"] == "queued":
             self.waiting.added()
         if row["outcome"] == "revoked":
-            raise errors.KeyRevoked(f"the API key {job.owner!r} sent this upload with was revoked meanwhile")
+            raise errors.KeyRevoked()  # the route answers it as any request with that key: 401
         if row["outcome"] == "queue_full":
             raise queue_full(queue_limit)
         if row["outcome"] == "owner_full":
