@@ -166,7 +166,13 @@ class ModelProcess:
         """Start the model in its own session; return its pid (== pgid). OSError if it cannot start."""
         if self._popen is not None:
             raise RuntimeError("this ModelProcess was already started")
-        self._begin(*self._launch())
+        try:
+            launched = self._launch()
+        except OSError as exc:  # a failed job always has a log: here, why (and the command it tried)
+            self._log.note(f"the model could not be started: {exc}", command=" ".join(self._argv))
+            self._log.close(keep=True)
+            raise
+        self._begin(*launched)
         return self._group
 
     def stop(self, reason: str) -> None:

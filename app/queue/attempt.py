@@ -225,6 +225,7 @@ class Attempt:
             params = spec.validate_params(job.params)
         except errors.InvalidParams as exc:
             changed = f"the model no longer takes the job's params: {exc.message}"
+            self._say(changed)
             return self._verdict.failure(changed, retryable=False)
         media_type, data = self._image or await self._site.manager.inputs.by_id(job.input_id)
         self._image = None  # not kept in memory while the model runs
@@ -236,7 +237,9 @@ class Attempt:
                 self._site.store.runner_dir(spec.name, job.gpu)
         except OSError as exc:  # a full disk, say: this host's trouble, which db.is_unavailable would
             # take for the database's (then nothing is written and the job waits out its lease)
-            return self._verdict.storage_failed(f"could not prepare the scratch folder: {exc}")
+            why = f"could not prepare the scratch folder: {exc}"
+            self._say(why)  # if the logs' disk takes it
+            return self._verdict.storage_failed(why)
         del data
         input_path, log_path = scratch / input_name, self._site.store.log_path(job.id, job.attempt)
         if spec.persistent and self._site.pool is not None:
@@ -317,12 +320,12 @@ class Attempt:
         except warmpool.GaveUp:
             return self._stopped_outcome(self._stop_reason or SHUTDOWN)  # or the pool closed
         except warmresult.StartFailed as exc:
-            said = RunLog(log_path, "warm")  # a failed job always has a log: here, why
-            said.note(f"the warm runner did not start: {exc}")
-            said.close(keep=True)
+            self._say(f"the warm runner did not start: {exc}", tag="warm")
             return self._verdict.not_started(exc, self._watch.peak_mb)
         except OSError as exc:  # a new runner's temporary folder (app/storage.py): this host's trouble
-            return self._verdict.storage_failed(f"could not make the runner's temporary folder: {exc}")
+            why = f"could not make the runner's temporary folder: {exc}"
+            self._say(why, tag="warm")
+            return self._verdict.storage_failed(why)
         about = warmrun.about(runner)
         self._runner = runner
         try:
@@ -334,6 +337,14 @@ class Attempt:
         finally:
             self._runner = None
         return result, about
+
+    def _say(self, why: str, *, tag: str = "runner") -> None:
+        """Write why the attempt ended before its model ran as the attempt's log: a failed job
+        always has a log that says why; without one, its log link answered an empty log, as for a
+        model that ran and said nothing."""
+        said = RunLog(self._site.store.log_path(self.job.id, self.job.attempt), tag)
+        said.note(why)
+        said.close(keep=True)
 
     async def _record_pid(self, pid: int) -> None:
         """Record the pid (best effort while the database is away) and honour a pending cancel."""

@@ -795,6 +795,8 @@ async def test_a_scratch_folder_that_cannot_be_made_sends_the_job_back_unspent(m
     assert (job.state, job.max_attempts - job.attempt, job.abnormal_runs) == (JobState.queued, 1, 0)
     assert job.error is not None and job.error.startswith("could not prepare the scratch folder"), job.error
     assert await storage_returns(manager, job_id) == 1
+    said = store.log_path(job_id, 1).read_text()  # the attempt's log says why it ran nothing
+    assert "[runner] could not prepare the scratch folder" in said, said
 
 
 async def test_a_worker_whose_storage_fails_claims_nothing_until_it_works_again(

@@ -24,7 +24,8 @@ ONE_GIB = 1 << 30
 def models_file(tmp_path: Path) -> Path:
     """`toy`; `term64`, which answers SIGTERM with its bad-input exit code 64 (timeout 1 s); `big`,
     which writes a 1 GiB output (sparse: quick to write, not to hash); `labelled`, which refuses
-    every input as bad (exit 65) whatever its `label` param says."""
+    every input as bad (exit 65) whatever its `label` param says; `missing`, whose program is not
+    there."""
     path = tmp_path / "models.toml"
     term64 = ["/bin/sh", "-c", "trap 'exit 64' TERM; sleep 100 & wait"]
     big = [
@@ -60,6 +61,13 @@ vram = {{ base_mb = 1000 }}
 timeout_s = 30
 max_attempts = 3
 bad_input_exit_codes = [65]
+[models.missing]
+argv = ["/nonexistent/no-such-program", "{{output_dir}}"]
+vram = {{ base_mb = 1000 }}
+timeout_s = 10
+max_attempts = 3
+[[models.missing.outputs]]
+name = "out.txt"
 [models.labelled.params.label]
 type = "str"
 default = "plain"
@@ -122,6 +130,19 @@ async def test_a_large_output_is_checked_without_stalling_the_worker(manager, ma
     job = await manager.get(job_id)
     assert job.state is JobState.succeeded, job.error
     assert max(stalls) < 0.3, f"the event loop stalled for {max(stalls):.2f} s"
+
+
+async def test_a_model_that_could_not_start_fails_with_a_log_that_says_why(manager, make_worker, store):
+    """A failed job always has a log that says why (README, "Durability"). A one-shot model whose program
+    is missing failed its job, once, with no log file: its log link answered an empty log, as for
+    a run that said nothing and succeeded."""
+    job_id = await enqueue(manager, model="missing")
+    await make_worker().run()
+    job = await manager.get(job_id)
+    assert (job.state, job.attempt) == (JobState.failed, 1), job
+    assert (job.error or "").startswith("the model could not be started"), job.error
+    said = store.log_path(job.id, job.attempt).read_text()
+    assert "[runner] the model could not be started: [Errno 2]" in said and "no-such-program" in said, said
 
 
 def test_a_start_that_fails_for_a_while_is_told_from_one_that_never_can(tmp_path: Path):
