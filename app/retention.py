@@ -51,16 +51,20 @@ class PruneReport:
     problems: list[str] = field(default_factory=list)  # what could not be deleted, and why
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of the regular files below `path` (0 if it does not exist; links are not followed)."""
+def tree_bytes(path: Path, *, leave_out: Collection[str] = ()) -> int:
+    """Bytes of the regular files below `path` (0 if it does not exist; links below it are not
+    followed), less the entries of `path` itself named in `leave_out`."""
     total = 0
     stack = [path]
     while stack:
+        folder = stack.pop()
         try:
-            entries = list(os.scandir(stack.pop()))
+            entries = list(os.scandir(folder))
         except OSError:
             continue
         for entry in entries:
+            if folder is path and entry.name in leave_out:
+                continue
             try:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(Path(entry.path))
@@ -73,9 +77,12 @@ def tree_bytes(path: Path) -> int:
 
 def disk_usage(root: Path) -> dict[str, int]:
     """Bytes used below the storage root: each part, the embedded database, the rest, and the total."""
-    usage = {part: tree_bytes(root / part) for part in (*PARTS, "pgdata")}
-    usage["total"] = tree_bytes(root)
-    usage["other"] = max(0, usage["total"] - sum(usage[p] for p in (*PARTS, "pgdata")))
+    named = (*PARTS, "pgdata")
+    # A part may be a link to another disk (results on a bigger one): measured through it, and
+    # counted once in the total, which walking the root without following links left it out of.
+    usage = {part: tree_bytes(root / part) for part in named}
+    usage["other"] = tree_bytes(root, leave_out=named)
+    usage["total"] = sum(usage.values())
     return usage
 
 

@@ -372,7 +372,10 @@ class StatsPublic(BaseModel):
     run_s: PercentilesPublic | None = Field(description="Start to end of the last attempt")
     throughput_window_s: float
     throughput_per_min: float = Field(description="Jobs finished per minute over throughput_window_s")
-    storage_bytes: dict[str, int] = Field(description="Bytes below storage/: results, logs, scratch, ...")
+    storage_bytes: dict[str, int] = Field(
+        description="Bytes below storage/: each part (results, logs, scratch, pgdata; one that is a "
+        "link to another disk measured there), other (the rest), and total (all of them)"
+    )
     storage_free_bytes: dict[str, int] = Field(
         description="Free bytes on the disk of each part of storage/ (results, logs, scratch, pgdata), now"
     )

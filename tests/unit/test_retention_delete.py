@@ -83,3 +83,20 @@ def test_files_deleted_are_counted(storage_root: Path) -> None:
     log.write_bytes(bytes(300))
     assert retention._delete(storage_root, [job_id]) == (5300, [])
     assert not attempt.parent.exists() and not log.exists()
+
+
+def test_storage_used_counts_a_part_linked_to_another_disk_once_in_the_total(tmp_path: Path) -> None:
+    """A part of the storage folder may be a link to another disk (results on a bigger one). Its
+    bytes were counted under its name, but the total walked the storage folder without following
+    the link: GET /admin/stats showed a total smaller than the results alone, and `other` (the
+    total less the parts, clamped at 0) hid it."""
+    root, disk = tmp_path / "storage", tmp_path / "bigger-disk"
+    (disk / "results" / str(uuid.uuid4())).mkdir(parents=True)
+    next((disk / "results").iterdir()).joinpath("mesh.glb").write_bytes(b"x" * 100_000)
+    (root / "logs").mkdir(parents=True)
+    (root / "logs" / "a.log").write_bytes(b"y" * 1_000)
+    (root / "notes.txt").write_bytes(b"z" * 10)  # not a part: counted as other
+    (root / "results").symlink_to(disk / "results")
+    usage = retention.disk_usage(root)
+    assert (usage["results"], usage["logs"], usage["other"]) == (100_000, 1_000, 10), usage
+    assert usage["total"] == 101_010, usage
