@@ -468,13 +468,14 @@ RELEASE_STORAGE = text(
 )
 
 
-def _hand_back(held: str) -> str:
+def _hand_back(held: str, *, also: str = "") -> str:
     """A statement that hands the jobs {held} selects (ids, each locked) back to the queue as RELEASE
     hands a job back, no attempt spent, or ends them canceled when a cancel is pending; :reason goes
-    in each one's event. A row per job: its attempt, its worker and its new state."""
+    in each one's event. A row per job: its attempt, its worker and its new state. `also`: one more
+    data-modifying WITH clause, run in the same statement."""
     return f"""
     WITH held AS ({held}
-    ), released AS (
+    ),{also} released AS (
         UPDATE jobs AS j
         SET state = CAST(CASE WHEN j.cancel_requested THEN 'canceled' ELSE 'queued' END AS job_state),
             max_attempts = j.max_attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
@@ -516,12 +517,16 @@ RELEASE_UNKNOWN = text(
 # job still running under its name goes back. Left running, they waited for its restart or their
 # leases, and came back as a crashed worker's (an attempt spent, an abnormal death counted). Its
 # rows are locked in id order, as HEARTBEAT and SUCCEED lock theirs.
+# The worker's row says `stopped` once its jobs are back, as after a graceful stop: left `stopping`,
+# the other workers' reapers marked it dead and its heartbeat age grew in the metrics for a day.
 RELEASE_STOPPED = text(
     _hand_back(
         """
         SELECT id FROM jobs WHERE worker_id = :worker_id AND state = 'running'
         ORDER BY id
-        FOR UPDATE"""
+        FOR UPDATE""",
+        also="""
+        gone AS (UPDATE workers SET state = 'stopped', heartbeat_at = now() WHERE id = :worker_id),""",
     )
 )
 

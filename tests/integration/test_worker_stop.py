@@ -181,3 +181,25 @@ async def test_a_job_a_forced_stop_ends_canceled_loses_its_dead_attempts_folders
     assert not (store.root / "results" / str(job_id)).exists() or not list(
         (store.root / "results" / str(job_id)).iterdir()
     )
+
+
+async def test_a_worker_stopped_at_once_that_handed_its_jobs_back_is_not_left_for_dead(
+    manager, spawn_worker, engine
+):
+    """Asked twice (Ctrl-C twice, `kill` twice), a worker kills its models, hands its jobs back
+    (the database answered at once) and exits 1. Its row in `workers` stayed `stopping`: the
+    other workers' reapers then marked it dead and logged `worker_dead`, and
+    `gpujobs_worker_heartbeat_age_seconds` kept it for a day, its age growing, which the
+    dead-worker alert of docs/operations.md fires on, as for a worker that crashed."""
+    worker = spawn_worker("twice", shutdown_grace_s=60)
+    job_id = await enqueue(manager, sleep=30, steps=30)
+    await until(manager, job_id, lambda j: j.pid is not None)
+    worker.send_signal(signal.SIGTERM)
+    await asyncio.sleep(1.5)  # a second signal within a second is the first delivered twice
+    code, _ = await stopped_at_once(worker, signal.SIGTERM)
+    assert code == 1
+    await handed_back(manager, [job_id])
+    worker_id = f"{socket.gethostname()}:{worker_name('twice')}"
+    async with engine.connect() as conn:
+        state = await conn.scalar(text("SELECT state FROM workers WHERE id = :id"), {"id": worker_id})
+    assert state == "stopped", f"the worker's row says {state!r} after it stopped"
