@@ -149,7 +149,9 @@ class Settings(BaseSettings):
         description="Largest log file, in MB: past it a job's log keeps its start and its last lines, "
         "a warm runner's runner.log rotates to runner.log.1 (0 = no cap)",
     )
-    retry_base_s: Seconds = Field(5, ge=0, description="First retry delay; doubles each attempt (jitter)")
+    retry_base_s: Seconds = Field(
+        5, ge=0, description="First retry delay; doubles with each failure (jitter)"
+    )
     retry_max_s: Seconds = Field(600, ge=0, description="Longest retry delay")
     # Scheduling (README "Scheduling"): aging, reservations and backfill, learned VRAM, OOM, quarantine.
     age_step_s: float = Field(60, gt=0, description="A queued job gains one priority point per this wait")

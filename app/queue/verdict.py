@@ -34,10 +34,19 @@ STORAGE_RETURNS_MAX = 3
 _HASH_ON_LOOP_BYTES = 1 << 20
 
 
-def retry_delay_s(attempt: int, base_s: float, max_s: float) -> float:
-    """Exponential backoff with jitter: about base * 2^(attempt-1), between half and all of it."""
-    ceiling = min(max_s, base_s * 2 ** max(attempt - 1, 0))
+def retry_delay_s(failure: int, base_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: about base * 2^(failure-1), between half and all of it."""
+    ceiling = min(max_s, base_s * 2 ** max(failure - 1, 0))
     return random.uniform(ceiling / 2, ceiling)
+
+
+def failures_counted(job: Job, budget: int) -> int:
+    """Which failure of its attempt budget (the model's max_attempts) the job's running attempt is,
+    if it fails now: 1 for the first. Runs handed back unspent (a graceful stop, storage trouble,
+    an out-of-memory retry) and an admin retry move `max_attempts` up instead of counting, so
+    they must not double the delay either: after six rolling restarts, a job's first failure
+    waited 64 times the first delay."""
+    return max(1, budget - (job.max_attempts - job.attempt))
 
 
 # The most of a model's words an error keeps (a warm runner's error, which the runner writes as it
@@ -268,7 +277,9 @@ class Verdict:
     def failure(self, error: str, *, retryable: bool, **detail: Any) -> Write:
         """The final write of a failed attempt: retried after a backoff, or failed for good."""
         job = self._job
-        delay = retry_delay_s(job.attempt, self._retry_base_s, self._retry_max_s)
+        delay = retry_delay_s(
+            failures_counted(job, self._spec.max_attempts), self._retry_base_s, self._retry_max_s
+        )
         abnormal, error = bool(detail.pop("abnormal", False)), storable(error)
         detail = {"error": error.splitlines()[0], "retryable": retryable, **detail}
 

@@ -319,6 +319,26 @@ async def test_failures_retry_with_backoff_then_fail(manager, make_worker):
     assert history[-1].kind == "failed"
 
 
+async def test_the_first_failure_after_hand_backs_waits_the_first_retry_delay(manager, make_worker):
+    """A job handed back unspent (a graceful stop, storage trouble, a lost claim, an out-of-memory
+    retry) gets a new attempt number and keeps all its failures. The retry delay doubled with the
+    attempt number all the same: a job handed back six times (six rolling restarts during its long
+    run) waited 2^6 times GPUJOBS_RETRY_BASE_S after its first failure, as if it had failed six
+    times already."""
+    job_id = await enqueue(manager, fail_attempts=7, max_attempts=3)
+    for _ in range(6):  # six hand-backs, no attempt spent
+        [claimed] = await manager.claim(
+            worker_id="test:graceful", host="h", models=["toy"], budgets={0: 24_576}, lease_s=30
+        )
+        await manager.release(claimed.job, reason="worker shutting down")
+    job = await manager.get(job_id)
+    assert (job.attempt, job.max_attempts) == (6, 9)  # attempt 6 of 9: 3 failures left to spend
+    await make_worker(retry_base_s=1.0, retry_max_s=600.0).run()  # attempt 7 fails: its first failure
+    [retry] = [e for e in await manager.events(job_id) if e.kind == "retry_scheduled"]
+    delay_s = (datetime.fromisoformat(retry.detail["run_after"]) - retry.at).total_seconds()
+    assert delay_s <= 1.0, f"the first retry waits {delay_s:.1f} s, not GPUJOBS_RETRY_BASE_S at most"
+
+
 async def test_retry_succeeds_after_transient_failures(manager, make_worker):
     job_id = await enqueue(manager, fail_attempts=2, max_attempts=3)
     async with running(make_worker(burst=False)):
