@@ -12,14 +12,21 @@ import typer
 from app import client, errors
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in "90", "30s", "15m", "12h", "7d" or "2w"."""
+    """Seconds in "30s", "15m", "12h", "7d" or "2w". A number without its unit is refused: read as
+    seconds, `--older-than 30` (meant as GPUJOBS_RETENTION_DAYS is written, in days) deleted the
+    results of every job that finished more than 30 seconds before."""
     match = _DURATION.match(text.lower())
     if match is None:
         raise errors.InvalidRequest(f"{text!r} is not a duration (examples: 90s, 15m, 12h, 7d, 2w)")
+    if not match[2]:
+        number = match[1]
+        raise errors.InvalidRequest(
+            f"{text!r} has no unit: write {number}d (days), {number}h (hours), {number}m or {number}s"
+        )
     seconds = float(match[1]) * _UNIT_S[match[2]]
     if not math.isfinite(seconds):  # JSON has no infinity; a finite one too long gets the server's 422
         raise errors.InvalidRequest(f"{text!r} is longer than any duration (examples: 90s, 12h, 7d, 2w)")

@@ -230,8 +230,8 @@ def test_server_sent_events_are_parsed():
 def test_durations(tmp_path: Path):
     from app import cli_prune, errors
 
-    assert [cli_prune.parse_duration(t) for t in ("90", "30s", "15m", "12h", "7d", "2w")] == [
-        90, 30, 900, 43_200, 604_800, 1_209_600,
+    assert [cli_prune.parse_duration(t) for t in ("90s", "30S", "15m", "12h", "7d", "2w", "1.5d")] == [
+        90, 30, 900, 43_200, 604_800, 1_209_600, 129_600,
     ]  # fmt: skip
     try:
         cli_prune.parse_duration("soon")
@@ -239,6 +239,17 @@ def test_durations(tmp_path: Path):
         assert "not a duration" in exc.message
     else:
         raise AssertionError("accepted 'soon'")
+
+
+@pytest.mark.parametrize("text", ["30", "7", "0.5"])
+def test_a_duration_without_its_unit_is_refused_before_anything_is_deleted(text, capsys):
+    """`gpujobs prune --older-than 30`, written as GPUJOBS_RETENTION_DAYS is (a number of days),
+    was read as 30 seconds: every result and log of the month before deleted, for good."""
+    with pytest.raises(typer.Exit) as caught:  # before any request: nothing listens on port 9
+        cli_prune.prune(older_than=text, dry_run=False, url="http://127.0.0.1:9", key=None, as_json=False)
+    assert caught.value.exit_code == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: {text!r} has no unit: write {text}d (days)"), said
 
 
 def test_the_client_commands_load_no_database_code():
@@ -435,7 +446,7 @@ async def test_a_job_id_that_is_not_a_uuid_is_refused_before_any_request(setting
         assert code == 2 and stderr.startswith("error: 404: "), stderr  # a UUID reaches the server
 
 
-@pytest.mark.parametrize("text", ["1" + "0" * 400, "1" + "0" * 400 + "w", "9" * 308 + "w"])
+@pytest.mark.parametrize("text", ["1" + "0" * 400 + "s", "1" + "0" * 400 + "w", "9" * 308 + "w"])
 def test_a_duration_too_large_for_a_number_is_refused(text, capsys):
     """`prune --older-than 1000…0` (400 zeros) crashed with `ValueError: Out of range float values
     are not JSON compliant`; a finite value past the server's bound gets the server's 422."""
