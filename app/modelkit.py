@@ -454,7 +454,7 @@ def _run(
     except bad_input as exc:
         _say(f"job {job.id}: bad input: {exc}")
         reply = Failed(job.id, str(exc) or type(exc).__name__, bad_input=True)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a library (argparse, say) is the job's error
         _print_exc()
         reply = Failed(job.id, f"{type(exc).__name__}: {exc}", oom=is_oom(exc))
     _free_gpu_cache()

@@ -445,3 +445,39 @@ def test_the_blur_runner_of_docs_persistent_md_works_as_shown(tmp_path: Path) ->
     with Image.open(tmp_path / "out1" / "blurred.png") as blurred:
         assert (blurred.format, blurred.size) == ("PNG", (32, 24))
     assert isinstance(refused, modelkit.Failed) and refused.bad_input and "params.radius" in refused.error
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_model_that_calls_sys_exit_in_a_job_fails_that_job(tmp_path: Path, code: int) -> None:
+    """Any exception `handle` raises other than bad input is a model error (docs/persistent.md). A
+    SystemExit (a library's sys.exit(), argparse's exit on a bad argument) left the kit: the runner
+    exited with its code without a word about the job. Exit 0 read, to the worker, as a runner that
+    retired before it took the job (sent to another runner, a new load); any other code as a crash,
+    a strike towards quarantine."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import sys\n"
+        "from app import modelkit\n"
+        "def handle(model, job):\n"
+        "    sys.exit(job.params['code'])\n"
+        "sys.exit(modelkit.serve(lambda: None, handle, name='exits'))\n"
+    )
+    (tmp_path / "in.png").write_bytes(b"x")
+    env = runner.minimal_env(None, {"PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    assert isinstance(modelkit.parse_reply(proc.stdout.readline()), modelkit.Ready)
+    proc.stdin.write(_line(_job("j0:1", tmp_path, code=code)))
+    proc.stdin.flush()
+    reply = proc.stdout.readline()
+    proc.stdin.close()
+    exited = proc.wait(timeout=10)
+    for pipe in (proc.stdout, proc.stderr):
+        pipe.close()
+    assert reply, f"the runner exited {exited} without answering job j0:1"
+    failed = modelkit.parse_reply(reply)
+    assert isinstance(failed, modelkit.Failed) and not failed.bad_input, failed
+    assert failed.error == f"SystemExit: {code}", failed
