@@ -93,8 +93,10 @@ class WarmRun:
             result = await watch.over(given.pid or 0, work)
         finally:
             # Idle, it holds what NVML last showed it using, if more than it was given: a model's
-            # cache allocator keeps what the job used (seen_mb starts at hold_mb).
-            self.pool.release(given, hold_mb=watch.seen_mb)
+            # cache allocator keeps what the job used (seen_mb starts at hold_mb). A job too quick
+            # for a reading leaves what it held before, not the model's idle_vram_mb: reset so, it
+            # fell below what NVML last showed, and the planner counted less to evict than it frees.
+            self.pool.release(given, hold_mb=watch.seen_mb if watch.readings else None)
         if given.state is not warm.RunnerState.DEAD:
             watch.gpu_pids.clear()  # the pool counts a live runner's memory, not the settling list
         return result

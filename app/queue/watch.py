@@ -35,6 +35,7 @@ class Watch:
         self.peak_mb: int | None = None  # most GPU memory the model's processes were seen using
         self.gpu_pids: set[int] = set()  # the model's processes seen holding GPU memory
         self.seen_mb = 0  # what they held at the last reading, at least what is known to be loaded
+        self.readings = 0  # NVML readings taken (none, for a job quicker than the first)
         self._loaded_mb = 0  # a warm runner's model, in GPU memory before the job came
 
     def loaded(self, mb: int) -> None:
@@ -82,6 +83,7 @@ class Watch:
             self.gpu_pids.update(usage)
             total = sum(usage.values())
             self.seen_mb = max(total, self._loaded_mb)
+            self.readings += 1
             if total and total > (self.peak_mb or 0):
                 self.peak_mb = total
             await asyncio.sleep(self._interval_s)

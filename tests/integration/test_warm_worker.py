@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -362,6 +363,35 @@ async def test_an_idle_runner_holds_what_nvml_showed_it_using_if_more(manager, m
         await until(manager, job_id, lambda j: j.state is JobState.succeeded)
         [runner] = worker.pool.report(0)
         assert (runner["state"], runner["vram_mb"], worker.pool.reserved_mb(0)) == ("idle", 8000, 8000)
+
+
+class SlowReadings(FakeInventory):
+    """NVML whose per-process listing, read off the event loop as a job's sampler reads it, takes a
+    while (many GPUs, a busy driver): a quick job ends before its first reading."""
+
+    def process_memory_mb(self) -> dict[int, int]:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return super().process_memory_mb()
+
+
+async def test_a_quick_job_leaves_its_idle_runner_holding_what_nvml_last_showed(
+    manager, make_worker, tmp_path
+):
+    """A job too quick for a memory reading reset its runner's hold to idle_vram_mb (6000), while
+    NVML still showed the runner holding the 8000 its job before was seen using: the planner then
+    counted 2000 MB fewer to evict than evicting it frees."""
+    inventory = SlowReadings([20_000])
+    first = await enqueue(manager, model="warm_a", vram_mb=2000, sleep=1.5, steps=2)
+    async with running(make_worker(inventory=inventory, burst=False)) as worker:
+        inventory.set_process(await first_load(tmp_path, "warm_a"), 8000)
+        await until(manager, first, lambda j: j.state is JobState.succeeded)
+        assert worker.pool.reserved_mb(0) == 8000
+        quick = await enqueue(manager, model="warm_a", vram_mb=2000, steps=0)
+        await until(manager, quick, lambda j: j.state is JobState.succeeded)
+        [runner] = worker.pool.report(0)
+        assert runner["jobs"] == 2 and inventory.process_memory_mb() == {runner["pid"]: 8000}
+        assert worker.pool.reserved_mb(0) == 8000, worker.pool.report(0)
 
 
 async def test_a_warm_model_is_preferred_among_equals(manager, make_worker, tmp_path):
