@@ -206,7 +206,7 @@ class ResultStore:
             pass
 
     def runner_dir(self, model: str, gpu: int | None) -> Path:
-        """The working folder of a warm runner (its HOME and its own log)."""
+        """The folder of a model's warm runners on a GPU: their log, and each one's own folder."""
         path = self._runners / f"{model}-gpu{'none' if gpu is None else gpu}"
         if path not in self._made:  # asked for on every warm job: made once
             folders.make_folder(path)
@@ -214,8 +214,8 @@ class ResultStore:
         return path
 
     def runner_temp(self, folder: Path, worker_id: str) -> Path:
-        """A new temporary folder for one warm runner (its TMPDIR) in its runner `folder`, which
-        warm.py removes as the runner ends (several runners may share `folder`)."""
+        """A new folder for one warm runner (its HOME, working folder and TMPDIR) in its runner
+        `folder`, which warm.py removes as the runner ends (several runners share `folder`)."""
         return Path(tempfile.mkdtemp(prefix=_temp_prefix(worker_id), dir=folder))
 
     def drop_runner_temps(self, worker_id: str) -> None:

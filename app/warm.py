@@ -144,9 +144,10 @@ class WarmRunner:
         except BaseException as exc:  # cancelled meanwhile too: asyncio killed what it had forked
             self.state = RunnerState.DEAD
             self._log.close()
+            # A missing working folder fails the start as a missing program does: told apart first.
+            permanent = isinstance(exc, OSError) and runner.cannot_start(exc) and launch.cwd.is_dir()
             folders.remove_quietly(launch.temp_dir)
             if isinstance(exc, OSError):
-                permanent = runner.cannot_start(exc) and launch.cwd.is_dir()
                 raise warmresult.StartFailed(
                     f"the runner could not be started: {exc}", permanent=permanent
                 ) from exc

@@ -47,13 +47,16 @@ class WarmRun:
         return await self.pool.acquire(key, lambda: self._launch(key), hold_mb=self.hold_mb, give_up=give_up)
 
     def _launch(self, key: warmpool.RunnerKey) -> warm.Launch:
-        """How to start a warm runner: its own folder, log and minimal environment."""
+        """How to start a warm runner: its own folder (its HOME, working folder and TMPDIR, removed
+        as it ends), the log of its model and GPU, and a minimal environment. The runners of a
+        model and GPU share that log's folder; given it as HOME and working folder, a model's
+        scratch file there was another runner's too, another user's job's."""
         folder = self.store.runner_dir(key.model, key.gpu)
         temp = self.store.runner_temp(folder, self.worker_id)  # several runners may share `folder`
         env = runner.minimal_env(
             key.gpu,
             {
-                "HOME": str(folder),
+                "HOME": str(temp),
                 "TMPDIR": str(temp),  # and TMP, TEMP, which some programs read instead
                 "TMP": str(temp),
                 "TEMP": str(temp),
@@ -68,7 +71,7 @@ class WarmRun:
             f"{key.model} on GPU {key.gpu}",
             argv,
             env,
-            folder,
+            temp,
             folder / "runner.log",
             load_timeout_s=self.spec.load_timeout_s,
             temp_dir=temp,

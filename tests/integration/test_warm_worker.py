@@ -365,6 +365,33 @@ async def test_an_idle_runner_holds_what_nvml_showed_it_using_if_more(manager, m
         assert (runner["state"], runner["vram_mb"], worker.pool.reserved_mb(0)) == ("idle", 8000, 8000)
 
 
+async def test_two_runners_of_a_model_side_by_side_have_folders_of_their_own(manager, make_worker, tmp_path):
+    """docs/persistent.md: a runner's HOME and working folder are its own, for as long as it lives.
+    Two runners of one model on one GPU (two jobs side by side) were both given the folder of
+    their model and GPU, which outlives them: a scratch file a model keeps in its working folder
+    or HOME (as a one-shot model may, its folder being its job's) was the other runner's too,
+    another user's job's."""
+    ids = [await enqueue(manager, model="warm_a", vram_mb=2000, sleep=3.0, steps=2) for _ in range(2)]
+    async with running(make_worker(burst=False, max_jobs_per_gpu=2)):
+        deadline = time.monotonic() + 20
+        while len(pids := loads(tmp_path, "warm_a")) < 2:
+            assert time.monotonic() < deadline, "the two jobs did not get a runner each"
+            await asyncio.sleep(0.05)
+        folders = [_folders_of(pid) for pid in pids]
+        for job_id in ids:
+            await until(manager, job_id, lambda j: j.state.final)
+    (cwd_1, home_1, temp_1), (cwd_2, home_2, temp_2) = folders
+    assert cwd_1 != cwd_2 and home_1 != home_2, f"both runners work in {cwd_1} with HOME={home_1}"
+    assert (cwd_1, home_1) == (temp_1, temp_1) and (cwd_2, home_2) == (temp_2, temp_2)
+
+
+def _folders_of(pid: int) -> tuple[str, str, str]:
+    """A process's working folder, HOME and TMPDIR."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        said = dict(v.decode().partition("=")[::2] for v in f.read().split(b"\0") if v)
+    return os.readlink(f"/proc/{pid}/cwd"), said["HOME"], said["TMPDIR"]
+
+
 class SlowReadings(FakeInventory):
     """NVML whose per-process listing, read off the event loop as a job's sampler reads it, takes a
     while (many GPUs, a busy driver): a quick job ends before its first reading."""
