@@ -328,16 +328,30 @@ class WarmPool:
         self, gpu: int | None, need_mb: int, *, keep: RunnerKey | None = None
     ) -> list[Closed]:
         """Close idle runners on `gpu`, least recently used first, until need_mb is freed; the one
-        runner acquire(keep) would reuse is spared (other idle runners of `keep` may go)."""
+        runner acquire(keep) would reuse is spared (other idle runners of `keep` may go).
+
+        Runners already closing there (idle too long, say) count first, and are waited for too:
+        `reserved_mb` counts their memory as theirs until they are gone, so the planner took it
+        as there to evict, and a job claimed for it started its model beside a runner that still
+        held it. Whoever closes them says what they held (the returned list is this call's)."""
+        closing = [
+            runner for runner, held in self._held.items()
+            if held.key.gpu == gpu and runner.state is warm.RunnerState.CLOSING and runner not in self._in_use
+        ]  # fmt: skip
         spared = self.idle(keep)[:1] if keep is not None else []
-        chosen, freed = [], 0
+        chosen, freed = [], sum(self._held[runner].hold_mb for runner in closing)
         for runner in reversed(self.idle(gpu=gpu)):
             if freed >= need_mb:
                 break
             if runner not in spared:
                 chosen.append(runner)
                 freed += self._held[runner].hold_mb
-        return await self._close(chosen, f"evicted: {need_mb} MB needed on GPU {gpu}")
+        going = [runner.close() for runner in closing]  # the tasks that end them already
+        closed = await self._close(chosen, f"evicted: {need_mb} MB needed on GPU {gpu}")
+        if going:
+            await asyncio.shield(asyncio.gather(*going))
+            self._prune()
+        return closed
 
     async def idle_close(self, older_than_s: float) -> list[Closed]:
         """Close the runners idle for `older_than_s` or longer."""

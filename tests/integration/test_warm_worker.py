@@ -392,6 +392,31 @@ def _folders_of(pid: int) -> tuple[str, str, str]:
     return os.readlink(f"/proc/{pid}/cwd"), said["HOME"], said["TMPDIR"]
 
 
+async def test_a_job_that_needs_a_closing_runners_memory_waits_for_it_to_go(manager, make_worker, tmp_path):
+    """A runner being closed (idle too long; it outlives its stdin, deaf to SIGTERM, so its close
+    takes two kill graces) still holds its memory, which the planner counts as there to evict. A
+    job claimed for that room must not start its model until the runner is gone: eviction looked
+    at idle runners only, and the job started at once beside the closing one (6000 + 6000 MB on a
+    10 GB GPU)."""
+    inventory = FakeInventory([10_240])
+    old = await enqueue(manager, model="warm_linger", vram_mb=6000)
+    config = {"burst": False, "kill_grace_s": 2.0, "warm_idle_s": 0.5}
+    async with running(make_worker(inventory=inventory, **config)) as worker:
+        await until(manager, old, lambda j: j.state is JobState.succeeded)
+        pid = await first_load(tmp_path, "warm_linger")
+        inventory.set_free(0, 10_240 - 6000)  # NVML: the runner's model is in GPU memory
+        deadline = time.monotonic() + 10
+        while not any(r.state == "closing" for r in worker.pool.runners()):  # the idle close began
+            assert time.monotonic() < deadline, "the idle runner was not closed"
+            await asyncio.sleep(0.02)
+        assert alive(pid) and worker.pool.reserved_mb(0) == 6000
+        new = await enqueue(manager, model="warm_b", vram_mb=6000)
+        await first_load(tmp_path, "warm_b")  # the new job's model has started
+        still_alive = alive(pid)
+        await until(manager, new, lambda j: j.state.final)
+    assert not still_alive, "warm_b loaded while the closing warm_linger runner still held its 6000 MB"
+
+
 class SlowReadings(FakeInventory):
     """NVML whose per-process listing, read off the event loop as a job's sampler reads it, takes a
     while (many GPUs, a busy driver): a quick job ends before its first reading."""
