@@ -74,7 +74,8 @@ class Fleet:
         """Queue again (or fail) running jobs whose lease ran out, except those `by_worker` runs.
 
         With `host`, a job on that host is taken only if it is in `cleared`: its leftover
-        processes were looked for (and killed) after its lease ran out (`leftovers_on_host`).
+        processes were looked for (and killed) after its lease ran out (`leftovers_on_host`); one
+        on another host where a worker is live is left to that worker for `lease_s` more.
         Within `lease_s` (a worker's lease) of PostgreSQL's start no lease counts as run out: no
         worker could renew one while the database was away (sql._LEASE_RAN_OUT)."""
         values = {

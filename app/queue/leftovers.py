@@ -224,19 +224,25 @@ async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
 
 async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) -> bool:
     """Kill the model process groups of a job taken back from a lost worker on this host: its
-    run's, or the warm runner it was running in (its recorded pid, a runner of that worker)."""
+    run's (its recorded pid, and every process that carries the run's marker: one it started in a
+    session of its own left the group), or the warm runner it was running in (its recorded pid, a
+    runner of that worker, and what carries that runner's marker). Only the recorded group was
+    killed while it lived: a helper in a session of its own lived on beside the job's next run,
+    holding its GPU memory, for as long as no worker of the dead one's id started on the host."""
     if taken.host != host:
         return False
     pid = taken.pid
     environ = None if pid is None else _environ(pid)
-    if (
-        pid is not None
-        and environ is not None
-        and (_run_of(taken.id, taken.attempt)(environ) or _a_runner_of(taken.worker_id, environ))
-    ):
-        groups = {pid}  # a runner's pid is its process group's
-    else:
-        groups = await asyncio.to_thread(find_models, taken.id, taken.attempt)
+    marks = [_run_of(taken.id, taken.attempt)]
+    groups = set()
+    if pid is not None and environ is not None:
+        if marks[0](environ):
+            groups.add(pid)
+        elif _a_runner_of(taken.worker_id, environ):
+            groups.add(pid)  # a runner's pid is its process group's
+            runner_mark = next(v for v in environ.split(b"\0") if v.startswith(b"GPUJOBS_RUNNER="))
+            marks.append(lambda found: runner_mark in found.split(b"\0"))
+    groups |= await asyncio.to_thread(_groups_where, lambda found: any(mark(found) for mark in marks))
     return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0
 
 

@@ -683,12 +683,19 @@ _TAKE_BACK = f"""
 # Of the jobs on the caller's own host (`:host`; NULL: no such rule) only those in `:cleared`
 # are taken: the ones whose leftover processes it has just looked for and killed. A lease that
 # ran out after that look waits for the next round, so the old run is gone before a new attempt
-# of the job can start.
+# of the job can start. A job on another host is left, for one more lease, to a live worker of
+# that host, the only one that can kill what its run left there: taken from afar at once, it ran
+# again while the dead worker's model ran on (holding its GPU), which no worker then looked for.
+_LEFT_TO_ITS_HOST = """EXISTS (
+        SELECT 1 FROM workers AS w
+        WHERE w.host = jobs.host AND w.id IS DISTINCT FROM jobs.worker_id AND w.state = 'running'
+          AND w.heartbeat_at > now() - make_interval(secs => :lease_s))
+      AND lease_expires_at >= now() - make_interval(secs => :lease_s)"""
 RECOVER_EXPIRED = text(
     _TAKE_BACK.format(
         where=f"{_LEASE_RAN_OUT} AND NOT (id = ANY(CAST(:in_hand AS uuid[])))"
-        " AND (CAST(:host AS text) IS NULL OR host IS DISTINCT FROM CAST(:host AS text)"
-        " OR id = ANY(CAST(:cleared AS uuid[])))",
+        " AND (CAST(:host AS text) IS NULL OR id = ANY(CAST(:cleared AS uuid[]))"
+        f" OR (host IS DISTINCT FROM CAST(:host AS text) AND NOT ({_LEFT_TO_ITS_HOST})))",
         channel=QUEUED_CHANNEL,
     )
 )

@@ -1026,3 +1026,30 @@ async def test_a_database_out_of_disk_at_the_outcome_does_not_fail_the_job(manag
     history = await kinds(manager, job_id)
     assert "recovered" not in history, f"taken back from its live worker as a dead one's: {history}"
     assert job.state is JobState.succeeded, (job.state, job.error, history)
+
+
+async def test_an_orphan_of_a_killed_worker_is_killed_by_its_host_when_another_host_reaps_first(
+    manager, spawn_worker, make_worker, tmp_path
+):
+    """Two GPU hosts share the database. On host H, worker `a` is killed (kill -9) while its model
+    runs; worker `c` lives on H too. The reaper of whichever worker came first took the job back,
+    and one on another host kills nothing (it cannot) and queued the job at once: it ran again
+    while the orphan ran on in H, holding its GPU, and `c` never looked for it (it looks at jobs
+    still running on its host). A live worker of H now gets one more lease to clear it first."""
+    job_id = await enqueue(manager, sleep=40, steps=1, trace=str(tmp_path / "trace.jsonl"))
+    first = spawn_worker("a")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    orphan = job.pid
+    assert orphan is not None
+    spawn_worker("c", reap_interval_s=2)  # H's other worker: its reaper looks every 2 s (10 times slower)
+    deadline = time.monotonic() + 15
+    while not any(w.id.endswith(worker_name("c")) for w in await manager.reports.workers()):
+        assert time.monotonic() < deadline, "worker c did not register"
+        await asyncio.sleep(0.05)
+    elsewhere = make_worker(name="elsewhere", burst=False, reap_interval_s=0.2)
+    elsewhere.host = elsewhere.reaper._host = "another-gpu-host"  # its host is not H
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    async with running(elsewhere):
+        await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)  # taken back, run again
+        assert not alive(orphan), "the killed worker's model still ran beside the job's new attempt"

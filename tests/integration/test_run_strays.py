@@ -390,3 +390,30 @@ async def test_an_idle_worker_looks_for_strays_only_after_a_run_ended(manager, m
     # Every round looked before (about ten here). One look is allowed: any child of this test
     # process reaped late (an earlier test's) changes the totals the worker compares.
     assert idle <= 1, idle
+
+
+async def test_a_stray_of_a_killed_workers_run_dies_when_another_worker_on_the_host_takes_the_job_back(
+    manager, spawn_worker, tmp_path, strays
+):
+    """A worker killed (kill -9) mid-job leaves its run's model and the process it started in a
+    session of its own. Another worker on the host, taking the job back once its lease ran out,
+    killed the model's group by its recorded pid and nothing else: the stray (which carries the
+    run's GPUJOBS_JOB marker) lived on, holding what it held (its GPU memory), for as long as no
+    worker of the dead one's id started again on the host."""
+    job_id = await enqueue(manager, model="stray", then="hang", delay_s="60", quiet="quiet", max_attempts=2)
+    first = spawn_worker("a")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "stray.pid").exists():
+        assert time.monotonic() < deadline, "the model started no stray"
+        await asyncio.sleep(0.05)
+    stray = _stray_pid(tmp_path)
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+    assert alive(job.pid or 0) and alive(stray)
+    spawn_worker("b")
+    await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)  # taken back by b
+    assert await _gone(job.pid or 0, within_s=3)  # the run's own group was killed...
+    assert await _gone(stray, within_s=3), (
+        "the stray of the killed worker's run still lives"
+    )  # ...its stray too
