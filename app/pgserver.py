@@ -28,6 +28,7 @@ only when a process joins. A process that holds it may watch it (`watch`, as `gp
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -113,6 +114,7 @@ class EmbeddedPostgres:
                 _drop_stale_lock_files(self.data_dir, lock)
                 # The wheel's widening, replaced for good: its module looks the name up at each call.
                 postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
+                _choose_socket_dirs_pg_ctl_can_pass(postgres_server)
                 self._server = postgres_server.get_server(self.data_dir, cleanup_mode="stop")
         except errors.ConfigError:
             raise  # a folder the wheel's user cannot pass, said as it is
@@ -163,6 +165,39 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# What pg_ctl's `-o` splits an option at, or reads as quoting: the wheel passes `-k <socket dir>`
+# unquoted, so a data folder under "My Projects" failed every start ("postgres: invalid argument").
+_SPLIT_BY_PG_CTL = re.compile(r"[\s'\"\\]")
+
+
+def _choose_socket_dirs_pg_ctl_can_pass(postgres_server: Any) -> None:
+    """Have the wheel put the server's socket in its runtime folder (as it does for a data folder
+    whose path is too long for a socket) when the data folder's path holds what pg_ctl's `-o`
+    would split; once per process (its module looks the name up at each call)."""
+    chosen = postgres_server.find_suitable_socket_dir
+    if getattr(chosen, "passes_pg_ctl", False):
+        return
+
+    def choose(pgdata: Path, runtime_path: Path) -> Path:
+        folder = Path(chosen(pgdata, runtime_path))
+        if not _SPLIT_BY_PG_CTL.search(str(folder)):
+            return folder
+        # Named by the data folder, as the wheel names its own: stable across the processes that
+        # join the server (they read the socket's folder from postmaster.pid anyway).
+        digest = hashlib.sha256(f"{pgdata}-{pgdata.stat().st_ino}".encode()).hexdigest()[:10]
+        folder = Path(runtime_path) / f"gpujobs-{digest}"
+        if _SPLIT_BY_PG_CTL.search(str(folder)):
+            raise errors.ConfigError(
+                f"the embedded PostgreSQL cannot use {pgdata} nor {runtime_path} for its socket: their"
+                " paths hold a space or a quote; set GPUJOBS_STORAGE_DIR to a path without one"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    choose.passes_pg_ctl = True  # type: ignore[attr-defined]
+    postgres_server.find_suitable_socket_dir = choose
 
 
 class _NarrowGrants:

@@ -52,6 +52,23 @@ async def test_embedded_server_starts_from_nothing_and_is_shared(tmp_path):
     assert not (data / "postmaster.pid").exists()  # the last one out stopped it
 
 
+async def test_embedded_server_starts_in_a_folder_whose_path_has_a_space(tmp_path):
+    """`make run` in a checkout under a folder such as "My Projects" stopped at once: "the embedded
+    PostgreSQL ... did not start: ... postgres: invalid argument: "Projects/gpujobs/storage/pgdata""
+    (the wheel hands pg_ctl the socket folder unquoted in `-o`). Every command on the embedded
+    database failed so (serve, worker, keys, migrate)."""
+    data = tmp_path / "My Projects" / "storage" / "pgdata"
+    server = pgserver.EmbeddedPostgres(data)
+    try:
+        url = await asyncio.to_thread(server.start)
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        assert int(await conn.fetchval("SHOW server_version_num")) >= 140000
+        await conn.close()
+    finally:
+        server.stop()
+    assert not (data / "postmaster.pid").exists()
+
+
 def test_a_server_that_does_not_start_is_said_to_fail_for_its_reason(tmp_path):
     """The error named pg_ctl's command and its exit status, and left the reason in the log: "the
     embedded PostgreSQL in … did not start (Command '[…pg_ctl…]' returned non-zero exit status
