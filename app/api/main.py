@@ -112,7 +112,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.services = services
     observers = ops.Observability(app).start()  # job feed for streams, metrics, retention on demand
     app.state.exiting = asyncio.Event()  # set when the server is told to exit: event streams end
-    await security.announce_missing_admin(services.keys, security.public_paths(app, settings))
+    await security.announce_missing_admin(services.keys, security.public_paths(app, settings), settings)
     task: asyncio.Task[None] | None = None
     worker: worker_.Worker | None = None
     try:

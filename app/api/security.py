@@ -43,7 +43,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import auth, db
+from app import auth, checkout, db
 from app.api import deps, docs, limits, paths
 from app.settings import Settings
 
@@ -333,7 +333,7 @@ def install(app: FastAPI, settings: Settings) -> None:
 ANNOUNCE_TIMEOUT_S = 5.0
 
 
-async def announce_missing_admin(keys: auth.KeyStore, public: frozenset[str]) -> None:
+async def announce_missing_admin(keys: auth.KeyStore, public: frozenset[str], settings: Settings) -> None:
     """On a database without an admin key, tell the operator how to make the first one (and what
     answers without a key: `public`, the paths public_paths gives)."""
     try:
@@ -346,11 +346,25 @@ async def announce_missing_admin(keys: auth.KeyStore, public: frozenset[str]) ->
     if not has_admin:
         log.warning(
             "no admin API key exists yet; every request needs a key except %s, signed links and the "
-            "sign-in page. Make the first one with: %s keys create admin --admin",
+            "sign-in page. Make the first one with: %s",
             ", ".join(sorted(public)),
-            gpujobs_command(),
+            first_key_command(settings),
             extra={"action": "no_admin_key"},
         )
+
+
+def first_key_command(settings: Settings) -> str:
+    """The command that makes the first admin key in this service's database: typed as printed
+    in another shell, without this service's GPUJOBS_STORAGE_DIR, it made the key in the
+    checkout's own embedded database (made on the spot if need be), which this service answers
+    401. An external database's URL is not printed (it may hold a password)."""
+    command = f"{gpujobs_command()} keys create admin --admin"
+    if os.environ.get("GPUJOBS_DATABASE_URL"):
+        return f"{command} (with this service's GPUJOBS_DATABASE_URL set)"
+    storage = settings.storage_dir.resolve()
+    if storage != checkout.STORAGE.resolve():
+        return f"GPUJOBS_STORAGE_DIR={shlex.quote(str(storage))} {command}"
+    return command
 
 
 def gpujobs_command() -> str:

@@ -358,7 +358,9 @@ async def test_first_start_without_an_admin_key_says_how_to_make_one(settings, c
 async def test_the_first_run_warning_names_a_command_that_runs_from_here(settings, caplog, monkeypatch):
     """After `make run`, `gpujobs` is not on PATH (it is .venv/bin/gpujobs), yet the warning said
     "Make the first one with: gpujobs keys create admin --admin": copied, it was "command not
-    found". It names the command as it runs from the working folder."""
+    found". It names the command as it runs from the working folder. And with the storage folder
+    the service uses: run with GPUJOBS_STORAGE_DIR=/srv/gpujobs, the command as printed made the
+    key in the checkout's own embedded database, and the service answered that key 401."""
     import shlex
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
@@ -368,9 +370,10 @@ async def test_the_first_run_warning_names_a_command_that_runs_from_here(setting
     [said] = [r.getMessage() for r in caplog.records if "Make the first one with: " in r.getMessage()]
     words = shlex.split(said.split("Make the first one with: ")[1])
     assert words[-4:] == ["keys", "create", "admin", "--admin"], words
-    program = words[0]
+    assert words[0] == f"GPUJOBS_STORAGE_DIR={settings.storage_dir.resolve()}"  # not the checkout's storage
+    program = words[1]
     assert "/" in program and os.access(program, os.X_OK), program  # runnable as typed, from here
-    help_ = [program, *words[1:-4], "--help"]
+    help_ = [program, *words[2:-4], "--help"]
     ran = await asyncio.to_thread(subprocess.run, help_, capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and "serve" in ran.stdout, ran.stderr
 
@@ -1153,3 +1156,22 @@ def test_cors_origins_are_checked_at_start():
     for bad in ("https://a.example/path", "a.example", "javascript:alert(1)"):
         with pytest.raises(ValueError, match="origin"):
             Settings(cors_origins=bad)
+
+
+def test_the_first_key_command_names_the_database_the_service_uses(settings, monkeypatch):
+    """The hint's command makes the key where the service looks for it: the checkout's storage
+    needs nothing more, another storage folder is named, an external database is asked for
+    without its URL (which may hold a password)."""
+    from app import checkout
+
+    monkeypatch.delenv("GPUJOBS_DATABASE_URL", raising=False)
+    assert security.first_key_command(settings).startswith(
+        f"GPUJOBS_STORAGE_DIR={settings.storage_dir.resolve()} "
+    )
+    default = settings.model_copy(update={"storage_dir": checkout.STORAGE})
+    assert security.first_key_command(default).endswith(" keys create admin --admin")
+    assert "GPUJOBS_STORAGE_DIR" not in security.first_key_command(default)
+    monkeypatch.setenv("GPUJOBS_DATABASE_URL", "postgresql://jobs:s3cret@db/jobs")
+    said = security.first_key_command(settings)
+    assert said.endswith("keys create admin --admin (with this service's GPUJOBS_DATABASE_URL set)")
+    assert "s3cret" not in said and "GPUJOBS_STORAGE_DIR" not in said
