@@ -34,6 +34,10 @@ def asyncpg_url(value: str) -> str:
             "cannot be read as a URL such as postgresql://user:password@host:5432/database (the port "
             "a number, an IPv6 address in brackets: [::1])"
         ) from None
+    if url.host is not None and "@" in url.host:  # a password's @ ended it: its tail read as the host
+        raise ValueError(
+            "has an @ in its user or password: write it there as %40 (postgresql://user:p%40ss@host/db)"
+        )
     _check_query(url.query)
     ports = str(url.query.get("port", "")).split(",") + ([str(url.port)] if url.port is not None else [])
     for port in ports:

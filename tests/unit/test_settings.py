@@ -164,6 +164,9 @@ def test_a_duration_past_ten_years_is_refused_by_name(monkeypatch, name):
         ("postgresql://h/x?sslmode=require&sslmode=disable", "sslmode is given twice"),
         ("postgresql://h/x?host=a,b&port=5432,99999", "port 99999 is not a number between"),
         ("postgresql://h/x?port=abc", "port abc is not a number between"),
+        # Read as the password "p" and the host "ssw0rd@db": the password's tail was shown with the
+        # connection's error ("cannot reach ...gpujobs:***@ssw0rd@db..."), and no word on the @.
+        ("postgresql://gpujobs:p@ssw0rd@db:5432/jobs", "has an @ in its user or password: write it"),
     ],
 )
 def test_a_database_url_asyncpg_cannot_use_is_refused_by_name(monkeypatch, url, expected):
@@ -176,7 +179,7 @@ def test_a_database_url_asyncpg_cannot_use_is_refused_by_name(monkeypatch, url, 
         load_settings()
     message = caught.value.message
     assert message.startswith("invalid configuration: GPUJOBS_DATABASE_URL: " + expected), message
-    assert "\n" not in message
+    assert "\n" not in message and "ssw0rd" not in message
 
 
 @pytest.mark.parametrize("mode", ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"])
