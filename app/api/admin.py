@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, Request
 
 from app import errors, retention, storage
+from app.api import forms
 from app.api.deps import CallerDep, InvalidPublic, ServicesDep, require_admin
 from app.api.schemas import (
     CancelCount,
@@ -36,6 +37,7 @@ from app.settings import Settings
 router = APIRouter(
     prefix="/admin",
     tags=["admin"],
+    route_class=forms.JsonRoute,  # a body that is not JSON: one sentence on how to send it
     dependencies=[Depends(require_admin)],
     responses={
         401: {"model": ErrorPublic, "description": "Missing, invalid or revoked API key"},
@@ -80,8 +82,13 @@ def _unserved(job_id: uuid.UUID, model: str, known: Iterable[str]) -> errors.Con
 
 
 @router.post("/jobs/retry", response_model=RetryCount)
-async def retry_jobs(body: RetryFilter, services: ServicesDep, caller: CallerDep) -> RetryCount:
+async def retry_jobs(
+    services: ServicesDep, caller: CallerDep, body: Annotated[RetryFilter | None, Body()] = None
+) -> RetryCount:
     """Queue again the failed jobs matching the filter, up to the queue limit; how many, how many left."""
+    body = (
+        body or RetryFilter()
+    )  # no body: as `{}`, every failed job (README), as `gpujobs jobs retry-many` sends
     # Jobs of models this registry lacks are never queued again (no worker of it would run them):
     # counted apart, as `unserved`, so the answer never reads "none left" while they stay failed.
     names = [body.model] if body.model is not None else list(services.models.models)

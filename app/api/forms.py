@@ -1,5 +1,5 @@
-"""Routes that take a multipart form (POST /jobs): a body that is not their form gets one sentence
-that says how to send it.
+"""Routes that take a multipart form (POST /jobs) or a JSON object (the admin's actions): a body
+that is not what they take gets one sentence that says how to send it.
 
 FastAPI answers such a body with its list of field errors: a JSON body, `model` "Field required"
 though the body held one, never saying that the route takes multipart/form-data; a file sent as a
@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import params
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -20,6 +21,8 @@ from app import errors
 from app.api import limits
 
 MULTIPART = "multipart/form-data"
+JSON = "application/json"
+EMPTY = "an empty body"
 
 
 class FormRoute(limits.UploadRoute):
@@ -53,13 +56,38 @@ class FormRoute(limits.UploadRoute):
         return form_only
 
 
+class JsonRoute(APIRoute):
+    """A route that takes a JSON object: another body (`curl -d '{...}'` without the header sends it
+    as application/x-www-form-urlencoded, which FastAPI answered "Input should be a valid
+    dictionary or object to extract fields from"), or none where one is required (FastAPI:
+    "Field required"), gets one sentence saying how to send it. No body, where the object may be
+    left out, is the route's to read as `{}`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        body = [f for f in self.dependant.body_params if not isinstance(f.field_info, params.Form)]
+        if not body:
+            return handler
+        required = any(f.field_info.is_required() for f in body)
+        takes = f"{self.path} takes a JSON object (Content-Type: {JSON}), not {{sent}}; e.g. curl -H "
+        takes += f"'Content-Type: {JSON}' -d '{{{{...}}}}'"
+
+        async def json_only(request: Request) -> Response:
+            sent = _content_type(request)
+            if sent != JSON and not sent.endswith("+json") and (sent != EMPTY or required):
+                raise errors.InvalidRequest(f"{request.method} " + takes.format(sent=sent))
+            return await handler(request)
+
+        return json_only
+
+
 def _content_type(request: Request) -> str:
     """The request's media type, lower case, without parameters; else what it sent, in words."""
     value = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if value:
         return value
     if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
-        return "an empty body"
+        return EMPTY
     return "a body without a Content-Type"
 
 

@@ -46,3 +46,36 @@ async def test_a_prune_with_no_body_prunes_as_with_an_empty_object(client):
     answer = await client.post("/admin/prune")
     assert answer.status_code == 200, answer.text
     assert answer.json()["jobs"] == 0 and answer.json()["dry_run"] is False
+
+
+async def test_a_bulk_retry_with_no_body_retries_as_with_an_empty_object(client):
+    """The README: POST /admin/jobs/retry takes a JSON filter, "none: every one". `curl -X POST
+    .../admin/jobs/retry` with no body got FastAPI's list, `[{"type": "missing", "loc": ["body"],
+    "msg": "Field required"}]`."""
+    answer = await client.post("/admin/jobs/retry")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["retried"] == 0
+
+
+async def test_a_json_filter_sent_as_a_form_is_told_to_send_json(client, engine):
+    """`curl -d '{"model": "toy"}' ...` without `-H 'Content-Type: application/json'` (curl then says
+    application/x-www-form-urlencoded) got `[{"type": "model_attributes_type", "loc": ["body"], "msg":
+    "Input should be a valid dictionary or object to extract fields from"}]` from the admin routes
+    that take JSON: no word on the header that was missing. So did a bulk cancel with no body."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    before = await counts(engine)
+    for path, body, headers in (
+        ("/admin/jobs/retry", b'{"model": "toy"}', form),
+        ("/admin/jobs/cancel", b'{"model": "toy"}', form),
+        ("/admin/prune", b'{"dry_run": true}', form),
+        ("/admin/jobs/cancel", b"", {}),
+    ):
+        answer = await client.post(path, content=body, headers=headers)
+        assert answer.status_code == 422, (path, answer.text)
+        detail = answer.json()["detail"]
+        assert isinstance(detail, str) and detail.startswith(f"POST {path} takes a JSON object"), detail
+        sent = "application/x-www-form-urlencoded" if body else "an empty body"
+        assert f"(Content-Type: application/json), not {sent}; e.g. curl -H" in detail, detail
+    assert await counts(engine) == before
+    answer = await client.post("/admin/jobs/cancel", json={"model": "toy"})  # sent as it should be
+    assert answer.status_code == 200, answer.text
