@@ -447,6 +447,20 @@ def test_the_blur_runner_of_docs_persistent_md_works_as_shown(tmp_path: Path) ->
     assert isinstance(refused, modelkit.Failed) and refused.bad_input and "params.radius" in refused.error
 
 
+def test_the_blur_models_registry_entry_of_docs_persistent_md_registers_it(tmp_path: Path) -> None:
+    """The doc showed the blur runner with no registry entry: a reader had to find out that `argv`
+    and `max_attempts` are required in persistent mode too, and that `radius` must be declared."""
+    from app import modelsfile
+
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "persistent.md").read_text(), re.S)
+    [entry] = [block for block in blocks if block.startswith("[models.blur]")]
+    (tmp_path / "models.toml").write_text(entry)
+    spec = modelsfile.load_registry(tmp_path / "models.toml").get("blur")
+    assert spec.persistent and spec.build_serve_argv(python="py") == ["py", "/opt/models/blur.py"]
+    assert spec.validate_params({"radius": 2}) == {"radius": 2}
+    assert spec.validate_params({}) == {"radius": 4}
+
+
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_model_that_calls_sys_exit_in_a_job_fails_that_job(tmp_path: Path, code: int) -> None:
     """Any exception `handle` raises other than bad input is a model error (docs/persistent.md). A
