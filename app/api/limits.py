@@ -280,7 +280,30 @@ class PartBuffer:
         self.closed = True
 
 
-class InMemoryParser(MultiPartParser):
+class WholeFormParser(MultiPartParser):
+    """Starlette's multipart parser, refusing a form whose body ended before its closing boundary.
+    It parsed such a form as far as it went and dropped the unfinished last part without a word:
+    `params` cut off so (a Content-Length counted in characters, not bytes) queued the job to run
+    with the model's defaults."""
+
+    _ended = False
+
+    def on_end(self) -> None:
+        self._ended = True
+
+    async def parse(self) -> FormData:
+        form = await super().parse()
+        if not self._ended:
+            for file in self._files_to_close_on_error:
+                file.close()
+            raise MultiPartException(FORM_CUT_SHORT)
+        return form
+
+
+FORM_CUT_SHORT = "the multipart form ends before its closing boundary: the body was cut short; send it whole"
+
+
+class InMemoryParser(WholeFormParser):
     """Starlette's multipart parser, with each file in a `PartBuffer` of the body's size, fed with
     views of the request's chunks (Starlette slices each chunk and spools it: two more copies, and
     the spool's growth)."""
@@ -323,20 +346,19 @@ class InMemoryUploads(Request):
     ) -> FormData:
         declared = self.headers.get("content-length", "")
         content_type, _ = parse_options_header(self.headers.get("content-type"))
-        if self._form is not None or content_type != b"multipart/form-data" or not declared.isdigit():
+        if self._form is not None or content_type != b"multipart/form-data":
             return await super()._get_form(
                 max_files=max_files, max_fields=max_fields, max_part_size=max_part_size
             )
+        limits = {"max_files": max_files, "max_fields": max_fields, "max_part_size": max_part_size}
         try:
             async with contextlib.aclosing(self.stream()) as stream:
-                parser = InMemoryParser(
-                    self.headers,
-                    stream,
-                    max_files=max_files,
-                    max_fields=max_fields,
-                    max_part_size=max_part_size,
-                    capacity=int(declared),  # the whole body: no part is larger
-                )
+                if declared.isdigit():  # the whole body: no part is larger
+                    parser: WholeFormParser = InMemoryParser(
+                        self.headers, stream, capacity=int(declared), **limits
+                    )
+                else:  # chunked: Starlette's spool, the end of the form checked all the same
+                    parser = WholeFormParser(self.headers, stream, **limits)
                 self._form = await parser.parse()
         except MultiPartException as exc:
             raise HTTPException(status_code=400, detail=exc.message) from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from tests.conftest import png_bytes
 from tests.integration.test_api_intake import counts
 
@@ -79,3 +81,36 @@ async def test_a_json_filter_sent_as_a_form_is_told_to_send_json(client, engine)
     assert await counts(engine) == before
     answer = await client.post("/admin/jobs/cancel", json={"model": "toy"})  # sent as it should be
     assert answer.status_code == 200, answer.text
+
+
+def _form_cut_before_its_end(image: bytes, boundary: str) -> bytes:
+    """A multipart form of model, image and params (last), whose closing delimiter never came."""
+    part = f'--{boundary}\r\nContent-Disposition: form-data; name="%s"%s\r\n\r\n'
+    return (
+        (part % ("model", "")).encode() + b"toy\r\n"
+        + (part % ("image", '; filename="a.png"\r\nContent-Type: image/png')).encode() + image + b"\r\n"
+        + (part % ("params", "")).encode() + b'{"steps": 7}\r\n'
+    )  # fmt: skip  # no "--{boundary}--": the form never ended
+
+
+async def test_a_form_cut_before_its_closing_boundary_is_400_not_queued_with_defaults(client, engine):
+    """A form whose body ended before its closing delimiter (`--boundary--`: a client that counted
+    its Content-Length in characters, not bytes, or a body cut short) was parsed as far as it went,
+    its last, unfinished part dropped without a word: here `params`, so the job was queued (201)
+    to run with the model's defaults instead of what was asked for."""
+    boundary = "b0undary"
+    body = _form_cut_before_its_end(png_bytes(), boundary)
+    headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+    async def in_pieces() -> AsyncIterator[bytes]:  # no Content-Length: chunked, Starlette's spool
+        yield body
+
+    for content in (body, in_pieces()):
+        answer = await client.post("/jobs", content=content, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["detail"].startswith("the multipart form ends before its closing boundary"), (
+            answer.text
+        )
+    assert await counts(engine) == (0, 0, 0)
+    whole = body + f"--{boundary}--\r\n".encode()  # the same form, ended
+    assert (await client.post("/jobs", content=whole, headers=headers)).status_code == 201
