@@ -184,6 +184,12 @@ def _decode_fully(data: Data, max_pixels: int) -> None:
             with Image.open(io.BytesIO(data)) as image:
                 if image.width * image.height > max_pixels:
                     raise errors.InvalidRequest("image: too many pixels", field="image")
+                if image.format in ("JPEG", "MPO"):
+                    # At 1/8 of its size (the DCT's own scaling): every coded byte is still read,
+                    # so a truncated or corrupt file fails the same, but a 1 MB JPEG of 64 MP no
+                    # longer holds 192 MB of pixels while it is checked (a few such uploads at
+                    # once took a gigabyte of the process that also runs the worker).
+                    image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
                 image.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as exc:
             raise _corrupt(str(exc)) from exc

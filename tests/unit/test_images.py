@@ -353,3 +353,37 @@ def test_a_phone_jpeg_with_an_mpf_extension_is_a_jpeg():
     checked = images.inspect(data, max_pixels=LIMIT)
     assert (checked.width, checked.height, checked.media_type) == (37, 23, "image/jpeg")
     assert refused(data[: len(data) // 4]).startswith("image: the file is truncated or corrupt")
+
+
+def test_a_small_jpeg_of_many_pixels_is_checked_without_holding_its_pixels(tmp_path):
+    """A JPEG is checked by decoding it: at full size, a 1 MB JPEG of 8000x8000 (within the 64 MP
+    limit) made the process hold 192 MB of pixels while it was checked, and a few such uploads at
+    once about a gigabyte of the API's memory (which also runs the worker). Decoded at 1/8 scale,
+    every coded byte is still read: a truncated file is refused all the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    picture = io.BytesIO()
+    Image.new("RGB", (8000, 8000), (1, 2, 3)).save(picture, format="JPEG", quality=5)
+    data = picture.getvalue()
+    (tmp_path / "big.jpg").write_bytes(data)
+    # The peak of this process's memory (VmHWM), not ru_maxrss: that starts at the peak of the
+    # process it was forked from (this one, which made the picture).
+    probe = (
+        "import re, sys; from pathlib import Path; from app import images\n"
+        "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text())[1])\n"
+        "data = Path(sys.argv[1]).read_bytes()\n"
+        "before = peak()\n"
+        "images.inspect(data, max_pixels=64_000_000)\n"
+        "print((peak() - before) // 1024)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    ran = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "big.jpg")], capture_output=True, text=True,
+        timeout=60, cwd=root, check=True,
+    )  # fmt: skip
+    assert int(ran.stdout) < 32, f"checking a {len(data) / 1e6:.1f} MB JPEG took {ran.stdout.strip()} MB more"
+    for cut in (0.5, 0.999):
+        with pytest.raises(errors.InvalidRequest, match="truncated or corrupt"):
+            images.inspect(data[: int(len(data) * cut)], max_pixels=64_000_000)
