@@ -281,12 +281,16 @@ def _known(after: int | None, events: list[records.Event]) -> int | None:
     return None if after is None or after > newest else after
 
 
+PG_BIGINT_MAX = 2**63 - 1
+
+
 def _last_event_id(value: str | None) -> int | None:
     # Header bytes arrive as latin-1: '²' passes str.isdigit() and int() refuses it, so ASCII only
     digits = (value or "").strip()
-    if not (digits.isascii() and digits.isdigit()):
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 19:  # int() of 4,300 digits raises
         return None
-    return int(digits)
+    number = int(digits)
+    return number if number <= PG_BIGINT_MAX else None  # past any event id PostgreSQL can hold
 
 
 @router.get(
@@ -303,7 +307,7 @@ async def stream_job(
     request: Request,
     services: ServicesDep,
     caller: CallerDep,
-    last_event_id: Annotated[str | None, Header(max_length=40)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,  # any length: what is no id is ignored
 ) -> Response:
     """Server-sent events of the job's state and progress until it ends; resumes after Last-Event-ID."""
     job = await services.manager.get(job_id, owner=caller.owner_filter)  # 404 before the stream starts

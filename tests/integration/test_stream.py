@@ -198,3 +198,17 @@ async def test_progress_is_served_as_the_model_reported_it(settings, engine):
         async with http.stream("GET", f"/jobs/{job_id}/stream") as response:
             first = await anext(events(response))
         assert first["data"]["progress"] == 0.1, first
+
+
+async def test_a_long_last_event_id_is_ignored_as_the_docs_say(settings):
+    """docs/operations.md: a Last-Event-ID that is not a number is ignored, and so is one past the
+    job's newest event. One of 41 characters or more (a number past any id, or an id another SSE
+    server gave the client) was 422 with FastAPI's list of field errors: an EventSource retrying
+    with it got the same 422 every time it came back."""
+    async with api_client(settings) as http:
+        job_id = await submit_toy(http)
+        assert (await http.post(f"/jobs/{job_id}/cancel")).status_code == 200  # one final event
+        for value in ("9" * 41, "x" * 64, "9" * 5000, str(2**63)):
+            answer = await http.get(f"/jobs/{job_id}/stream", headers={"Last-Event-ID": value})
+            assert answer.status_code == 200, answer.text
+            assert '"state": "canceled"' in answer.text, answer.text
