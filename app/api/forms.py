@@ -51,6 +51,7 @@ class FormRoute(limits.UploadRoute):
                 return await handler(request)
             except RequestValidationError as exc:
                 _refuse_text_for_file(exc, files)
+                _refuse_empty_field(exc, request)
                 raise
 
         return form_only
@@ -89,6 +90,25 @@ def _content_type(request: Request) -> str:
     if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
         return EMPTY
     return "a body without a Content-Type"
+
+
+# What an empty required field is told to send instead, beyond "a value".
+EMPTY_FIELD_HINTS = {"model": "a model's name (GET /models lists them)"}
+
+
+def _refuse_empty_field(exc: RequestValidationError, request: Request) -> None:
+    """InvalidRequest naming the first required field that was sent empty (`-F model=`, a script's
+    unset variable): FastAPI takes an empty field for a missing one, and said "Field required" of a
+    field the client did send."""
+    form = getattr(request.state, "form", None)  # parsed already, for the handler's arguments
+    if form is None:
+        return
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        if error.get("type") == "missing" and len(loc) == 2 and loc[0] == "body" and form.get(loc[1]) == "":
+            name = str(loc[1])
+            send = EMPTY_FIELD_HINTS.get(name, "a value")
+            raise errors.InvalidRequest(f"form field {name!r} is empty: send {send}", field=name) from exc
 
 
 def _refuse_text_for_file(exc: RequestValidationError, files: set[str]) -> None:

@@ -360,6 +360,7 @@ class InMemoryUploads(Request):
                 else:  # chunked: Starlette's spool, the end of the form checked all the same
                     parser = WholeFormParser(self.headers, stream, **limits)
                 self._form = await parser.parse()
+                self.state.form = self._form  # for what answers the route's refusals (app/api/forms.py)
         except MultiPartException as exc:
             raise HTTPException(status_code=400, detail=exc.message) from exc
         return self._form

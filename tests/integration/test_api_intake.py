@@ -491,6 +491,19 @@ async def test_an_empty_priority_is_422_not_the_default(client, png, engine):
     assert await counts(engine) == (0, 0, 0)
 
 
+async def test_an_empty_model_is_422_saying_it_is_empty_not_field_required(client, png, engine):
+    """`-F model=` (a script's unset variable) was answered FastAPI's "Field required" with `loc:
+    ["body", "model"]`: the client did send the field, and read that it did not."""
+    files = [("image", ("a.png", png(), "image/png")), ("model", (None, ""))]
+    response = await client.post("/jobs", files=files)
+    assert response.status_code == 422, response.text
+    assert (
+        response.json()["detail"]
+        == "form field 'model' is empty: send a model's name (GET /models lists them)"
+    )
+    assert await counts(engine) == (0, 0, 0)
+
+
 @pytest.mark.parametrize(
     ("query", "needle"),
     [
