@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import resource
+import signal
 import socket
 import struct
 from collections.abc import Callable, Set
@@ -214,6 +215,19 @@ def _scan(label: Callable[[bytes], str | None]) -> dict[int, str]:
                 if (name := label(Path(entry.path, "environ").read_bytes())) is not None:
                     found[os.getpgid(int(entry.name))] = name
     return found
+
+
+def kill_marked_now(worker_id: str) -> int:
+    """SIGKILL, with no grace, every process group on this host that `worker_id`'s runs and
+    runners started (a worker known to be gone: nothing of it is waited on); how many."""
+    killed = 0
+    for pgid in find_worker_models(worker_id):
+        if pgid <= 1 or pgid == os.getpgid(0):  # our own group or init's: not a leftover model
+            continue
+        if procgroup.signal_group(pgid, signal.SIGKILL):
+            killed += 1
+            log.warning("killed leftover model process", extra={"action": "orphan_killed", "pid": pgid})
+    return killed
 
 
 async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:

@@ -84,6 +84,13 @@ class Reaper:
         for lane in self._free_lanes:  # at most one round on disk after its job, however idle
             self._store.lanes.drop_input(lane)
         await self._kill_strays()
+        # What a worker that is gone left, its processes first (`_left_by`): before its jobs are
+        # taken back, so none of them runs again beside what it left running.
+        for gone in await asyncio.to_thread(self._store.lanes.sweep, self._left_by):
+            log.info(
+                "removed the lanes of a worker that is gone",
+                extra={"action": "lanes_swept", "worker": self._config.worker_id, "lost_worker": gone},
+            )
         cleared = await self._kill_leftovers()
         taken = await self._manager.fleet.recover_expired(
             by_worker=self._config.worker_id,
@@ -103,16 +110,19 @@ class Reaper:
                 },
             )
         await drop_dead_attempts(self._store, taken)
-        # After the kills above: a killed worker's model may still run in its lane until then.
-        for gone in await asyncio.to_thread(self._store.lanes.sweep, self._store.drop_runner_temps):
-            log.info(
-                "removed the lanes of a worker that is gone",
-                extra={"action": "lanes_swept", "worker": self._config.worker_id, "lost_worker": gone},
-            )
         dead_after = max(self._config.lease_s, 3 * self._config.heartbeat_interval_s)
         for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
+
+    def _left_by(self, gone: str) -> None:
+        """Remove what a worker that is gone left (in the sweep's thread, holding its lock): its
+        processes first, then its runners' temporary folders (their HOME and TMPDIR). A runner
+        it started for a job whose pid was not recorded yet (its first half second, or a runner
+        still loading) has nothing of the job's to be found by, and ran (or loaded) on beside the
+        job's next attempt."""
+        leftovers.kill_marked_now(gone)
+        self._store.drop_runner_temps(gone)
 
     async def _age_queued(self) -> None:
         """Raise the age boost of waiting jobs whose next boost is due (a boost lands at most one

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from app.queue import verdict
 from app.queue.jobs import JobState
 from app.runlog import TAIL_BYTES
-from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id
+from tests.conftest import WARM_TOY, api_client, client_for, signed_in, warm_model, worker_id, worker_name
 from tests.fakes import FakeInventory
 from tests.integration.test_durability import alive, running, until
 from tests.integration.test_observability import scrape, value
@@ -586,3 +586,43 @@ async def test_the_warm_preference_is_bounded_so_a_cold_model_gets_its_turn(mana
     order = [job.id for job in sorted(done, key=lambda job: job.started_at)]
     assert order.index(cold) <= 2, order  # the preference takes at most two warm jobs ahead of it
     assert len(loads(tmp_path, "warm_a")) == 1  # and warm_a stayed loaded meanwhile
+
+
+async def test_a_job_whose_worker_died_in_its_first_half_second_in_a_runner_never_runs_twice(
+    manager, spawn_worker, tmp_path
+):
+    """A worker SIGKILLed in the first half second of a job in a warm runner (the runner's pid is
+    recorded on the job only after that): the runner goes on with the job, and nothing marked it
+    as the job's run (it carries its worker's marker, not the job's). The worker that took the job
+    back killed nothing: two runs of the job were alive at once, each holding GPU memory."""
+    job_id = await enqueue(manager, model="warm_b", vram_mb=2000, sleep=15, steps=1)
+    doomed = spawn_worker("doomed", lease_s=2)
+    runner = await first_load(tmp_path, "warm_b", timeout_s=30)
+    await asyncio.sleep(0.25)  # the job is sent to it as it says it is ready
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(5)
+    first = await manager.get(job_id)
+    assert first.pid is None and first.attempt == 1  # not recorded yet
+    spawn_worker("other", lease_s=2)
+    again = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)
+    assert again.worker_id is not None and again.worker_id.endswith(worker_name("other"))
+    assert not alive(runner), "the dead worker's runner still runs attempt 1 beside attempt 2"
+
+
+async def test_a_runner_still_loading_when_its_worker_is_killed_is_gone_before_the_job_runs_again(
+    manager, spawn_worker, tmp_path
+):
+    """A worker SIGKILLed while the runner it started for a job still loaded its model (the job's
+    pid is recorded only once the job runs in it): the orphan went on loading, holding the GPU
+    memory a real model's load takes, beside the job's next attempt, for as long as its load
+    lasted; its HOME and TMPDIR were removed under it meanwhile."""
+    job_id = await enqueue(manager, model="warm_slow", vram_mb=2000, sleep=0.1, steps=1)
+    doomed = spawn_worker("doomed", lease_s=2)
+    orphan = await first_load(tmp_path, "warm_slow", timeout_s=30)  # loading: 30 s
+    assert (await manager.get(job_id)).pid is None  # the job has not reached it
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(5)
+    spawn_worker("other", lease_s=2)
+    again = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)
+    assert again.worker_id is not None and again.worker_id.endswith(worker_name("other"))
+    assert not alive(orphan), "the killed worker's runner still loads beside the job's new attempt"
