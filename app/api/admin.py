@@ -86,9 +86,7 @@ async def retry_jobs(
     services: ServicesDep, caller: CallerDep, body: Annotated[RetryFilter | None, Body()] = None
 ) -> RetryCount:
     """Queue again the failed jobs matching the filter, up to the queue limit; how many, how many left."""
-    body = (
-        body or RetryFilter()
-    )  # no body: as `{}`, every failed job (README), as `gpujobs jobs retry-many` sends
+    body = body or RetryFilter.model_validate({})  # no body: as `{}`, every failed job (README)
     # Jobs of models this registry lacks are never queued again (no worker of it would run them):
     # counted apart, as `unserved`, so the answer never reads "none left" while they stay failed.
     names = [body.model] if body.model is not None else list(services.models.models)

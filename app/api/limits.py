@@ -350,15 +350,19 @@ class InMemoryUploads(Request):
             return await super()._get_form(
                 max_files=max_files, max_fields=max_fields, max_part_size=max_part_size
             )
-        limits = {"max_files": max_files, "max_fields": max_fields, "max_part_size": max_part_size}
         try:
             async with contextlib.aclosing(self.stream()) as stream:
-                if declared.isdigit():  # the whole body: no part is larger
-                    parser: WholeFormParser = InMemoryParser(
-                        self.headers, stream, capacity=int(declared), **limits
+                parser = (
+                    InMemoryParser(  # the whole body: no part is larger
+                        self.headers, stream, max_files=max_files, max_fields=max_fields,
+                        max_part_size=max_part_size, capacity=int(declared),
                     )
-                else:  # chunked: Starlette's spool, the end of the form checked all the same
-                    parser = WholeFormParser(self.headers, stream, **limits)
+                    if declared.isdigit()
+                    else WholeFormParser(  # chunked: Starlette's spool, the form's end checked as well
+                        self.headers, stream, max_files=max_files, max_fields=max_fields,
+                        max_part_size=max_part_size,
+                    )
+                )  # fmt: skip
                 self._form = await parser.parse()
                 self.state.form = self._form  # for what answers the route's refusals (app/api/forms.py)
         except MultiPartException as exc:
