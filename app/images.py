@@ -94,6 +94,14 @@ def _allow_pixels(max_pixels: int) -> None:
         Image.MAX_IMAGE_PIXELS = max_pixels
 
 
+def decoded_pixels(data: Data) -> int:
+    """About how many pixels a full check of `data` holds in memory at once: a JPEG is decoded at
+    1/8 of its size (`_decode_fully`), anything else whole. InvalidRequest or UnsupportedMedia for
+    a file that is no image we take."""
+    kind, width, height = _identify(data)
+    return -(-width * height // 64) if kind in ("JPEG", "MPO") else width * height
+
+
 def _identify(data: Data) -> tuple[str, int, int]:
     """(format, width, height) from the file's header; 415 for other kinds of file."""
     if not data:

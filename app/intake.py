@@ -9,7 +9,7 @@ import functools
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -318,4 +318,37 @@ async def check_image(image: BinaryIO, limits: Limits) -> records.NewInput:
         checked = images.inspect_quickly(data, max_pixels=limits.max_pixels)
         if checked is not None:
             return checked
-    return await asyncio.to_thread(images.inspect, data, max_pixels=limits.max_pixels)
+    async with DECODING.hold(images.decoded_pixels(data), most=limits.max_pixels):
+        return await asyncio.to_thread(images.inspect, data, max_pixels=limits.max_pixels)
+
+
+class DecodeBudget:
+    """The pixels this process's image checks may hold at once: at most one image of the largest
+    size allowed (GPUJOBS_MAX_IMAGE_MEGAPIXELS), or several smaller ones. A small file can hold many
+    pixels (a WebP of 64 MP in a few KB decodes to 192 MB): checked side by side without a bound,
+    a few such uploads of one key took the API, and the worker `serve` runs beside it, a gigabyte."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._held = 0
+        self._freed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, pixels: int, *, most: int) -> AsyncIterator[None]:
+        """Hold `pixels` (no more than `most`, the budget) for the block, waiting for room."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop (tests make one each): nothing held there yet
+            self._loop, self._held, self._freed = loop, 0, asyncio.Event()
+        want = min(pixels, most)
+        while self._held and self._held + want > most:
+            self._freed.clear()
+            await self._freed.wait()
+        self._held += want
+        try:
+            yield
+        finally:
+            self._held -= want
+            self._freed.set()
+
+
+DECODING = DecodeBudget()

@@ -574,3 +574,37 @@ async def test_a_phone_jpeg_with_an_mpf_extension_is_stored_as_a_jpeg_and_runs(s
         assert stored.headers["content-type"] == "image/jpeg" and stored.content == image
         job = await wait_for(client, response.json()["id"], {"succeeded", "failed"})
         assert job["state"] == "succeeded", job["error"]
+
+
+async def test_images_checked_side_by_side_hold_at_most_one_largest_images_pixels(client, monkeypatch):
+    """A WebP of 64 MP is about 110 KB, and its check decodes every pixel (192 MB). Uploads of such
+    files were checked side by side without a bound: four at once, within one key's uploads in
+    progress, held four times that in the API process, which also runs the worker under `serve`.
+    The checks now share a budget of one largest image's pixels (GPUJOBS_MAX_IMAGE_MEGAPIXELS)."""
+    import threading
+
+    checking = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    inspect = images.inspect
+
+    def counted(data: bytes, *, max_pixels: int) -> records.NewInput:
+        with Image.open(io.BytesIO(data)) as image:
+            pixels = image.width * image.height
+        with lock:
+            checking["now"] += pixels
+            checking["most"] = max(checking["most"], checking["now"])
+        try:
+            return inspect(data, max_pixels=max_pixels)
+        finally:
+            with lock:
+                checking["now"] -= pixels
+
+    monkeypatch.setattr(images, "inspect", counted)
+    pictures = []
+    for shade in range(2):  # 36 MP each: two at once would hold 72
+        picture = io.BytesIO()
+        Image.new("RGB", (6000, 6000), (shade, 2, 3)).save(picture, format="WEBP", quality=5)
+        pictures.append(picture.getvalue())
+    answers = await asyncio.gather(*(submit(client, p, name="in.webp") for p in pictures))
+    assert [a.status_code for a in answers] == [201] * 2, [a.text for a in answers]
+    assert checking["most"] <= 64_000_000, f"{checking['most'] / 1e6:g} MP held at once"
