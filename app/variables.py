@@ -36,7 +36,8 @@ def known() -> frozenset[str]:
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A line for each GPUJOBS_* name in `environ` that nothing reads (in any case, as
-    pydantic-settings matches them), in name order, with the known name it most resembles."""
+    pydantic-settings matches them), in name order, with the known name it most resembles; and one
+    for DATABASE_URL without GPUJOBS_DATABASE_URL."""
     names = known()
     # Compared without the prefix, which every name shares: with it, any two names look alike.
     by_rest = {name.removeprefix(PREFIX): name for name in names}
@@ -52,4 +53,11 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             else "no setting has a name like it; `python -m app.settings` lists them"
         )
         lines.append(f"{name} is not a setting ({hint})")
+    # The tests' variable for their server (README, "The two commands"). Set for `serve`, it was
+    # ignored without a word, and the service ran on the embedded database instead.
+    if "DATABASE_URL" in environ and not any(name.upper() == "GPUJOBS_DATABASE_URL" for name in environ):
+        lines.append(
+            "DATABASE_URL is read by the tests only; the service reads GPUJOBS_DATABASE_URL (unset: the"
+            " embedded PostgreSQL in the storage folder)"
+        )
     return lines

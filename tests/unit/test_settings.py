@@ -335,6 +335,17 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_resembles():
     ]
 
 
+def test_the_tests_database_url_set_for_the_service_is_said_to_be_ignored():
+    """`DATABASE_URL=postgresql://... gpujobs serve` (the README's variable for the tests' server)
+    ran the service on the embedded PostgreSQL without a word."""
+    from app.variables import unknown_variables
+
+    said = "DATABASE_URL is read by the tests only; the service reads GPUJOBS_DATABASE_URL"
+    assert any(line.startswith(said) for line in unknown_variables({"DATABASE_URL": "postgresql://h/db"}))
+    both = {"DATABASE_URL": "postgresql://h/db", "GPUJOBS_DATABASE_URL": "postgresql://h/db"}
+    assert unknown_variables(both) == []
+
+
 @pytest.mark.parametrize("command", ["serve", "models"])
 def test_commands_that_read_the_settings_warn_of_a_misspelt_variable(command, tmp_path):
     """`GPUJOBS_PORTT=9 gpujobs serve` started on 8000 with no hint of the typo. `serve` here
