@@ -20,7 +20,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from app import errors
+from app import errors, storage
 from app.queue import attempt as attempt_
 from app.queue import leftovers, verdict
 from app.queue.jobs import JobState
@@ -1041,13 +1041,18 @@ async def test_an_orphan_of_a_killed_worker_is_killed_by_its_host_when_another_h
     job = await until(manager, job_id, lambda j: j.pid is not None)
     orphan = job.pid
     assert orphan is not None
-    spawn_worker("c", reap_interval_s=2)  # H's other worker: its reaper looks every 2 s (10 times slower)
+    # H's other worker, its reaper 10 times slower than elsewhere's; its files apart from a's, so it
+    # learns of a's death from the lease alone (sharing a's folder, it would see a's lock go at once)
+    spawn_worker("c", reap_interval_s=2, storage_dir=str(tmp_path / "c-storage"))
     deadline = time.monotonic() + 15
     while not any(w.id.endswith(worker_name("c")) for w in await manager.reports.workers()):
         assert time.monotonic() < deadline, "worker c did not register"
         await asyncio.sleep(0.05)
-    elsewhere = make_worker(name="elsewhere", burst=False, reap_interval_s=0.2)
-    elsewhere.host = elsewhere.reaper._host = "another-gpu-host"  # its host is not H
+    # Its host is not H, nor its storage folder (from there it could see a's lock go, and scan H).
+    elsewhere = make_worker(
+        name="elsewhere", burst=False, reap_interval_s=0.2, store_=storage.ResultStore(tmp_path / "far")
+    )
+    elsewhere.host = elsewhere.reaper._host = "another-gpu-host"
     first.send_signal(signal.SIGKILL)
     first.wait(5)
     async with running(elsewhere):

@@ -411,7 +411,9 @@ async def test_a_stray_of_a_killed_workers_run_dies_when_another_worker_on_the_h
     first.send_signal(signal.SIGKILL)
     first.wait(5)
     assert alive(job.pid or 0) and alive(stray)
-    spawn_worker("b")
+    # b keeps its files elsewhere: it cannot see a's lock, so what kills the stray is the take-back's
+    # own look for the run's marker (a worker sharing a's folder kills it sooner, by a's marker).
+    spawn_worker("b", storage_dir=str(tmp_path / "b-storage"))
     await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=30)  # taken back by b
     assert await _gone(job.pid or 0, within_s=3)  # the run's own group was killed...
     assert await _gone(stray, within_s=3), (
