@@ -29,12 +29,18 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def refused(pgid: int) -> bool:
+    """Whether `pgid` is init's (or none) or this process's own group: never a leftover model's (a
+    recorded pid may be reused after a restart)."""
+    return pgid <= 1 or pgid == os.getpgid(0)
+
+
 async def kill_process_group(pgid: int, *, grace_s: float) -> bool:
     """SIGTERM a leftover group, SIGKILL it after `grace_s`; True if anything was there.
 
-    Refuses (ValueError) pgid <= 1 and our own group: a recorded pid may be reused after a restart.
+    Refuses (ValueError) what `refused` names.
     """
-    if pgid <= 1 or pgid == os.getpgid(0):
+    if refused(pgid):
         raise ValueError(f"refusing to kill process group {pgid}")
     if not signal_group(pgid, signal.SIGTERM):
         return False

@@ -222,9 +222,7 @@ def kill_marked_now(worker_id: str) -> int:
     runners started (a worker known to be gone: nothing of it is waited on); how many."""
     killed = 0
     for pgid in find_worker_models(worker_id):
-        if pgid <= 1 or pgid == os.getpgid(0):  # our own group or init's: not a leftover model
-            continue
-        if procgroup.signal_group(pgid, signal.SIGKILL):
+        if not procgroup.refused(pgid) and procgroup.signal_group(pgid, signal.SIGKILL):
             killed += 1
             log.warning("killed leftover model process", extra={"action": "orphan_killed", "pid": pgid})
     return killed
@@ -247,16 +245,18 @@ async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) 
         return False
     pid = taken.pid
     environ = None if pid is None else _environ(pid)
-    marks = [_run_of(taken.id, taken.attempt)]
-    groups = set()
-    if pid is not None and environ is not None:
-        if marks[0](environ):
-            groups.add(pid)
-        elif _a_runner_of(taken.worker_id, environ):
-            groups.add(pid)  # a runner's pid is its process group's
-            runner_mark = next(v for v in environ.split(b"\0") if v.startswith(b"GPUJOBS_RUNNER="))
-            marks.append(lambda found: runner_mark in found.split(b"\0"))
-    groups |= await asyncio.to_thread(_groups_where, lambda found: any(mark(found) for mark in marks))
+    of_run = _run_of(taken.id, taken.attempt)
+    groups: set[int] = set()
+    runner: bytes | None = None  # the marker of the runner it ran in
+    if environ is not None and (of_run(environ) or _a_runner_of(taken.worker_id, environ)):
+        assert pid is not None  # environ is read only for a recorded pid
+        groups.add(pid)  # the run's group, or its runner's (a runner's pid is its group's)
+        runner = next((v for v in environ.split(b"\0") if v.startswith(b"GPUJOBS_RUNNER=")), None)
+
+    def carries_its_marker(found: bytes) -> bool:
+        return of_run(found) or (runner is not None and runner in found.split(b"\0"))
+
+    groups |= await asyncio.to_thread(_groups_where, carries_its_marker)
     return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0
 
 
