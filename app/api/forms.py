@@ -70,13 +70,13 @@ class JsonRoute(APIRoute):
         if not body:
             return handler
         required = any(f.field_info.is_required() for f in body)
-        takes = f"{self.path} takes a JSON object (Content-Type: {JSON}), not {{sent}}; e.g. curl -H "
-        takes += f"'Content-Type: {JSON}' -d '{{{{...}}}}'"
+        takes = f"{self.path} takes a JSON object (Content-Type: {JSON})"
+        example = f"e.g. curl -H 'Content-Type: {JSON}' -d '{{...}}'"
 
         async def json_only(request: Request) -> Response:
             sent = _content_type(request)
             if sent != JSON and not sent.endswith("+json") and (sent != EMPTY or required):
-                raise errors.InvalidRequest(f"{request.method} " + takes.format(sent=sent))
+                raise errors.InvalidRequest(f"{request.method} {takes}, not {sent}; {example}")
             return await handler(request)
 
         return json_only
