@@ -8,6 +8,10 @@ the settings: SQLAlchemy's URL parser is imported only when a URL is checked.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 # What a database URL's query may hold: what SQLAlchemy's asyncpg dialect hands asyncpg.connect()
 # as keyword arguments (any other is a TypeError at the first connection), and what asyncpg's own
@@ -38,6 +42,7 @@ def asyncpg_url(value: str) -> str:
         raise ValueError(
             "has an @ in its user or password: write it there as %40 (postgresql://user:p%40ss@host/db)"
         )
+    url = _socket_host_in_query(url)
     _check_query(url.query)
     ports = str(url.query.get("port", "")).split(",") + ([str(url.port)] if url.port is not None else [])
     for port in ports:
@@ -46,6 +51,22 @@ def asyncpg_url(value: str) -> str:
     return url.set(drivername="postgresql+asyncpg", query=_ssl_query(dict(url.query))).render_as_string(
         hide_password=False
     )
+
+
+def _socket_host_in_query(url: URL) -> URL:
+    """libpq's percent-encoded socket folder as the host (postgresql://%2Fvar%2Frun%2Fpostgresql/db)
+    moved to the query's host, where asyncpg looks for it: as the host, asyncpg looked the text up
+    as a host name and failed at the first connection."""
+    from urllib.parse import unquote
+
+    if url.host is None or not (folder := unquote(url.host)).startswith("/"):
+        return url
+    if "host" in url.query:
+        raise ValueError("names a socket folder as its host and a host in its query: give one of them")
+    if "port" in url.query and url.port is not None:
+        raise ValueError("gives a port after its host and in its query: give one of them")
+    moved = {"host": folder} | ({"port": str(url.port)} if url.port is not None else {})
+    return url._replace(host=None, port=None).update_query_dict(moved)
 
 
 def _check_query(query: Mapping[str, str | tuple[str, ...]]) -> None:

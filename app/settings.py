@@ -40,8 +40,9 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         None,
         description="PostgreSQL URL; its query may hold host, port, user, password, database, passfile, "
-        "target_session_attrs and ssl (or libpq's sslmode: disable ... verify-full); unset = embedded "
-        "PostgreSQL in <storage_dir>/pgdata",
+        "target_session_attrs and ssl (or libpq's sslmode: disable ... verify-full); a socket folder as "
+        "?host=/run/postgresql or as libpq writes it, postgresql://%2Frun%2Fpostgresql/db; unset = "
+        "embedded PostgreSQL in <storage_dir>/pgdata",
     )
     storage_dir: Path = Field(
         checkout.STORAGE,

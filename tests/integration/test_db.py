@@ -157,3 +157,30 @@ async def test_a_statement_rolled_back_to_break_a_deadlock_counts_as_passing_tro
         assert row["n"] == 2
     finally:
         await taking.dispose()
+
+
+async def test_a_socket_folder_written_as_libpq_writes_it_in_the_host_connects(database_url):
+    """postgresql://%2Fsocket%2Ffolder/db, libpq's form: the engine (SQLAlchemy's asyncpg dialect)
+    and LISTEN's connection (asyncpg's own URL parser) both reach the server through the socket."""
+    from urllib.parse import quote
+
+    from sqlalchemy.engine import make_url
+
+    from app.settings import Settings
+
+    given = make_url(database_url)
+    folder = str(given.query.get("host", ""))
+    if not folder.startswith("/"):
+        pytest.skip("the tests' server is not reached through a socket folder")
+    libpq = f"postgresql://{given.username}@{quote(folder, safe='')}/{given.database}"
+    url = Settings(database_url=libpq).database_url
+    engine = db.create_engine(url, pool_size=1)
+    try:
+        assert (await db.fetch_row(engine, NEXT, {"n": 1}))["next"] == 2
+    finally:
+        await engine.dispose()
+    listening = await asyncpg.connect(db.asyncpg_dsn(url))
+    try:
+        assert await listening.fetchval("SELECT 1") == 1
+    finally:
+        await listening.close()

@@ -209,6 +209,31 @@ def test_the_urls_the_service_makes_itself_pass():
         assert Settings(database_url=url).database_url is not None
 
 
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (
+            "postgresql://%2Fvar%2Frun%2Fpostgresql/jobs",
+            "postgresql+asyncpg:///jobs?host=%2Fvar%2Frun%2Fpostgresql",
+        ),
+        (
+            "postgresql://u:p@%2fvar%2frun%2fpostgresql:5433/jobs?sslmode=disable",
+            "postgresql+asyncpg://u:p@/jobs?host=%2Fvar%2Frun%2Fpostgresql&port=5433&ssl=disable",
+        ),
+    ],
+)
+def test_libpqs_percent_encoded_socket_folder_as_the_host_is_asyncpgs_host_in_the_query(url, expected):
+    """libpq reads a host that decodes to a path as a socket folder; asyncpg took the text for a
+    host name (its connection failed: "[Errno -2] Name or service not known")."""
+    assert Settings(database_url=url).database_url == expected
+
+
+def test_a_socket_folder_given_as_the_host_and_in_the_query_is_refused(monkeypatch):
+    monkeypatch.setenv("GPUJOBS_DATABASE_URL", "postgresql://%2Fa/jobs?host=/b")
+    with pytest.raises(errors.ConfigError, match="a socket folder as its host and a host in its query"):
+        load_settings()
+
+
 def test_a_virtual_gpu_larger_than_the_claim_counts_is_refused(monkeypatch):
     """GPUJOBS_VIRTUAL_GPU_MB=1000000000000 passed: the worker stored total_mb=1e12 in workers.gpus,
     its claim then failed (int32 out of range), and every POST /jobs and GET /models answered 500
