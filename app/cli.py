@@ -18,6 +18,7 @@ import typer
 from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsfile, pgserver, sigterm
 
 if TYPE_CHECKING:
+    from app.migrate import Schema
     from app.queue.worker import Worker
     from app.registry import Registry
     from app.settings import Settings
@@ -180,13 +181,14 @@ def _shown(url: str) -> str:
     return logs.mask(url)
 
 
-async def _schema_at(url: str) -> str | None:
-    """The schema revision of the database at `url` (None: never migrated)."""
+async def _schema_at(url: str) -> Schema:
+    """The schema of the database at `url` (its revision None: never migrated)."""
     from app import db, migrate
 
     engine = db.create_engine(url, pool_size=1)
     try:
-        return await migrate.current(engine)
+        async with migrate.in_turn(engine):  # a migration under way: its end, not its middle
+            return await migrate.schema(engine)
     finally:
         await engine.dispose()
 
@@ -194,7 +196,9 @@ async def _schema_at(url: str) -> str | None:
 async def _check_schema(url: str) -> None:
     from app import migrate
 
-    found = await _schema_at(url)
+    found, oldest_code = await _schema_at(url)
+    if migrate.runs_on(found, oldest_code):
+        return
     migrate.check_known(found)
     if found != migrate.head():
         raise errors.ConfigError(
@@ -354,10 +358,11 @@ def migrate_command() -> None:
     settings = _settings()
     try:
         with database(settings) as ready:  # migrated here, embedded or not
-            migrate.upgrade(ready.database_url or "")
+            at = migrate.upgrade(ready.database_url or "")
     except errors.AppError as exc:
         raise _fail(exc) from exc
-    typer.echo(f"database at revision {migrate.head()}")
+    ahead = f" (ahead of this code's {migrate.head()}, which runs on it)" if at != migrate.head() else ""
+    typer.echo(f"database at revision {at}{ahead}")
 
 
 @cli.command()

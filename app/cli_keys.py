@@ -58,7 +58,7 @@ def _migrate_if_new(url: str) -> None:
     made before `serve` or a `worker` ever ran on the folder); any other schema is left as it is."""
     from app import cli, migrate  # cli: the command module, which imports this one
 
-    if asyncio.run(cli._schema_at(url)) is None:
+    if asyncio.run(cli._schema_at(url)).at is None:
         migrate.upgrade(url)
         typer.echo(f"migrated the new embedded database to revision {migrate.head()}", err=True)
 

@@ -6,11 +6,15 @@ start, and importing Alembic costs a process about 0.13 s of CPU. Alembic runs t
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from sqlalchemy import exc, text
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import checkout, errors
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
 # One process migrates at a time (migrations/env.py holds this session advisory lock throughout):
 # `serve` and a `worker` started together on a new data folder both migrate.
 MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
+log = logging.getLogger("gpujobs.migrate")
 VERSIONS = checkout.ROOT / "migrations" / "versions"
 # `revision: str = "0004"` and `down_revision: str | None = "0003"` (or None) in a migration script.
 _REVISION = re.compile(
@@ -40,35 +45,47 @@ def alembic_config(url: str) -> Config:
     return config
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database to `revision` (default: the newest). A database at a revision the code
-    does not know (a newer release migrated it) is a ConfigError that says so, and is left alone."""
+def upgrade(url: str, revision: str = "head") -> str | None:
+    """Bring the database to `revision` (default: the newest); returns the revision it is at. A
+    database a newer release migrated is left alone: as it is when its record says this code runs
+    on it (see `runs_on`), else a ConfigError that says so."""
     import asyncio
 
     from alembic import command
 
     from app import db
 
-    async def found() -> tuple[str | None, list[str]]:
+    async def found() -> tuple[Schema, list[str]]:
         engine = db.create_engine(url, pool_size=1)
         try:
-            # Read while no other process migrates (they hold the lock throughout): between its
-            # first commit and its record of the revision, ours looked like tables no one made.
-            async with engine.connect() as lock:
-                await lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATE_LOCK_KEY})
-                at = await current(engine)
-                return at, [] if at is not None else await _our_tables(engine)
+            # Read while no other process migrates: between its first commit and its record of
+            # the revision, ours looked like tables no one made.
+            async with in_turn(engine):
+                return await schema(engine), await _our_tables(engine)
         finally:
-            await engine.dispose()  # the lock goes with its connection
+            await engine.dispose()
 
-    at, unrecorded = asyncio.run(found())
+    (at, oldest), ours = asyncio.run(found())
+    if at is not None and at not in known() and not ours:  # not a newer gpujobs: no table of ours
+        raise errors.ConfigError(
+            f"the database records the Alembic revision {at} but holds no table of gpujobs: another "
+            "application's database; migrate an empty database (GPUJOBS_DATABASE_URL)"
+        )
+    if revision == "head" and at is not None and at not in known() and runs_on(at, oldest):
+        log.info(
+            "the database schema is at %s, ahead of this code's %s, which runs on it: left as it is",
+            at, head(), extra={"action": "schema_ahead"},
+        )  # fmt: skip
+        return at
     check_known(at)
+    unrecorded = ours if at is None else []
     if unrecorded:
         raise errors.ConfigError(
             _UNRECORDED.format(what=f"tables named as gpujobs's ({', '.join(unrecorded)})")
         )
     try:
         command.upgrade(alembic_config(url), revision)
+        return head() if revision == "head" else revision
     except exc.ProgrammingError as error:  # a type or index of ours there: one transaction, undone
         if at is not None or getattr(error.orig, "sqlstate", None) not in _ALREADY_EXISTS:
             raise
@@ -130,6 +147,23 @@ def known() -> set[str]:
     return set(revisions)
 
 
+class Schema(NamedTuple):
+    """What a database says of its schema: its revision, and the oldest code that runs on it (the
+    record a migration leaves, `record_oldest_code`; None before there was one)."""
+
+    at: str | None
+    oldest_code: str | None
+
+
+def runs_on(at: str | None, oldest_code: str | None) -> bool:
+    """Whether this code runs on a schema at `at`: its own head, or a newer release's whose record
+    names a revision this code knows as the oldest code that runs on it (a migration that only
+    adds, as during a rolling upgrade: docs/operations.md, "Upgrading")."""
+    if at is not None and at == head():
+        return True
+    return at is not None and at not in known() and oldest_code is not None and oldest_code in known()
+
+
 def check_known(found: str | None) -> None:
     """Refuse a database at a revision the code does not know: a newer release migrated it, and
     neither this code nor its migrations can use it (nor take it back)."""
@@ -171,6 +205,77 @@ def _scripts() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config(""))
+
+
+@contextlib.asynccontextmanager
+async def in_turn(engine: AsyncEngine) -> AsyncIterator[None]:
+    """Hold the migration lock for the block, after a migration under way (another process holds
+    it throughout, migrations/env.py): a schema read meanwhile is read half-way, behind the code."""
+    async with engine.connect() as lock:
+        key = {"key": MIGRATE_LOCK_KEY}
+        if not await lock.scalar(text("SELECT pg_try_advisory_lock(:key)"), key):
+            log.warning(
+                "a migration is under way (another process holds the migration lock): waiting for it",
+                extra={"action": "migration_wait"},
+            )
+            await lock.execute(text("SELECT pg_advisory_lock(:key)"), key)
+        try:
+            yield
+        finally:
+            await lock.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+
+
+# The record of the oldest code that runs on the schema: the comment on alembic_version, written
+# in each migration's transaction (migrations/env.py), so that code a newer release finds running
+# reads it without knowing that release's scripts. A comment needs no table of its own.
+# It names the revision it was written at: a revision changed by other means leaves it stale.
+_RECORD = "gpujobs: code from revision {oldest} on runs on this schema, at revision {at}"
+_RECORD_READ = re.compile(r"^gpujobs: code from revision (\S+) on runs on this schema, at revision (\S+)$")
+# `oldest_code = "0009"` in a migration script: the oldest code (by its head) that runs on the
+# schema the script makes. A script without it: its own revision (the code before it does not).
+OLDEST_CODE_ATTRIBUTE = "oldest_code"
+
+
+def oldest_code(revision: str, scripts: ScriptDirectory | None = None) -> str:
+    """The oldest code that runs on the schema at `revision`: the newest of what each migration up
+    to it declares, since the code must run on what every one of them made. `scripts`: the
+    migrations Alembic runs (default: the checkout's)."""
+    scripts = scripts or _scripts()
+    chain = list(reversed(list(scripts.iterate_revisions(revision, "base"))))  # oldest first
+    position = {script.revision: i for i, script in enumerate(chain)}
+    declared = []
+    for script in chain:
+        wanted = getattr(script.module, OLDEST_CODE_ATTRIBUTE, script.revision)
+        if position.get(wanted, len(chain)) > position[script.revision]:
+            raise errors.ConfigError(
+                f"migration {script.revision} declares {OLDEST_CODE_ATTRIBUTE} = {wanted!r}, which is "
+                "not a revision at or before it"
+            )
+        declared.append(wanted)
+    return max(declared, key=position.__getitem__)
+
+
+def record_oldest_code(connection: Connection, scripts: ScriptDirectory) -> None:
+    """Write, in the migration's own transaction, the oldest code that runs on the schema now."""
+    if connection.scalar(text("SELECT to_regclass('alembic_version')")) is None:
+        return  # downgraded to nothing
+    at = connection.scalar(text("SELECT version_num FROM alembic_version"))
+    if at is not None:
+        comment = _RECORD.format(oldest=oldest_code(at, scripts), at=at).replace("'", "")
+        connection.execute(text(f"COMMENT ON TABLE alembic_version IS '{comment}'"))
+
+
+async def schema(engine: AsyncEngine) -> Schema:
+    """The database's revision and its record of the oldest code that runs on it."""
+    at = await current(engine)
+    if at is None:
+        return Schema(None, None)
+    async with engine.connect() as conn:
+        comment = await conn.scalar(
+            text("SELECT obj_description(to_regclass('alembic_version'), 'pg_class')")
+        )
+    found = _RECORD_READ.match(comment or "")
+    return Schema(at, found.group(1) if found and found.group(2) == at else None)
 
 
 async def current(engine: AsyncEngine) -> str | None:

@@ -40,6 +40,7 @@ def _run(connection: Connection) -> None:
         context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
         with context.begin_transaction():
             context.run_migrations()
+            migrate.record_oldest_code(connection, context.script)  # in the same transaction as the revision
     finally:
         connection.rollback()  # a failed migration's transaction, so that the unlock can run
         connection.execute(text("SELECT pg_advisory_unlock(:key)"), lock)

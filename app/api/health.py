@@ -43,7 +43,7 @@ async def readyz(request: Request) -> Any:
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     request.app.state.readyz_failing = False
     problems = []
-    schema_ok = report["schema"]["current"] == report["schema"]["head"]
+    schema_ok = migrate.runs_on(report["schema"]["current"], report["schema"]["oldest_code"])
     if not schema_ok:
         try:
             migrate.check_known(report["schema"]["current"])
@@ -78,9 +78,9 @@ async def _readiness(request: Request) -> dict[str, Any]:
     settings = request.app.state.settings
     async with request.app.state.engine.connect() as conn:
         await conn.execute(text("SELECT 1"))
-    current = await migrate.current(request.app.state.engine)
-    schema = {"current": current, "head": code_head()}
-    if current != schema["head"]:  # this code reads workers at its own schema (0009: `paused`)
+    current, oldest_code = await migrate.schema(request.app.state.engine)
+    schema = {"current": current, "head": code_head(), "oldest_code": oldest_code}
+    if not migrate.runs_on(current, oldest_code):  # this code reads workers at schemas it runs on
         return {"schema": schema, "workers": 0, "gpus": []}
     workers = await request.app.state.services.manager.reports.workers(recent_s=0)
     live = [w for w in workers if w.is_live(settings.dead_worker_after_s)]
