@@ -22,7 +22,11 @@ a few bytes now and then, never fills the buffer while its client reads.
 
 At a graceful stop an answer still being sent is broken off the same way shortly before uvicorn's
 grace (`timeout_graceful_shutdown`) runs out: its task then ends as for a client gone, where
-uvicorn would cancel it and log an error and a traceback for a download that was merely long.
+uvicorn would cancel it and log an error and a traceback for a download that was merely long. A
+body still arriving then is answered 503 with Retry-After (the client sends it again, to this
+server restarted or to another): cut, it read as a network gone. A request sent whole whose answer
+has not begun (its job being written) is left to end: cut, its job was queued and its client told
+nothing, so that a retry queued a second.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ MALFORMED = (
     "not a well-formed HTTP/1.1 request: its request line or a header could not be read (a header "
     "name holds only letters, digits and !#$%&'*+-.^_`|~)"
 )
+STOPPING = "the server is stopping and the body did not arrive in time: send the request again"
+STOPPING_RETRY_AFTER_S = 5
 # How long before uvicorn's grace runs out an answer still being sent is broken off: uvicorn looks
 # for the end of the requests in flight every 0.1 s, from 0.1 s after it asked connections to end.
 STOP_MARGIN_S = 0.5
@@ -179,8 +185,23 @@ class HeadLimits(HttpToolsProtocol):
         self.transport.abort()
 
     def _break_off(self) -> None:
-        """The server is stopping and the answer is still being sent: end it as a client gone would."""
+        """The server is stopping and the request is not answered yet (module doc): an answer being
+        sent ends as for a client gone, a body still arriving is answered 503, and a request sent
+        whole is left to end (uvicorn cancels it once its grace has run out)."""
         self._stop_timer = None
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or self.transport.is_closing():
+            return
+        if not cycle.response_started:
+            if cycle.more_body:
+                log.info(
+                    "answered 503 to a body still arriving: the server is stopping",
+                    extra={"action": "body_cut", "status": 503},
+                )
+                cycle.disconnected = True  # the app reads a disconnect; its own answer is dropped
+                cycle.message_event.set()
+                self._answer(503, STOPPING, retry_after_s=STOPPING_RETRY_AFTER_S)
+            return
         log.info(
             "broke off an answer still being sent: the server is stopping",
             extra={"action": "answer_cut"},
@@ -201,9 +222,16 @@ class HeadLimits(HttpToolsProtocol):
             # would land inside that response. Its client loses the connection, and both.
             self.transport.close()
             return
+        self._answer(status, detail)
+
+    def _answer(self, status: int, detail: str, *, retry_after_s: int | None = None) -> None:
+        """Write `status` with `{"detail": detail}` and close once the client has sent what it was
+        sending (`_refuse`), what it sends meanwhile dropped."""
+        self._refusal = (status, detail)
         body = json.dumps({"detail": detail}).encode()
         head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"retry-after: %d\r\n" % retry_after_s] if retry_after_s is not None else []
         head += [
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),

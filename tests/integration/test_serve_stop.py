@@ -16,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy
 
+from tests.integration.test_clients import MODEL_PART, PART, _upload_head, noisy_png
 from tests.integration.test_durability import kinds, until
 from tests.integration.test_serve_processes import serving
 from tests.integration.test_serve_processes import until as wait_for
@@ -197,3 +199,83 @@ async def test_a_second_signal_while_a_request_is_in_flight_still_hands_the_jobs
     assert "Traceback" not in text, text[-3000:]  # the upload ended as a disconnect, not cancelled
     left_no_model("serve", log, jobs)
     await handed_back(manager, jobs)
+
+
+# A PNG of about 1 MB, sent whole in one form.
+BODY = MODEL_PART + PART + noisy_png(600) + b"\r\n--b--\r\n"
+
+
+async def answer_of(reader: asyncio.StreamReader, *, wait_s: float = 20) -> bytes:
+    """All the server sends until it closes the connection (b"" for a reset or nothing)."""
+    received = b""
+    try:
+        async with asyncio.timeout(wait_s):
+            while piece := await reader.read(1 << 16):
+                received += piece
+    except ConnectionError:
+        pass
+    return received
+
+
+async def jobs_in(engine) -> int:  # type: ignore[no-untyped-def]
+    async with engine.connect() as conn:
+        return int(await conn.scalar(sqlalchemy.text("SELECT count(*) FROM jobs")))
+
+
+async def test_an_upload_still_arriving_at_the_end_of_a_stop_is_answered_503(
+    settings, engine, make_key, tmp_path
+):
+    """An upload still arriving when the graceful stop's 5 s ran out had its connection reset, no
+    answer at all (and the log said `POST /jobs 400`): the client could not tell the server going
+    away from a broken network. It is answered 503 with Retry-After, and no job exists."""
+    key = await make_key("alice")
+    with serving(settings, tmp_path, "--no-worker") as (serve, base):
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        writer.write(_upload_head(key, len(BODY)))
+
+        async def slowly() -> None:  # about 100 KB/s: 10 s for the whole body
+            step = len(BODY) // 100
+            for start in range(0, len(BODY), step):
+                writer.write(BODY[start : start + step])
+                await writer.drain()
+                await asyncio.sleep(0.1)
+
+        sending = asyncio.create_task(slowly())
+        await asyncio.sleep(2)
+        serve.send_signal(signal.SIGTERM)
+        answer = await answer_of(reader)
+        sending.cancel()
+        writer.close()
+        assert await asyncio.to_thread(serve.wait, 30) == 143
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:300]
+    assert b"retry-after: " in answer.lower() and b"connection: close" in answer.lower(), answer
+    assert await jobs_in(engine) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert "action=body_cut" in log and "Traceback" not in log, log[-3000:]
+
+
+async def test_an_upload_whose_job_is_written_during_a_stop_gets_its_answer(
+    settings, engine, make_key, tmp_path
+):
+    """An upload sent whole, whose job was being written when the stop's grace neared its end (a
+    busy database), had its connection reset half a second before the grace ran out, though its
+    job was written a moment later: one job queued, and its client told nothing, so that a retry
+    (without an Idempotency-Key) queued a second. Its answer, 201, now comes."""
+    key = await make_key("alice")
+    with serving(settings, tmp_path, "--no-worker") as (serve, base):
+        async with engine.connect() as busy:
+            holding = await busy.begin()
+            await busy.execute(sqlalchemy.text("LOCK TABLE jobs IN SHARE MODE"))  # an insert waits
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+            writer.write(_upload_head(key, len(BODY)) + BODY)
+            await writer.drain()
+            await asyncio.sleep(1)
+            serve.send_signal(signal.SIGTERM)
+            await asyncio.sleep(4.7)  # uvicorn's grace is 5 s; answers were cut at 4.5 s
+            await holding.commit()
+        answer = await answer_of(reader)
+        writer.close()
+        assert await asyncio.to_thread(serve.wait, 30) == 143
+    assert await jobs_in(engine) == 1
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
