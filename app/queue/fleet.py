@@ -93,6 +93,12 @@ class Fleet:
         values = {"worker_id": worker_id, "by_worker": worker_id, "reason": "worker restarted"}
         return await self._take_back(sql.REQUEUE_OWN, values)
 
+    async def heartbeat_age_s(self, worker_id: str) -> float | None:
+        """Seconds since `worker_id`'s row took its last beat, by the database's clock (None: no row)."""
+        async with self._auto.connect() as conn:
+            age = (await conn.execute(sql.HEARTBEAT_AGE, {"id": worker_id})).scalar()
+        return None if age is None else float(age)
+
     async def mark_dead_workers(self, *, dead_after_s: float) -> list[str]:
         """Mark workers whose heartbeat stopped as dead."""
         async with self._auto.connect() as conn:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,6 +18,46 @@ from app.queue import manager as manager_
 from app.queue import workerconfig
 
 log = logging.getLogger("gpujobs.worker")
+
+
+class BeatClock:
+    """When this worker's row last took a beat (registered, or renewed its leases), by this
+    process's steady clock; and whether the database's clock was seen to step forward lately.
+
+    The database's clock times leases (docs/operations.md, "Clocks"). Stepped forward (NTP after
+    its host resumed), every lease looked run out at once: reapers took live workers' jobs back
+    and their heartbeats refused to renew them. The database's count of the time since a beat,
+    beside this count, shows such a step: the heartbeat then renews the leases it alone made run
+    out, and this worker's reaper takes nothing back for a lease (`held`)."""
+
+    def __init__(self, lease_s: float) -> None:
+        self._lease_s = lease_s
+        self._beat_at: float | None = None
+        self._held_until = 0.0
+
+    def beat(self, at: float) -> None:
+        """The row took a beat in a statement sent at `at` (time.monotonic())."""
+        self._beat_at = at
+
+    def since_s(self, now: float | None = None) -> float | None:
+        """Seconds since the last beat, by the steady clock (None: none yet)."""
+        return None if self._beat_at is None else (now or time.monotonic()) - self._beat_at
+
+    def stepped(self, seconds: float) -> None:
+        """The database's clock was seen to step `seconds` forward: hold for a lease from now."""
+        if seconds <= 0:
+            return
+        if not self.held():
+            log.warning(
+                "the database's clock stepped forward by %.1f s: leases it shows as run out within "
+                "the step are renewed, and no job is taken back for a lease",
+                seconds, extra={"action": "db_clock_stepped", "seconds": round(seconds, 1)},
+            )  # fmt: skip
+        self._held_until = time.monotonic() + self._lease_s
+
+    def held(self) -> bool:
+        """Whether a step was seen within the last lease: no lease can be judged run out yet."""
+        return time.monotonic() < self._held_until
 
 
 class Heartbeat:
@@ -31,6 +72,7 @@ class Heartbeat:
         report: Callable[[], list[dict[str, Any]]],
         paused: Callable[[], str | None],
         stopping: asyncio.Event,
+        clock: BeatClock,
     ) -> None:
         self._manager = manager
         self._config = config
@@ -38,6 +80,7 @@ class Heartbeat:
         self._report = report  # the GPU snapshot to store (GpuBook.report)
         self._paused = paused  # why the worker claims nothing now, None while it claims
         self._stopping = stopping  # set once the worker stops: its state says so
+        self._clock = clock  # when the row took its last beat (shared with the reaper)
         self._soon = asyncio.Event()
 
     def soon(self) -> None:
@@ -62,16 +105,20 @@ class Heartbeat:
         """Renew leases; stop runs whose job was canceled or taken from us."""
         in_hand = dict(self._running)  # judged only if claimed before the statement ran
         gpus = self._report()
-        owned = await self._manager.heartbeat(
+        sent = time.monotonic()
+        answer = await self._manager.heartbeat(
             worker_id=self._config.worker_id,
             job_ids=list(in_hand),
             lease_s=self._config.lease_s,
             gpus=gpus,
             state="stopping" if self._stopping.is_set() else "running",
             paused=self._paused(),
+            since_s=self._clock.since_s(sent),
         )
+        self._clock.beat(sent)
+        self._clock.stepped(answer.stepped_s)
         for job_id, (run, _) in in_hand.items():
-            mine = owned.get(job_id)
+            mine = answer.owned.get(job_id)
             if mine is None or mine[0] != run.job.attempt:
                 run.stop(attempt_.LEASE_LOST)
             elif mine[1]:

@@ -46,6 +46,10 @@ from app.queue.jobs import Claimed, Job, JobState, ResultFile
 AGE_STEP_NEVER_S = 100 * 365.25 * 86_400
 
 
+# How far the database's clock may seem to run ahead of a worker's steady clock between two of its
+# beats (a statement's own time, its trip) before it counts as a step of the database's clock.
+CLOCK_TOLERANCE_S = 1.0
+
 # An upload into a full queue, or by an owner whose share is full, may try again in this long.
 FULL_RETRY_AFTER_S = 30
 
@@ -357,10 +361,12 @@ class JobManager:
         gpus: Sequence[Mapping[str, Any]],
         state: str = "running",
         paused: str | None = None,
-    ) -> dict[uuid.UUID, tuple[int, bool]]:
+        since_s: float | None = None,
+    ) -> records.Beat:
         """Renew the leases of `job_ids` and store the worker's state (`paused`: why it claims
         nothing now, None while it claims); returns those still owned: id -> (attempt, cancel
-        requested)."""
+        requested), and by how much the database's clock stepped forward since the worker's last
+        beat, `since_s` ago by the worker's steady clock (None: not known, nothing stepped)."""
         values = {
             "worker_id": worker_id,
             "ids": list(job_ids),
@@ -368,10 +374,13 @@ class JobManager:
             "gpus": json.dumps(list(gpus)),
             "state": state,
             "paused": paused,
+            "since_s": since_s if since_s is not None else float("inf"),
+            "tolerance_s": CLOCK_TOLERANCE_S,
         }
         async with self._auto.connect() as conn:
             rows = (await conn.execute(sql.HEARTBEAT, values)).all()
-        return {r.id: (r.attempt, r.cancel_requested) for r in rows}
+        owned = {r.id: (r.attempt, r.cancel_requested) for r in rows if r.id is not None}
+        return records.Beat(owned, float(rows[0].stepped_s) if rows else 0.0)
 
     # -- user and admin actions -----------------------------------------------------------
 

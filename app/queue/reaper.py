@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app import db, storage, subreaper, warm, warmpool
 from app.queue import attempt as attempt_
-from app.queue import leftovers, records, warmrun, workerconfig
+from app.queue import heartbeat, leftovers, records, warmrun, workerconfig
 from app.queue import manager as manager_
 
 log = logging.getLogger("gpujobs.worker")
@@ -34,8 +34,10 @@ class Reaper:
         free_lanes: Sequence[Path],
         wake: Callable[[], None],
         release_lost: Callable[[], Awaitable[None]],
+        clock: heartbeat.BeatClock,
     ) -> None:
         self._manager = manager
+        self._clock = clock  # when this worker's row took its last beat; a step of the database's clock
         self._store = store
         self._pool = pool
         self._config = config
@@ -91,6 +93,8 @@ class Reaper:
                 "removed the lanes of a worker that is gone",
                 extra={"action": "lanes_swept", "worker": self._config.worker_id, "lost_worker": gone},
             )
+        if await self._clock_stepped():  # every lease and heartbeat looks older than it is
+            return 0
         cleared = await self._kill_leftovers()
         taken = await self._manager.fleet.recover_expired(
             by_worker=self._config.worker_id,
@@ -114,6 +118,17 @@ class Reaper:
         for worker_id in await self._manager.fleet.mark_dead_workers(dead_after_s=dead_after):
             log.warning("worker stopped heartbeating", extra={"action": "worker_dead", "worker": worker_id})
         return len(taken)
+
+    async def _clock_stepped(self) -> bool:
+        """Whether the database's clock stepped forward within the last lease (heartbeat.BeatClock):
+        seen by a beat, or now, by this worker's own row looking older than its last beat is."""
+        if self._clock.held():
+            return True
+        since_s = self._clock.since_s()
+        age_s = await self._manager.fleet.heartbeat_age_s(self._config.worker_id)
+        if since_s is not None and age_s is not None:
+            self._clock.stepped(age_s - since_s - manager_.CLOCK_TOLERANCE_S)
+        return self._clock.held()
 
     def _left_by(self, gone: str) -> None:
         """Remove what a worker that is gone left (in the sweep's thread, holding its lock): its

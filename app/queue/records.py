@@ -105,6 +105,15 @@ class TakenBack:
 
 
 @dataclass(frozen=True, slots=True)
+class Beat:
+    """A heartbeat's answer: the jobs still owned (id -> attempt, cancel requested), and how many
+    seconds the database's clock stepped forward since the worker's beat before (0: none seen)."""
+
+    owned: dict[uuid.UUID, tuple[int, bool]]
+    stepped_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Page:
     """One page of a job listing."""
 

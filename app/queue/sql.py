@@ -610,25 +610,37 @@ _LEASE_RAN_OUT = f"lease_expires_at < now() AND {_server_up_for('lease_s')}"
 # those it still owns. A lease that ran out (`_LEASE_RAN_OUT`) is not renewed, even if no reaper
 # took the job yet: another worker may be killing its process and taking it back. A job
 # whose attempt died inside the worker is left to expire.
+# But for a step of the database's clock: `stepped_s` is how much more time the database counts
+# since this worker's last beat than the worker's own steady clock (`:since_s`), less
+# `:tolerance_s`. A lease that ran out only by that much had not run out by real time, and every
+# reaper holds off for a lease after such a step (reaper.Reaper.reap): it is renewed. A worker
+# paused for a while counts the pause on its steady clock too: nothing is forgiven it.
 # Its rows are locked in id order first, as SUCCEED locks its own: each locking several of the same
 # rows in an order of its own, the two deadlocked, and PostgreSQL failed one (the worker stopped).
 HEARTBEAT = text(
     f"""
-    WITH held AS (
+    WITH step AS (
+        SELECT coalesce(max(greatest(
+            extract(epoch FROM now() - heartbeat_at) - CAST(:since_s AS float8) - :tolerance_s, 0)), 0)
+            AS stepped_s
+        FROM workers WHERE id = :worker_id
+    ), held AS (
         SELECT id FROM jobs
         WHERE worker_id = :worker_id AND state = 'running' AND id = ANY(CAST(:ids AS uuid[]))
         ORDER BY id
         FOR NO KEY UPDATE
     ), renewed AS (
         UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :lease_s)
-        WHERE id = ANY(ARRAY(SELECT id FROM held)) AND NOT ({_LEASE_RAN_OUT})
+        WHERE id = ANY(ARRAY(SELECT id FROM held))
+          AND (NOT ({_LEASE_RAN_OUT})
+               OR lease_expires_at + make_interval(secs => (SELECT stepped_s FROM step)) >= now())
         RETURNING id, attempt, cancel_requested
     ), me AS (
         UPDATE workers SET heartbeat_at = now(), gpus = CAST(:gpus AS jsonb), state = :state,
             paused = CAST(:paused AS text)
         WHERE id = :worker_id
     )
-    SELECT id, attempt, cancel_requested FROM renewed
+    SELECT step.stepped_s, r.id, r.attempt, r.cancel_requested FROM step LEFT JOIN renewed AS r ON true
     """
 )
 
@@ -713,6 +725,9 @@ LEFTOVERS_ON_HOST = text(
       AND (({_LEASE_RAN_OUT}) OR worker_id = CAST(:worker_id AS text))
     """
 )
+
+# How long ago, by the database's clock, a worker's row took its last beat.
+HEARTBEAT_AGE = text("SELECT extract(epoch FROM now() - heartbeat_at) AS age_s FROM workers WHERE id = :id")
 
 # Workers silent for :dead_after_s, by the database's clock and not within :dead_after_s of its
 # start: no worker could heartbeat while it was away (as for leases, `_LEASE_RAN_OUT`).

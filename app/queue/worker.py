@@ -107,6 +107,7 @@ class Worker:
         )
         self._hand_back = handback.HandBack(manager, store, config.worker_id, running)
         self._listener = listener.Listener(listen_dsn, config, wake=self._wake.set, running=running)
+        self._clock = heartbeat_.BeatClock(config.lease_s)
         self._heartbeat = heartbeat_.Heartbeat(
             manager,
             config,
@@ -114,6 +115,7 @@ class Worker:
             report=lambda: self._gpus.report(self.in_hand()),
             paused=lambda: self._storage.trouble,
             stopping=self._stopping,
+            clock=self._clock,
         )
         self.reaper = reaper.Reaper(
             manager,
@@ -125,6 +127,7 @@ class Worker:
             free_lanes=self._free_lanes,
             wake=self._wake.set,
             release_lost=self._hand_back.release_lost_claim,
+            clock=self._clock,
         )
         self._shutdown = shutdown.Shutdown(
             manager, store, self.pool, self._hand_back, config, running=running
@@ -244,6 +247,7 @@ class Worker:
         await self._hold_lanes()  # first: with another live worker of this id, nothing is touched
         gpus = self._gpus.first_reading()
         self._gpus.check_fit(gpus, self._models, worker_id=self.id)
+        registered = time.monotonic()
         await self._manager.fleet.register_worker(
             worker_id=self.id,
             host=self.host,
@@ -251,6 +255,7 @@ class Worker:
             models=list(self._models.models),
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
+        self._clock.beat(registered)
         await self.reaper.take_back_own()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         self._store.drop_runner_temps(self.id)  # and its runners' temporary folders

@@ -471,10 +471,10 @@ async def test_one_heartbeat_renews_every_lease_the_worker_holds(manager: JobMan
     assert len(mine) == 3
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE jobs SET lease_expires_at = now() + interval '1 second'"))
-    owned = await manager.heartbeat(
+    beat = await manager.heartbeat(
         worker_id="test:w", job_ids=[j.id for j in [*mine, other]], lease_s=60, gpus=[]
     )
-    assert owned == {j.id: (1, False) for j in mine}  # not the other worker's job
+    assert beat.owned == {j.id: (1, False) for j in mine}  # not the other worker's job
     async with engine.connect() as conn:
         renewed = text("SELECT id, lease_expires_at > now() + interval '30 seconds' FROM jobs")
         leases = dict((await conn.execute(renewed)).all())

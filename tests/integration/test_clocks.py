@@ -1,16 +1,32 @@
-"""Times and clocks: what a host's time zone, or the database server's, does to the times we show."""
+"""Times and clocks: what a host's time zone, or the database server's, does to the times we show;
+a worker host whose wall clock is off, and a database whose clock steps.
+
+A job's life is timed by the database's clock (docs/operations.md, "Clocks"). A worker host's clock
+is skewed here for real: its `python -m app worker` process starts with a sitecustomize that shifts
+`time.time` (the database's clock stays real). A step of the database's clock is shown by moving
+every stored time the other way: for each comparison of a stored time with `now()` (leases,
+heartbeats, retries) that is the same as `now()` jumping, on a server up for longer than a lease."""
 
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from app import logs
+from app.queue.jobs import JobState
 from tests import dbadmin
-from tests.conftest import api_client
+from tests.conftest import api_client, worker_env, worker_name
+from tests.integration.test_durability import kinds, running, until
 from tests.integration.test_observability import capture
 from tests.integration.test_worker import enqueue
 
@@ -52,3 +68,131 @@ def test_a_text_log_line_says_its_time_in_utc_whatever_the_hosts_zone(monkeypatc
     written = datetime.fromisoformat(line.split(" ", 1)[0])
     assert written.utcoffset() == timedelta(0), line
     assert abs(written - datetime.now(UTC)) < timedelta(seconds=60), line
+
+
+SKEWED_CLOCK = """
+import os
+import time
+
+_offset_s = float(os.environ["TEST_CLOCK_SKEW_S"])
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + _offset_s
+time.time_ns = lambda: _time_ns() + int(_offset_s * 1e9)
+"""
+
+TIMESTAMP_COLUMNS = text(
+    "SELECT table_name, column_name FROM information_schema.columns"
+    " WHERE table_schema = current_schema() AND data_type = 'timestamp with time zone'"
+)
+
+
+async def step_database_clock(engine: Any, seconds: float) -> None:
+    """As if the database server's clock jumped by `seconds` (forward if positive): every stored
+    time moves the other way, in one transaction."""
+    async with engine.begin() as conn:
+        columns: dict[str, list[str]] = {}
+        for table, column in (await conn.execute(TIMESTAMP_COLUMNS)).all():
+            columns.setdefault(table, []).append(column)
+        for table, names in columns.items():
+            moved = ", ".join(f"{c} = {c} - make_interval(secs => :s)" for c in names)
+            await conn.execute(text(f"UPDATE {table} SET {moved}"), {"s": seconds})
+
+
+def spawn_skewed(settings: Any, tmp_path: Path, name: str, skew_s: float) -> subprocess.Popen[bytes]:
+    """A `gpujobs worker` process whose host clock (time.time) is `skew_s` off the database's."""
+    site = tmp_path / f"site-{name}"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SKEWED_CLOCK)
+    env = {**worker_env(settings, name), "PYTHONPATH": str(site), "TEST_CLOCK_SKEW_S": str(skew_s)}
+    with (tmp_path / f"worker-{name}.log").open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "app", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+async def worker_states(engine: Any) -> dict[str, str]:
+    async with engine.connect() as conn:
+        return dict((await conn.execute(text("SELECT id, state FROM workers"))).all())
+
+
+async def test_workers_on_hosts_a_minute_ahead_and_behind_run_and_recover_jobs_once(
+    settings, manager, engine, tmp_path
+):
+    """Two worker hosts, one 60 s ahead of the database, one 60 s behind: a job that outlives
+    several leases runs once, neither worker is taken for dead, and the job of one that is killed
+    is taken back by the other within a lease and a reap round or two."""
+    workers = [
+        spawn_skewed(settings, tmp_path, "ahead", 60),
+        spawn_skewed(settings, tmp_path, "behind", -60),
+    ]
+    try:
+        first = await enqueue(manager, sleep=4, steps=4)  # lease_s is 3: renewed on the way
+        done = await until(manager, first, lambda j: j.state.final)
+        assert (done.state, done.attempt) == (JobState.succeeded, 1), done.error
+        assert "recovered" not in await kinds(manager, first)
+        assert set((await worker_states(engine)).values()) == {"running"}
+
+        second = await enqueue(manager, sleep=60, steps=60)
+        job = await until(manager, second, lambda j: j.pid is not None)
+        victim = workers[0 if job.worker_id.endswith(":" + worker_name("ahead")) else 1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(5)
+        killed_at = time.monotonic()
+        back = await until(manager, second, lambda j: j.attempt == 2 and j.pid is not None, timeout_s=20)
+        assert back.worker_id != job.worker_id
+        assert time.monotonic() - killed_at < 3 * settings.lease_s + 2
+        assert (await kinds(manager, second)).count("recovered") == 1
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+            worker.wait(10)
+
+
+async def test_a_database_clock_that_steps_forward_does_not_take_running_jobs_back(
+    manager, make_worker, engine
+):
+    """The database host's clock steps a minute forward (NTP after a suspended VM resumes, say)
+    while a healthy worker runs a job. Every lease then lies in the past by `now()`, though its
+    worker renewed it a moment ago and is alive: the job must still run once, on its first (here
+    its only) attempt, rather than be taken from its worker as if that worker were lost."""
+    job_id = await enqueue(manager, sleep=4, steps=4, max_attempts=1)
+    async with running(make_worker(burst=False)):
+        await until(manager, job_id, lambda j: j.pid is not None)
+        await step_database_clock(engine, 60)
+        done = await until(manager, job_id, lambda j: j.state.final)
+    history = await kinds(manager, job_id)
+    assert (done.state, done.attempt, done.abnormal_runs) == (JobState.succeeded, 1, 0), (done.error, history)
+    assert "recovered" not in history and "failed" not in history
+
+
+async def test_step_database_clock_moves_every_time(manager, engine):
+    """The helper itself: a lease and a creation time move by the step."""
+    job_id: uuid.UUID = await enqueue(manager)
+    before = await manager.get(job_id)
+    await step_database_clock(engine, 60)
+    after = await manager.get(job_id)
+    assert (before.created_at - after.created_at).total_seconds() == 60
+    assert (before.run_after - after.run_after).total_seconds() == 60
+
+
+async def test_a_dead_workers_job_is_still_taken_back_after_a_forward_step_of_the_database_clock(
+    manager, engine, spawn_worker, settings
+):
+    """The other side of the above: the reapers hold off for one lease after a step, and then a
+    job whose worker died is taken back as before."""
+    job_id = await enqueue(manager, sleep=60, steps=60)
+    survivor = spawn_worker("survives")
+    first = spawn_worker("dies")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    victim, other = (
+        (first, survivor) if job.worker_id.endswith(":" + worker_name("dies")) else (survivor, first)
+    )
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(5)
+    await step_database_clock(engine, 60)
+    stepped_at = time.monotonic()
+    back = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=6 * settings.lease_s + 10)
+    assert back.worker_id != job.worker_id
+    assert time.monotonic() - stepped_at >= settings.lease_s - 1  # held off for a lease first
+    assert other.poll() is None
