@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageFile, ImageOps
+from PIL import ExifTags, Image, ImageFile
 
 from app.relief import errors, params
 
@@ -27,6 +27,17 @@ FloatArray = npt.NDArray[np.float32]
 
 # open_image marks a 16-bit colour PNG's image info with this when the PNG has a transparent colour.
 KEY_16_BIT = "relief.16_bit_colour_key"
+
+# How to turn a picture stored with each EXIF orientation upright (the table of ImageOps.exif_transpose).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +68,27 @@ def open_image(path: Path) -> Image.Image:
                 # Read before load(), which clears the tiles that tell the stored bit depth.
                 key_16_bit = _has_16_bit_colour_key(img)
                 img.load()
-                upright = ImageOps.exif_transpose(img)
+                upright = _upright(img)
     except (*_DECODE_ERRORS, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise errors.BadInput(f"cannot read image {path.name}: {exc}") from exc
     if key_16_bit:
         upright.info[KEY_16_BIT] = True
+    return upright
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """A copy of a loaded image turned as its EXIF (or XMP) orientation says.
+
+    Not ImageOps.exif_transpose: after turning, it rewrites the EXIF without the orientation, and
+    that fails (TypeError, AttributeError) on tags some cameras and editors write with an unexpected
+    type, on photos that viewers show fine. Nothing here needs the EXIF afterwards.
+    """
+    method = _UPRIGHT.get(img.getexif().get(ExifTags.Base.Orientation, 1))
+    if method is None:
+        return img.copy()  # a copy: the file's image is closed when open_image returns
+    upright = img.transpose(method)
+    # Only in memory, where getexif() keeps it: turning it again (exif_transpose) is a no-op.
+    upright.getexif().pop(ExifTags.Base.Orientation, None)
     return upright
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trimesh
-from PIL import Image
+from PIL import Image, ImageOps
 
 from app import modelkit, relief
 from app.relief import errors as relief_errors
@@ -410,3 +410,48 @@ def test_torch_backend_matches_numpy() -> None:
     by_torch = heightmap.heights(heightmap.surface(planes, filters, on_torch), invert=False)
     assert np.array_equal(by_torch.cells, by_numpy.cells)
     np.testing.assert_allclose(by_torch.heights, by_numpy.heights, atol=1e-4)
+
+
+def exif_with_text_resolution(orientation: int) -> bytes:
+    """An EXIF block with an orientation and XResolution written as text ("72"), as some editors
+    write it: viewers read it, but Pillow cannot serialise it again (a RATIONAL tag holding a str)."""
+
+    def entry(tag: int, kind: int, count: int, value: bytes) -> bytes:
+        return struct.pack("<HHI", tag, kind, count) + value
+
+    entries = [entry(0x0112, 3, 1, struct.pack("<HH", orientation, 0)), entry(0x011A, 2, 3, b"72\0\0")]
+    ifd = struct.pack("<H", len(entries)) + b"".join(entries) + struct.pack("<I", 0)
+    return b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png"])
+def test_a_photo_whose_exif_pillow_cannot_rewrite_is_still_turned_upright(
+    tmp_path: Path, suffix: str
+) -> None:
+    """A 64x32 ramp (dark left) stored with orientation 6 and an XResolution tag stored as text
+    crashed relief (exit 1, `TypeError: bad operand type for abs(): 'str'`; retried as a crash, and
+    an error without bad_input in the warm runner): ImageOps.exif_transpose rewrites the EXIF after
+    turning the picture, which relief does not need. The picture is fine: it must mesh, upright."""
+    source = tmp_path / f"photo{suffix}"
+    ramp = np.linspace(0, 255, 64, dtype=np.float64)[None, :].repeat(32, axis=0).astype(np.uint8)
+    Image.fromarray(ramp, "L").save(source, exif=exif_with_text_resolution(6))
+    assert picture.open_image(source).size == (32, 64)
+    done = run_relief(source, tmp_path / "out", "--resolution", "32", "--width-mm", "60")
+    assert done.returncode == 0, done.stderr
+    result = load_mesh(tmp_path / "out/mesh.glb")
+    assert_printable(result)
+    assert result.extents[:2] == pytest.approx([30.0, 60.0])  # shown as a portrait
+    top = result.vertices[result.vertices[:, 2] > 0]
+    # The stored left (dark) edge is shown at the top of the picture: the largest y.
+    assert top[top[:, 1] > 59.9, 2].max() == pytest.approx(2.0, abs=0.1)
+    assert top[top[:, 1] < 0.1, 2].min() == pytest.approx(7.0, abs=0.1)
+
+
+def test_an_upright_image_says_it_needs_no_more_turning(tmp_path: Path) -> None:
+    """open_image's result no longer carries the orientation, so a caller's own exif_transpose
+    (docs/models.md, "From Python") does not turn it a second time."""
+    source = tmp_path / "rotated.jpg"
+    Image.new("RGB", (40, 20), (1, 2, 3)).save(source, exif=exif_with_text_resolution(6))
+    upright = picture.open_image(source)
+    assert upright.size == (20, 40)
+    assert ImageOps.exif_transpose(upright).size == (20, 40)
