@@ -175,7 +175,10 @@ def heights(surface: Surface, invert: bool) -> Heightfield:
         else surface.cell_alpha >= ALPHA_CUTOFF
     )
     if not cells.any():
-        raise errors.BadInput("the mask leaves nothing to mesh: the image is transparent everywhere")
+        raise errors.BadInput(
+            f"the mask leaves nothing to mesh: no part of the image is at least {ALPHA_CUTOFF:.0%} opaque "
+            "(use --mask none to keep every cell)"
+        )
     values, supported = _unpremultiply(surface)
     level = _normalise(values, _corners(cells) & supported, invert)
     # Unsupported vertices only touch cells added to close pinches; rest them on the base.

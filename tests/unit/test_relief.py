@@ -455,3 +455,14 @@ def test_an_upright_image_says_it_needs_no_more_turning(tmp_path: Path) -> None:
     upright = picture.open_image(source)
     assert upright.size == (20, 40)
     assert ImageOps.exif_transpose(upright).size == (20, 40)
+
+
+def test_an_image_faint_everywhere_is_refused_saying_what_the_mask_needs(tmp_path: Path) -> None:
+    """An image 39 % opaque everywhere was refused as "transparent everywhere", which it is not:
+    the answer names the cut-off it falls short of, and the way to mesh it anyway."""
+    source = tmp_path / "faint.png"
+    Image.new("RGBA", (32, 32), (90, 90, 90, 100)).save(source)
+    done = run_relief(source, tmp_path / "out", "--resolution", "16")
+    assert done.returncode == 65, done.stderr
+    assert "no part of the image is at least 50% opaque (use --mask none" in done.stderr, done.stderr
+    assert run_relief(source, tmp_path / "out", "--resolution", "16", "--mask", "none").returncode == 0
