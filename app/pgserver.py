@@ -28,6 +28,7 @@ only when a process joins. A process that holds it may watch it (`watch`, as `gp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -112,6 +113,7 @@ class EmbeddedPostgres:
                 _ensure_system_user(lock)
                 _forget_the_dead(self.data_dir, lock)
                 _drop_stale_lock_files(self.data_dir, lock)
+                _refuse_a_server_moved_away(self.data_dir)
                 # The wheel's widening, replaced for good: its module looks the name up at each call.
                 postgres_server.ensure_prefix_permissions = grants  # type: ignore[attr-defined]
                 _choose_socket_dirs_pg_ctl_can_pass(postgres_server)
@@ -426,6 +428,24 @@ def _disarm_unless_ours(server: Any, data_dir: Path, lock: Any) -> None:
         "did not stop the embedded PostgreSQL of %s (process %d at start): %s", data_dir, info.pid, why,
         extra={"action": "pg_stop_refused", "data_dir": str(data_dir)},
     )  # fmt: skip
+
+
+def _refuse_a_server_moved_away(data_dir: Path) -> None:
+    """ConfigError where `data_dir` holds no data folder yet and a server started with `-D
+    data_dir` still runs: its folder was moved or deleted under it (`mv storage storage.old` while
+    `serve` ran, before a restore). The wheel, making a new data folder there, would kill it as a
+    leftover: the database of the installation moved aside, still serving."""
+    if (data_dir / "PG_VERSION").exists():
+        return
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            args = [os.fsdecode(arg) for arg in (proc / "cmdline").read_bytes().split(b"\0")]
+            if (proc / "comm").read_text().strip() == "postgres" and str(data_dir) in args:
+                raise errors.ConfigError(
+                    f"a PostgreSQL server (process {proc.name}) still runs with the data folder "
+                    f"{data_dir}, which was moved or deleted while it ran: stop the gpujobs service "
+                    "that uses it (or that server) first; a new data folder there would kill it"
+                )
 
 
 def _named_pid(pidfile: Path) -> int | None:

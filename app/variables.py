@@ -24,6 +24,7 @@ NOT_SETTINGS = frozenset(
         "GPUJOBS_JOB",
         "GPUJOBS_WORKER",
         "GPUJOBS_RUNNER",
+        "GPUJOBS_QUEUE",
         "GPUJOBS_FUZZ_EXAMPLES",
     }
 )

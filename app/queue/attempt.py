@@ -257,7 +257,7 @@ class Attempt:
         process = runner.ModelProcess(
             argv,
             cwd=scratch,
-            env=oneshot.env(job, scratch, config.worker_id),
+            env=oneshot.env(job, scratch, config.worker_id, config.database),
             log_path=log_path,
             timeout_s=spec.timeout_s,
             kill_grace_s=config.kill_grace_s,
@@ -291,8 +291,9 @@ class Attempt:
         assert self._site.pool is not None
         job, config = self.job, self._site.config
         run = warmrun.WarmRun(
-            job, self.spec, self._site.pool, self._site.store, config.worker_id, config.python
-        )
+            job, self.spec, self._site.pool, self._site.store, config.worker_id, config.python,
+            config.database,
+        )  # fmt: skip
         request = modelkit.Request(f"{job.id}:{job.attempt}", input_path, out_dir, params)
         for _ in range(GONE_TRIES):
             ran = await self._in_a_runner(run, request, log_path)

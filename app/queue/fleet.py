@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.queue import records, sql
@@ -92,6 +93,19 @@ class Fleet:
         """On start: take back this worker identity's running jobs from its previous life."""
         values = {"worker_id": worker_id, "by_worker": worker_id, "reason": "worker restarted"}
         return await self._take_back(sql.REQUEUE_OWN, values)
+
+    async def database_id(self) -> str:
+        """The database's identity: its server's system identifier (a new one for each initdb, so
+        a restored copy's differs) and its name; the name alone where the server does not tell
+        its identifier to this user."""
+        async with self._auto.connect() as conn:
+            try:
+                return str((await conn.execute(sql.DATABASE_ID)).scalar_one())
+            except sa_exc.DBAPIError as exc:
+                if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
+                    raise
+        async with self._auto.connect() as conn:
+            return str((await conn.execute(sql.DATABASE_NAME)).scalar_one())
 
     async def heartbeat_age_s(self, worker_id: str) -> float | None:
         """Seconds since `worker_id`'s row took its last beat, by the database's clock (None: no row)."""

@@ -22,6 +22,13 @@ from app.queue.jobs import Job
 
 log = logging.getLogger("gpujobs.worker")
 
+# The marker of the queue (the database: its server's system identifier and its name, from
+# `Fleet.database_id`) a worker's runs and runners carry beside their job's or runner's: a restore
+# drill on the same host runs the same jobs (same ids, same attempts) from a restored copy of the
+# database, and its reaper must not take the live installation's runs for the leftovers of the
+# jobs it takes back.
+QUEUE = "GPUJOBS_QUEUE"
+
 
 class LastLook:
     """What a worker saw when it last looked for strays (`kill_strays(..., last=...)`): the kernel's
@@ -234,17 +241,36 @@ async def kill_worker_models(worker_id: str, *, grace_s: float) -> int:
     return await _kill_groups(groups, grace_s=grace_s)
 
 
-async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) -> bool:
+def _of_database(database: str) -> Callable[[bytes], bool]:
+    """Whether an environment is that of a process run for jobs of `database`: it carries that
+    database's marker, or none (an earlier version's run; any, where `database` is not known)."""
+    if not database:
+        return lambda environ: True
+    ours, prefix = f"{QUEUE}={database}".encode(), f"{QUEUE}=".encode()
+
+    def of_database(environ: bytes) -> bool:
+        marks = [v for v in environ.split(b"\0") if v.startswith(prefix)]
+        return not marks or ours in marks
+
+    return of_database
+
+
+async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float, database: str = "") -> bool:
     """Kill the model process groups of a job taken back from a lost worker on this host: its
     run's (its recorded pid, and every process that carries the run's marker: one it started in a
     session of its own left the group), or the warm runner it was running in (its recorded pid, a
     runner of that worker, and what carries that runner's marker). Only the recorded group was
     killed while it lived: a helper in a session of its own lived on beside the job's next run,
-    holding its GPU memory, for as long as no worker of the dead one's id started on the host."""
+    holding its GPU memory, for as long as no worker of the dead one's id started on the host.
+    A process marked as another database's (a restore drill's copy, or the live one's seen from a
+    drill) runs the same job for that database, and is left alone."""
     if taken.host != host:
         return False
     pid = taken.pid
     environ = None if pid is None else _environ(pid)
+    ours = _of_database(database)
+    if environ is not None and not ours(environ):
+        environ = None  # the recorded pid runs for another database
     of_run = _run_of(taken.id, taken.attempt)
     groups: set[int] = set()
     runner: bytes | None = None  # the marker of the runner it ran in
@@ -254,7 +280,7 @@ async def kill_leftover(taken: records.TakenBack, *, host: str, grace_s: float) 
         runner = next((v for v in environ.split(b"\0") if v.startswith(b"GPUJOBS_RUNNER=")), None)
 
     def carries_its_marker(found: bytes) -> bool:
-        return of_run(found) or (runner is not None and runner in found.split(b"\0"))
+        return (of_run(found) or (runner is not None and runner in found.split(b"\0"))) and ours(found)
 
     groups |= await asyncio.to_thread(_groups_where, carries_its_marker)
     return await _kill_groups(groups, grace_s=grace_s, job_id=str(taken.id)) > 0

@@ -12,12 +12,13 @@ from app.queue import leftovers
 from app.queue.jobs import Job
 
 
-def env(job: Job, lane: Path, worker_id: str) -> dict[str, str]:
+def env(job: Job, lane: Path, worker_id: str, database: str) -> dict[str, str]:
     """The environment of a one-shot run: the minimal one, its GPU, and the markers a restart
-    and the reaper find its processes by. Its temporary files go in its lane (TMPDIR, and TMP
-    and TEMP that some programs read instead), emptied after it: in the host's /tmp, those of
-    a run killed at its timeout or canceled stayed for good. (The lane itself, not a folder
-    made in it: every folder made and freed per run costs on a busy disk.)"""
+    and the reaper find its processes by (`database`: leftovers.QUEUE). Its
+    temporary files go in its lane (TMPDIR, and TMP and TEMP that some programs read instead),
+    emptied after it: in the host's /tmp, those of a run killed at its timeout or canceled
+    stayed for good. (The lane itself, not a folder made in it: every folder made and freed per
+    run costs on a busy disk.)"""
     assert job.gpu is not None
     # PCI bus order makes CUDA's device numbers the same as NVML's (the inventory's).
     folder = str(lane)
@@ -30,6 +31,7 @@ def env(job: Job, lane: Path, worker_id: str) -> dict[str, str]:
             "TEMP": folder,
             "GPUJOBS_JOB": f"{job.id}:{job.attempt}",
             "GPUJOBS_WORKER": worker_id,  # a restart finds its runs by it
+            leftovers.QUEUE: database,  # and tells them from a restored copy's
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         },
     )

@@ -38,6 +38,7 @@ class Reaper:
     ) -> None:
         self._manager = manager
         self._clock = clock  # when this worker's row took its last beat; a step of the database's clock
+        self.database = ""  # the database's identity, set at the worker's start (leftovers.QUEUE)
         self._store = store
         self._pool = pool
         self._config = config
@@ -178,7 +179,9 @@ class Reaper:
         )
         for leftover in found:
             if leftover.id not in self._running:
-                await leftovers.kill_leftover(leftover, host=self._host, grace_s=self._config.kill_grace_s)
+                await leftovers.kill_leftover(
+                    leftover, host=self._host, grace_s=self._config.kill_grace_s, database=self.database
+                )
                 cleared.append(leftover.id)
         return cleared
 

@@ -28,6 +28,7 @@ class AttemptConfig:
     oom_growth: float = 1.5
     sample_interval_s: float = 0.5  # how often the model's GPU memory is read (NVML)
     max_log_bytes: int = 0  # the cap on the attempt's log (0: none)
+    database: str = ""  # the database's identity, marked on its runs (leftovers.QUEUE); set at start
 
 
 @dataclass(frozen=True, slots=True)

@@ -726,6 +726,10 @@ LEFTOVERS_ON_HOST = text(
     """
 )
 
+# The database's identity (Fleet.database_id).
+DATABASE_ID = text("SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()")
+DATABASE_NAME = text("SELECT current_database()")
+
 # How long ago, by the database's clock, a worker's row took its last beat.
 HEARTBEAT_AGE = text("SELECT extract(epoch FROM now() - heartbeat_at) AS age_s FROM workers WHERE id = :id")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app import modelkit, progress, registry, runner, storage, warm, warmpool, warmresult
+from app.queue import leftovers
 from app.queue import watch as watch_
 from app.queue.jobs import Job
 
@@ -33,6 +34,7 @@ class WarmRun:
     store: storage.ResultStore
     worker_id: str
     python: str
+    database: str = ""  # leftovers.QUEUE
 
     @property
     def hold_mb(self) -> int:
@@ -64,6 +66,7 @@ class WarmRun:
                 # Which runner (`#n`, one per start in this worker): a helper a runner left is
                 # a stray once that runner is gone, while others of its model and GPU live on.
                 "GPUJOBS_RUNNER": f"{self.worker_id}:{key.model}:{key.gpu}#{next(_STARTS)}",
+                leftovers.QUEUE: self.database,  # whose jobs (leftovers.kill_leftover)
             },
         )
         argv = tuple(self.spec.build_serve_argv(python=self.python))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -256,6 +257,10 @@ class Worker:
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
         self._clock.beat(registered)
+        database = await self._manager.fleet.database_id()  # marked on its runs (leftovers.QUEUE)
+        self.reaper.database = database
+        marked = dataclasses.replace(self._site.config, database=database)
+        self._site = dataclasses.replace(self._site, config=marked)
         await self.reaper.take_back_own()
         self._store.lanes.reset(self.id)  # files a previous life of this worker left
         self._store.drop_runner_temps(self.id)  # and its runners' temporary folders

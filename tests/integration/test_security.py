@@ -30,6 +30,7 @@ import httpx
 import pytest
 from PIL import Image
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from app import auth, errors, links, modelsfile, storage
 from app.api import limits, security
@@ -1027,8 +1028,9 @@ async def test_models_run_with_a_minimal_environment_in_their_scratch_folder(
     assert leaked == [] and not any(name.startswith(("GPUJOBS_D", "GPUJOBS_L")) for name in probe["env"])
     assert set(probe["env"]) <= {"PATH", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"} | {
         "PYTHONUNBUFFERED", "HOME", "GPUJOBS_JOB", "GPUJOBS_WORKER", "CUDA_DEVICE_ORDER", "LC_CTYPE",
-        "TMP", "TEMP",
+        "TMP", "TEMP", "GPUJOBS_QUEUE",
     }  # fmt: skip
+    assert probe["env"]["GPUJOBS_QUEUE"].endswith("/" + make_url(settings.database_url).database)  # whose job
     scratch = Path(probe["cwd"])
     assert scratch.is_relative_to(store.root / "scratch") and probe["env"]["HOME"] == str(scratch)
     assert [probe["env"][name] for name in ("TMPDIR", "TMP", "TEMP")] == [str(scratch)] * 3
