@@ -102,7 +102,7 @@ async def test_a_timeout_is_no_bad_input_whatever_the_code_the_model_dies_with(m
     """A model that exits with a bad-input code when SIGTERM stops it (at its timeout) was failed
     for good as bad input, where a timeout is retried."""
     job_id = await enqueue(manager, model="term64")
-    await make_worker().run()
+    await make_worker(retry_base_s=60).run()  # not due before the worker ends, however slow the host
     job = await manager.get(job_id)
     assert job.state is JobState.scheduled, (job.state, job.error)  # retried, after its backoff
     assert (job.error or "").startswith("timed out"), job.error
