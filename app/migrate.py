@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # One process migrates at a time (migrations/env.py holds this session advisory lock throughout):
 # `serve` and a `worker` started together on a new data folder both migrate.
 MIGRATE_LOCK_KEY = 0x67706A_6D696772  # "gpj" "migr"
+LOCK_TRY_EVERY_S = 0.5  # how often a process waiting for a migration tries its lock
+LOCK_REMIND_S = 60.0  # and says again that it waits, and for whom
 log = logging.getLogger("gpujobs.migrate")
 VERSIONS = checkout.ROOT / "migrations" / "versions"
 # `revision: str = "0004"` and `down_revision: str | None = "0003"` (or None) in a migration script.
@@ -211,18 +213,52 @@ def _scripts() -> ScriptDirectory:
 async def in_turn(engine: AsyncEngine) -> AsyncIterator[None]:
     """Hold the migration lock for the block, after a migration under way (another process holds
     it throughout, migrations/env.py): a schema read meanwhile is read half-way, behind the code."""
+    import asyncio
+
     async with engine.connect() as lock:
         key = {"key": MIGRATE_LOCK_KEY}
-        if not await lock.scalar(text("SELECT pg_try_advisory_lock(:key)"), key):
-            log.warning(
-                "a migration is under way (another process holds the migration lock): waiting for it",
-                extra={"action": "migration_wait"},
-            )
-            await lock.execute(text("SELECT pg_advisory_lock(:key)"), key)
+        waited_s = 0.0
+        # Tries between transactions, never waits inside a statement: that holds a snapshot, and a
+        # migration's CREATE INDEX CONCURRENTLY waits for every older one (each waits for the other).
+        while not await lock.scalar(text("SELECT pg_try_advisory_lock(:key)"), key):
+            if waited_s % LOCK_REMIND_S < LOCK_TRY_EVERY_S:  # at once, then now and then: no silent hang
+                holder = (await lock.execute(_LOCK_HOLDER, key)).first()
+                log.warning(
+                    "a migration is under way (another process holds the migration lock): waiting for "
+                    "it (%.0f s so far; held by PostgreSQL process %s, %s)",
+                    waited_s, *(holder or ("?", "?")), extra={"action": "migration_wait"},
+                )  # fmt: skip
+            await lock.commit()
+            await asyncio.sleep(LOCK_TRY_EVERY_S)
+            waited_s += LOCK_TRY_EVERY_S
+        await lock.commit()
         try:
             yield
         finally:
             await lock.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+            await lock.commit()
+
+
+# Who holds the migration lock: a bigint advisory lock is (classid, objid) = its high and low halves.
+_LOCK_HOLDER = text(
+    "SELECT l.pid, coalesce(nullif(a.application_name, ''), 'no application_name')"
+    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.classid::bigint = (CAST(:key AS bigint) >> 32)"
+    " AND l.objid::bigint = (CAST(:key AS bigint) & 4294967295)"
+)
+
+
+def take_lock(connection: Connection) -> None:
+    """Take the migration lock on `connection` (migrations/env.py), as `in_turn` does: by tries
+    between transactions, so that the wait holds no snapshot."""
+    import time
+
+    key = {"key": MIGRATE_LOCK_KEY}
+    while not connection.scalar(text("SELECT pg_try_advisory_lock(:key)"), key):
+        connection.commit()
+        time.sleep(LOCK_TRY_EVERY_S)
+    connection.commit()
 
 
 # The record of the oldest code that runs on the schema: the comment on alembic_version, written
@@ -260,9 +296,28 @@ def record_oldest_code(connection: Connection, scripts: ScriptDirectory) -> None
     if connection.scalar(text("SELECT to_regclass('alembic_version')")) is None:
         return  # downgraded to nothing
     at = connection.scalar(text("SELECT version_num FROM alembic_version"))
-    if at is not None:
-        comment = _RECORD.format(oldest=oldest_code(at, scripts), at=at).replace("'", "")
-        connection.execute(text(f"COMMENT ON TABLE alembic_version IS '{comment}'"))
+    if at is None:
+        return
+    try:
+        with connection.begin_nested():  # a refused COMMENT undoes only itself
+            connection.execute(text(record(at, scripts)))
+    except exc.ProgrammingError as error:
+        if getattr(error.orig, "sqlstate", None) != "42501":  # insufficient_privilege
+            raise
+        # Only alembic_version's owner may comment on it: a stamp by another role still stands,
+        # with no record, and code older than it refuses the schema, as it would without one.
+        log.warning(
+            "the record of the oldest code that runs on schema %s was not written: the database user "
+            "does not own alembic_version",
+            at, extra={"action": "schema_record_refused"},
+        )  # fmt: skip
+
+
+def record(at: str, scripts: ScriptDirectory) -> str:
+    """The statement that records the oldest code that runs on the schema at `at` (offline mode,
+    `alembic upgrade --sql`, writes it into its script: migrations/env.py)."""
+    comment = _RECORD.format(oldest=oldest_code(at, scripts), at=at).replace("'", "")
+    return f"COMMENT ON TABLE alembic_version IS '{comment}'"
 
 
 async def schema(engine: AsyncEngine) -> Schema:

@@ -34,8 +34,7 @@ def _run(connection: Connection) -> None:
     # a transaction's: revision 0003 commits part of its work on its own, and a transaction's lock
     # would be let go there, for another process to run 0003 again.
     lock = {"key": migrate.MIGRATE_LOCK_KEY}
-    connection.execute(text("SELECT pg_advisory_lock(:key)"), lock)
-    connection.commit()  # the wait ends here; the migrations' own transaction starts after it
+    migrate.take_lock(connection)  # the wait ends here; the migrations' own transaction starts after it
     try:
         context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
         with context.begin_transaction():
@@ -64,8 +63,17 @@ def run_migrations_online() -> None:
 
 
 if context.is_offline_mode():
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    left: list[str] = []  # the revision the last step leaves (online, the record reads it back)
+
+    def _step_done(*, heads: set[str], **_: object) -> None:
+        left[:] = sorted(heads)
+
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, on_version_apply=_step_done
+    )
     with context.begin_transaction():
         context.run_migrations()
+        if len(left) == 1:  # none: taken down to nothing
+            context.execute(migrate.record(left[0], context.script))
 else:
     run_migrations_online()

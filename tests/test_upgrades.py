@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -301,3 +302,166 @@ async def test_migrate_into_another_applications_alembic_database_says_whose_it_
         message = raised.value.message
         assert "newer release" not in message and "downgrade" not in message, message
         assert "3f2a9c1b7d40" in message and "no table of gpujobs" in message, message
+
+
+CONCURRENT_INDEX = """
+revision = "0010"
+down_revision = "{head}"
+oldest_code = "{head}"
+
+from alembic import op
+
+
+def upgrade():
+    op.execute("SELECT pg_sleep(2)")  # a slower migration: a process starts meanwhile
+    with op.get_context().autocommit_block():
+        op.create_index("jobs_newer_idx", "jobs", ["model", "created_at"], postgresql_concurrently=True)
+
+
+def downgrade():
+    op.drop_index("jobs_newer_idx", table_name="jobs")
+"""
+
+
+def _release(tmp_path: Path, url: str, script: str) -> Any:
+    """A newer release's Alembic configuration: the checkout's migrations and `script`."""
+    scripts = tmp_path / "newer" / "migrations"
+    shutil.copytree(migrate.VERSIONS.parent, scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    (scripts / "versions" / "20261201_0010_newer.py").write_text(script.format(head=migrate.head()))
+    config = migrate.alembic_config(url)
+    config.set_main_option("script_location", str(scripts))
+    return config
+
+
+async def test_a_process_waiting_for_a_migration_does_not_deadlock_its_concurrent_index(server_url, tmp_path):
+    """docs/operations.md recommends "an index built without blocking writes" as a migration older
+    code runs on. CREATE INDEX CONCURRENTLY waits for every transaction with an older snapshot; a
+    worker started meanwhile waits for the migration lock (migrate.in_turn) inside a statement,
+    holding a snapshot: each waits for the other, and PostgreSQL ends one with "deadlock detected"."""
+    async with empty_database(server_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        config = _release(tmp_path, url, CONCURRENT_INDEX)
+        migrating = asyncio.ensure_future(asyncio.to_thread(command.upgrade, config, "head"))
+        await asyncio.sleep(1)  # the migration holds the lock, in its pg_sleep
+
+        async def starting() -> migrate.Schema:  # as cli._schema_at, at a worker's start
+            engine = db.create_engine(url, pool_size=1)
+            try:
+                async with migrate.in_turn(engine):
+                    return await migrate.schema(engine)
+            finally:
+                await engine.dispose()
+
+        found = await asyncio.wait_for(starting(), 60)
+        await asyncio.wait_for(migrating, 60)
+        assert found == migrate.Schema("0010", migrate.head())
+
+
+async def test_a_migration_applied_as_sql_records_the_oldest_code(server_url, tmp_path):
+    """A DBA reviews and applies the SQL of `alembic upgrade <from>:head --sql` (offline mode, which
+    migrations/env.py supports): the revision changed and the record did not, so every older API
+    answered 503 on /readyz although the migration declares that their code runs on its schema."""
+    import io
+
+    import asyncpg
+
+    from tests.test_upgrades import newer_release
+
+    async with empty_database(server_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        config = newer_release(tmp_path, url, migrate.head())
+        config.output_buffer = io.StringIO()
+        command.upgrade(config, f"{migrate.head()}:head", sql=True)
+        conn = await asyncpg.connect(db.asyncpg_dsn(url))
+        try:
+            await conn.execute(config.output_buffer.getvalue())
+        finally:
+            await conn.close()
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            assert await migrate.schema(engine) == migrate.Schema("0010", migrate.head())
+        finally:
+            await engine.dispose()
+
+
+async def test_a_second_alembic_upgrade_does_not_deadlock_a_concurrent_index(server_url, tmp_path):
+    """The same through migrations/env.py's own wait: `alembic upgrade head` from the checkout (or
+    a second `gpujobs migrate` that passed its check first) waited for the lock inside a statement."""
+    async with empty_database(server_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        config = _release(tmp_path, url, CONCURRENT_INDEX)
+        migrating = asyncio.ensure_future(asyncio.to_thread(command.upgrade, config, "head"))
+        await asyncio.sleep(1)
+        code = (
+            "import sys; from alembic import command; from app import migrate;"
+            " config = migrate.alembic_config(sys.argv[1]);"
+            " config.set_main_option('script_location', sys.argv[2]); command.upgrade(config, 'head')"
+        )
+        scripts = config.get_main_option("script_location")
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, url, scripts,
+            cwd=migrate.checkout.ROOT, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 0, stderr.decode()[-2000:]
+        await asyncio.wait_for(migrating, 60)
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            assert await migrate.schema(engine) == migrate.Schema("0010", migrate.head())
+        finally:
+            await engine.dispose()
+
+
+async def test_a_process_waiting_for_a_hung_migration_says_so_again_and_names_it(engine, caplog, monkeypatch):
+    """A migration that hangs (its host gone without closing the connection: the server keeps its
+    session, and the lock, until TCP keepalive gives up, two hours by default): `serve`, `worker`
+    and `keys` said once that a migration was under way, then waited without another word, and
+    nothing said which process held the lock."""
+    from sqlalchemy import text
+
+    monkeypatch.setattr(migrate, "LOCK_REMIND_S", 1.0)
+    key = {"key": migrate.MIGRATE_LOCK_KEY}
+    async with engine.connect() as migrating:
+        await migrating.execute(text("SELECT pg_advisory_lock(:key)"), key)
+        await migrating.commit()
+        pid = await migrating.scalar(text("SELECT pg_backend_pid()"))
+
+        async def starting() -> None:
+            async with migrate.in_turn(engine):
+                pass
+
+        waiting = asyncio.ensure_future(starting())
+        await asyncio.sleep(2.8)
+        await migrating.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+        await migrating.commit()
+        await asyncio.wait_for(waiting, 10)
+    said = [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "migration_wait"]
+    assert len(said) >= 2, said
+    assert f"held by PostgreSQL process {pid}, gpujobs" in said[-1], said
+
+
+async def test_a_stamp_by_a_role_that_does_not_own_alembic_version_stands_without_a_record(settings):
+    """Only alembic_version's owner may comment on it: a stamp by a role with rights on its rows
+    alone failed whole ("must be owner of table alembic_version") once each run wrote the record.
+    It stands now, without a record: older code refuses the schema, as with none."""
+    from sqlalchemy.engine import make_url
+
+    from tests import dbadmin
+
+    role = f"gj_stamper_{uuid.uuid4().hex[:8]}"
+    url = settings.database_url or ""
+    await dbadmin.admin(
+        url,
+        f"CREATE ROLE {role} LOGIN PASSWORD 'pw'",
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON alembic_version TO {role}",
+    )
+    try:
+        as_role = make_url(url).set(username=role, password="pw").render_as_string(hide_password=False)
+        await asyncio.to_thread(command.stamp, migrate.alembic_config(as_role), "0008")
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            assert await migrate.schema(engine) == migrate.Schema("0008", None)
+        finally:
+            await engine.dispose()
+    finally:
+        await dbadmin.admin(url, f"DROP OWNED BY {role}", f"DROP ROLE {role}")
