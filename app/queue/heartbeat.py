@@ -28,36 +28,51 @@ class BeatClock:
     its host resumed), every lease looked run out at once: reapers took live workers' jobs back
     and their heartbeats refused to renew them. The database's count of the time since a beat,
     beside this count, shows such a step: the heartbeat then renews the leases it alone made run
-    out, and this worker's reaper takes nothing back for a lease (`held`)."""
+    out, and this worker's reaper takes nothing back for a lease (`held`). A hold is not taken
+    again for a lease after it ends: a clock stepping back and forth for good (two time sources
+    fighting over the host) held every reaper for good, and a dead worker's jobs were never taken
+    back; now they are, within three leases."""
 
     def __init__(self, lease_s: float) -> None:
         self._lease_s = lease_s
         self._beat_at: float | None = None
         self._held_until = 0.0
+        self._new_until = 0.0  # registered lately: a step before it cannot be seen (registered)
+
+    @property
+    def last_beat(self) -> float | None:
+        """When the row took its last beat (time.monotonic()), None before its registration."""
+        return self._beat_at
 
     def beat(self, at: float) -> None:
         """The row took a beat in a statement sent at `at` (time.monotonic())."""
         self._beat_at = at
 
-    def since_s(self, now: float | None = None) -> float | None:
-        """Seconds since the last beat, by the steady clock (None: none yet)."""
-        return None if self._beat_at is None else (now or time.monotonic()) - self._beat_at
+    def registered(self, at: float) -> None:
+        """The row was registered in a statement sent at `at`. A step of the database's clock just
+        before has no beat of this worker's before it to be seen by, while the leases it made run
+        out wait for their workers' next beats to be renewed: a worker that started then took
+        them back (killing their runs) as a lost worker's. No lease is judged run out for one lease."""
+        self.beat(at)
+        self._new_until = time.monotonic() + self._lease_s
 
     def stepped(self, seconds: float) -> None:
         """The database's clock was seen to step `seconds` forward: hold for a lease from now."""
-        if seconds <= 0:
-            return
-        if not self.held():
+        now = time.monotonic()
+        if seconds <= 0 or self._held_until <= now < self._held_until + self._lease_s:
+            return  # none, or a hold ended less than a lease ago
+        if now >= self._held_until:  # one warning for a step, not one for each beat
             log.warning(
                 "the database's clock stepped forward by %.1f s: leases it shows as run out within "
                 "the step are renewed, and no job is taken back for a lease",
                 seconds, extra={"action": "db_clock_stepped", "seconds": round(seconds, 1)},
             )  # fmt: skip
-        self._held_until = time.monotonic() + self._lease_s
+            self._held_until = now + self._lease_s
 
     def held(self) -> bool:
-        """Whether a step was seen within the last lease: no lease can be judged run out yet."""
-        return time.monotonic() < self._held_until
+        """Whether a step was seen within the last lease, or the row was registered within it: no
+        lease can be judged run out yet."""
+        return time.monotonic() < max(self._held_until, self._new_until)
 
 
 class Heartbeat:
@@ -105,7 +120,6 @@ class Heartbeat:
         """Renew leases; stop runs whose job was canceled or taken from us."""
         in_hand = dict(self._running)  # judged only if claimed before the statement ran
         gpus = self._report()
-        sent = time.monotonic()
         answer = await self._manager.heartbeat(
             worker_id=self._config.worker_id,
             job_ids=list(in_hand),
@@ -113,9 +127,9 @@ class Heartbeat:
             gpus=gpus,
             state="stopping" if self._stopping.is_set() else "running",
             paused=self._paused(),
-            since_s=self._clock.since_s(sent),
+            last_beat=self._clock.last_beat,
         )
-        self._clock.beat(sent)
+        self._clock.beat(answer.sent)
         self._clock.stepped(answer.stepped_s)
         for job_id, (run, _) in in_hand.items():
             mine = answer.owned.get(job_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 import uuid
 from collections.abc import Mapping, Sequence, Set
 from datetime import datetime
@@ -361,12 +362,13 @@ class JobManager:
         gpus: Sequence[Mapping[str, Any]],
         state: str = "running",
         paused: str | None = None,
-        since_s: float | None = None,
+        last_beat: float | None = None,
     ) -> records.Beat:
         """Renew the leases of `job_ids` and store the worker's state (`paused`: why it claims
         nothing now, None while it claims); returns those still owned: id -> (attempt, cancel
-        requested), and by how much the database's clock stepped forward since the worker's last
-        beat, `since_s` ago by the worker's steady clock (None: not known, nothing stepped)."""
+        requested), by how much the database's clock stepped forward since the worker's last beat
+        (at `last_beat` by time.monotonic(); None: not known, nothing stepped), and when this
+        statement was sent. Stamped with a connection in hand: a wait for one read as a step."""
         values = {
             "worker_id": worker_id,
             "ids": list(job_ids),
@@ -374,13 +376,14 @@ class JobManager:
             "gpus": json.dumps(list(gpus)),
             "state": state,
             "paused": paused,
-            "since_s": since_s if since_s is not None else float("inf"),
             "tolerance_s": CLOCK_TOLERANCE_S,
         }
         async with self._auto.connect() as conn:
+            sent = time.monotonic()
+            values["since_s"] = float("inf") if last_beat is None else sent - last_beat
             rows = (await conn.execute(sql.HEARTBEAT, values)).all()
         owned = {r.id: (r.attempt, r.cancel_requested) for r in rows if r.id is not None}
-        return records.Beat(owned, float(rows[0].stepped_s) if rows else 0.0)
+        return records.Beat(owned, float(rows[0].stepped_s) if rows else 0.0, sent)
 
     # -- user and admin actions -----------------------------------------------------------
 

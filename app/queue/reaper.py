@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -125,10 +126,12 @@ class Reaper:
         seen by a beat, or now, by this worker's own row looking older than its last beat is."""
         if self._clock.held():
             return True
-        since_s = self._clock.since_s()
+        beat = self._clock.last_beat
         age_s = await self._manager.fleet.heartbeat_age_s(self._config.worker_id)
-        if since_s is not None and age_s is not None:
-            self._clock.stepped(age_s - since_s - manager_.CLOCK_TOLERANCE_S)
+        # Counted once the age is read (never less than the database counted), and only if no beat
+        # came meanwhile: the age would be the new beat's, the count the old one's.
+        if beat is not None and age_s is not None and self._clock.last_beat == beat:
+            self._clock.stepped(age_s - (time.monotonic() - beat) - manager_.CLOCK_TOLERANCE_S)
         return self._clock.held()
 
     def _left_by(self, gone: str) -> None:
@@ -178,6 +181,8 @@ class Reaper:
             host=self._host, worker_id=worker_id, lease_s=self._config.lease_s
         )
         for leftover in found:
+            if leftover.worker_id != worker_id and self._clock.held():
+                continue  # another worker's lease that may have run out only by a step of the clock
             if leftover.id not in self._running:
                 await leftovers.kill_leftover(
                     leftover, host=self._host, grace_s=self._config.kill_grace_s, database=self.database

@@ -111,6 +111,7 @@ class Beat:
 
     owned: dict[uuid.UUID, tuple[int, bool]]
     stepped_s: float
+    sent: float  # when the statement was sent, by time.monotonic(): the worker's new last beat
 
 
 @dataclass(frozen=True, slots=True)

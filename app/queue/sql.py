@@ -755,7 +755,17 @@ REGISTER_WORKER = text(
     """
 )
 
-SET_WORKER_STATE = text("UPDATE workers SET state = :state, heartbeat_at = now() WHERE id = :id")
+# A worker stopping beats on (its heartbeat says `stopping`): its heartbeat_at is left to its
+# heartbeat, whose BeatClock counts from the last beat it took. Written here too, a step of the
+# database's clock just before the stop was counted from after the step: the stopping worker's
+# next beat saw none and refused the leases it had made run out, killing the runs it was finishing.
+SET_WORKER_STATE = text(
+    """
+    UPDATE workers
+    SET state = :state, heartbeat_at = CASE WHEN :state = 'stopped' THEN now() ELSE heartbeat_at END
+    WHERE id = :id
+    """
+)
 
 # -- user and admin actions -------------------------------------------------------------------
 

@@ -256,7 +256,7 @@ class Worker:
             models=list(self._models.models),
             gpus=self._gpus.report(self.in_hand(), gpus),
         )
-        self._clock.beat(registered)
+        self._clock.registered(registered)
         database = await self._manager.fleet.database_id()  # marked on its runs (leftovers.QUEUE)
         self.reaper.database = database
         marked = dataclasses.replace(self._site.config, database=database)

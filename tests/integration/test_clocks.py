@@ -9,6 +9,7 @@ heartbeats, retries) that is the same as `now()` jumping, on a server up for lon
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from app import logs
 from app.queue.jobs import JobState
 from tests import dbadmin
 from tests.conftest import api_client, worker_env, worker_name
-from tests.integration.test_durability import kinds, running, until
+from tests.integration.test_durability import alive, kinds, running, until
 from tests.integration.test_observability import capture
 from tests.integration.test_worker import enqueue
 
@@ -196,3 +197,134 @@ async def test_a_dead_workers_job_is_still_taken_back_after_a_forward_step_of_th
     assert back.worker_id != job.worker_id
     assert time.monotonic() - stepped_at >= settings.lease_s - 1  # held off for a lease first
     assert other.poll() is None
+
+
+BEAT_AT = text("SELECT heartbeat_at FROM workers WHERE id = :id")
+
+
+async def just_beaten(engine: Any, worker: str, timeout_s: float = 10) -> None:
+    """Return right after `worker`'s row took a new beat (its heartbeat_at changed)."""
+    async with engine.connect() as conn:
+        first = (await conn.execute(BEAT_AT, {"id": worker})).scalar()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with engine.connect() as conn:
+            if (await conn.execute(BEAT_AT, {"id": worker})).scalar() != first:
+                return
+        assert time.monotonic() < deadline, f"{worker} took no beat"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_worker_stopping_gracefully_when_the_database_clock_steps_keeps_its_job(
+    manager, make_worker, engine
+):
+    """A graceful stop writes the worker's heartbeat_at (SET_WORKER_STATE) without its BeatClock
+    knowing: a step of the database's clock just before it is then counted from after the step, so
+    the stopping worker's next beat sees none, refuses to renew the lease the step ran out, and the
+    job it was finishing in its grace ends failed, 'lease expired'."""
+    job_id = await enqueue(manager, sleep=4, steps=4, max_attempts=1)
+    worker = make_worker(burst=False, shutdown_grace_s=30, heartbeat_interval_s=1.0)
+    task = asyncio.create_task(worker.run())
+    try:
+        await until(manager, job_id, lambda j: j.pid is not None)
+        await just_beaten(engine, worker.id)
+        await step_database_clock(engine, 60)
+        worker.stop()  # graceful: the job may finish within its grace
+    finally:
+        worker.stop()
+        await task
+    done = await manager.get(job_id)
+    history = await kinds(manager, job_id)
+    assert (done.state, done.attempt) == (JobState.succeeded, 1), (done.error, history)
+
+
+async def test_a_worker_started_just_after_a_step_takes_no_live_workers_job(manager, make_worker, engine):
+    """A worker that registers after the database's clock stepped has no beat before the step to
+    see it by: its first reap round found the live worker's lease run out (by the step) and killed
+    its run and took the job back before that worker's next beat could renew it."""
+    job_id = await enqueue(manager, sleep=6, steps=6, max_attempts=1)
+    # The default heartbeat is a quarter of the lease (5 s of 20 s): the same ratio here.
+    first = make_worker(burst=False, name="first", heartbeat_interval_s=0.75)
+    async with running(first):
+        job = await until(manager, job_id, lambda j: j.pid is not None)
+        await just_beaten(engine, first.id)
+        await step_database_clock(engine, 60)
+        async with running(make_worker(burst=False, name="second")):
+            done = await until(manager, job_id, lambda j: j.state.final, timeout_s=30)
+    history = await kinds(manager, job_id)
+    assert (done.state, done.attempt, done.worker_id) == (JobState.succeeded, 1, job.worker_id), (
+        done.error,
+        history,
+    )
+
+
+async def test_a_database_clock_that_keeps_stepping_back_and_forth_still_lets_a_dead_workers_job_back(
+    manager, engine, spawn_worker, settings
+):
+    """Two time sources fighting over the database host's clock (a hypervisor's sync setting it
+    back, NTP stepping it forward again, each by a little over the 1 s tolerance): each forward
+    step holds every reaper off for a lease again, so one step within each lease held them off for
+    good, and a dead worker's job was never taken back (nor the worker marked dead)."""
+    job_id = await enqueue(manager, sleep=60, steps=60)
+    survivor = spawn_worker("survives")
+    doomed = spawn_worker("dies")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    victim, other = (
+        (doomed, survivor) if job.worker_id.endswith(":" + worker_name("dies")) else (survivor, doomed)
+    )
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(5)
+    killed_at = time.monotonic()
+    while (await manager.get(job_id)).attempt == 1 and time.monotonic() - killed_at < 10 * settings.lease_s:
+        await step_database_clock(engine, -1.5)  # set back...
+        await asyncio.sleep(1.0)
+        await step_database_clock(engine, 1.5)  # ...and forward again: no drift in all
+        await asyncio.sleep(1.0)
+    job = await manager.get(job_id)
+    assert job.attempt == 2, f"not taken back {time.monotonic() - killed_at:.0f} s after its worker died"
+    assert other.poll() is None
+
+
+async def test_a_worker_paused_past_its_lease_is_forgiven_nothing_on_resuming(
+    manager, engine, spawn_worker, settings, tmp_path
+):
+    """SIGSTOP stops the worker, not its steady clock: resumed, its heartbeat sees no step, does not
+    renew the lease that ran out meanwhile, and stops its run; the job is taken back once."""
+    job_id = await enqueue(manager, sleep=60, steps=60)
+    paused = spawn_worker("paused")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2 * settings.lease_s)
+    finally:
+        paused.send_signal(signal.SIGCONT)
+    # No other worker: nobody took the job back while it slept; its own heartbeat must drop it.
+    await asyncio.sleep(3 * settings.heartbeat_interval_s + 1)
+    assert not alive(job.pid), "its run still runs on a lease that ran out while its worker slept"
+    log = (tmp_path / "worker-paused-0.log").read_text()
+    assert "db_clock_stepped" not in log, log[-3000:]
+    after = await until(manager, job_id, lambda j: j.attempt == 2 or j.state is not JobState.running)
+    assert "recovered" in await kinds(manager, job_id) or after.attempt == 2
+
+
+async def test_a_worker_paused_past_its_lease_while_a_neighbour_reaps_runs_its_job_once(
+    manager, engine, spawn_worker, settings, tmp_path
+):
+    """The fencing the design promises: a worker paused past its lease has its run killed by a
+    worker on its host before the job is queued again; resumed, it renews nothing."""
+    job_id = await enqueue(manager, sleep=60, steps=60)
+    paused = spawn_worker("paused")
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        spawn_worker("neighbour")
+        again = await until(manager, job_id, lambda j: j.attempt == 2 and j.pid is not None, timeout_s=30)
+        assert not alive(job.pid)  # killed before the second attempt started
+        assert again.worker_id.endswith(":" + worker_name("neighbour"))
+    finally:
+        paused.send_signal(signal.SIGCONT)
+    await asyncio.sleep(3 * settings.heartbeat_interval_s + 1)
+    now = await manager.get(job_id)
+    assert (now.attempt, now.worker_id, now.state) == (2, again.worker_id, JobState.running)
+    assert alive(again.pid)
+    assert "db_clock_stepped" not in (tmp_path / "worker-paused-0.log").read_text()
