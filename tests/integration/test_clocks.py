@@ -177,20 +177,24 @@ async def test_step_database_clock_moves_every_time(manager, engine):
     assert (before.run_after - after.run_after).total_seconds() == 60
 
 
+async def one_of_two_workers_killed_mid_job(manager: Any, spawn_worker: Any) -> tuple[uuid.UUID, Any, Any]:
+    """Two worker processes, one long job: the one running it killed (kill -9). The job's id, the
+    job as it ran, and the worker left."""
+    job_id = await enqueue(manager, sleep=60, steps=60)
+    workers = {name: spawn_worker(name) for name in ("survives", "dies")}
+    job = await until(manager, job_id, lambda j: j.pid is not None)
+    ran_it = next(name for name in workers if job.worker_id.endswith(":" + worker_name(name)))
+    workers[ran_it].send_signal(signal.SIGKILL)
+    workers[ran_it].wait(5)
+    return job_id, job, next(w for name, w in workers.items() if name != ran_it)
+
+
 async def test_a_dead_workers_job_is_still_taken_back_after_a_forward_step_of_the_database_clock(
     manager, engine, spawn_worker, settings
 ):
     """The other side of the above: the reapers hold off for one lease after a step, and then a
     job whose worker died is taken back as before."""
-    job_id = await enqueue(manager, sleep=60, steps=60)
-    survivor = spawn_worker("survives")
-    first = spawn_worker("dies")
-    job = await until(manager, job_id, lambda j: j.pid is not None)
-    victim, other = (
-        (first, survivor) if job.worker_id.endswith(":" + worker_name("dies")) else (survivor, first)
-    )
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(5)
+    job_id, job, other = await one_of_two_workers_killed_mid_job(manager, spawn_worker)
     await step_database_clock(engine, 60)
     stepped_at = time.monotonic()
     back = await until(manager, job_id, lambda j: j.attempt == 2, timeout_s=6 * settings.lease_s + 10)
@@ -265,15 +269,7 @@ async def test_a_database_clock_that_keeps_stepping_back_and_forth_still_lets_a_
     back, NTP stepping it forward again, each by a little over the 1 s tolerance): each forward
     step holds every reaper off for a lease again, so one step within each lease held them off for
     good, and a dead worker's job was never taken back (nor the worker marked dead)."""
-    job_id = await enqueue(manager, sleep=60, steps=60)
-    survivor = spawn_worker("survives")
-    doomed = spawn_worker("dies")
-    job = await until(manager, job_id, lambda j: j.pid is not None)
-    victim, other = (
-        (doomed, survivor) if job.worker_id.endswith(":" + worker_name("dies")) else (survivor, doomed)
-    )
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(5)
+    job_id, job, other = await one_of_two_workers_killed_mid_job(manager, spawn_worker)
     killed_at = time.monotonic()
     while (await manager.get(job_id)).attempt == 1 and time.monotonic() - killed_at < 10 * settings.lease_s:
         await step_database_clock(engine, -1.5)  # set back...
