@@ -18,6 +18,8 @@ import typer
 from app import cli_jobs, cli_keys, cli_prune, cli_submit, errors, logs, modelsfile, pgserver, sigterm
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from app.migrate import Schema
     from app.queue.worker import Worker
     from app.registry import Registry
@@ -363,6 +365,36 @@ def migrate_command() -> None:
         raise _fail(exc) from exc
     ahead = f" (ahead of this code's {migrate.head()}, which runs on it)" if at != migrate.head() else ""
     typer.echo(f"database at revision {at}{ahead}")
+
+
+@cli.command(name="check")
+def check_command(
+    hash_: Annotated[
+        bool, typer.Option("--hash", help="Also compare each file's SHA-256 (reads every result whole)")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Check that every kept result is on disk as stored (exit 1 if not); changes nothing."""
+    from app import check, db
+
+    settings = _settings()
+
+    async def checked(url: str, root: Path) -> check.Report:
+        await _check_schema(url)
+        engine = db.create_engine(url, pool_size=1)
+        try:
+            return await check.run(engine, root, hash_=hash_)
+        finally:
+            await engine.dispose()
+
+    try:
+        root = check.results_root(settings.storage_dir)  # before an embedded database is made there
+        with database(settings) as ready:
+            report = asyncio.run(checked(ready.database_url or "", root))
+    except errors.AppError as exc:
+        raise _fail(exc) from exc
+    typer.echo(report.as_json() if as_json else "\n".join(report.lines()))
+    raise typer.Exit(0 if report.clean else 1)
 
 
 @cli.command()

@@ -92,10 +92,11 @@ class FoundOutput:
 
 def hash_outputs(found: Sequence[FoundOutput]) -> list[ResultFile]:
     """The outputs found, described with their SHA-256 (which reads each whole)."""
-    return [ResultFile(f.spec.name, f.size, _sha256(f.path), f.spec.media_type) for f in found]
+    return [ResultFile(f.spec.name, f.size, sha256_of(f.path), f.spec.media_type) for f in found]
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The file's SHA-256, in hex, read a megabyte at a time."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

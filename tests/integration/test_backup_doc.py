@@ -277,7 +277,7 @@ def test_backup_and_restore_of_the_embedded_database_work_as_the_doc_says(tmp_pa
         (work / "restore.sh").write_text(restore_block(blocks, backup, new))
         _, port = serving(start, ["bash", "-eu", "restore.sh"], work, env, tmp_path / "restore.log")
         assert run_block(work, "count-new", count_block(blocks, new), env).stdout == counted
-        check(blocks, work, env, port, held)
+        check(blocks, work, env, new, port, held)
         assert_restored(port, held, late)
 
 
@@ -331,16 +331,24 @@ def restore_block(blocks: dict[str, str], backup: Path, storage: Path) -> str:
     )
 
 
-def check(blocks: dict[str, str], work: Path, env: dict[str, str], port: int, held: Held) -> None:
-    """The doc's check of a restore: the jobs listed as before, the key answered, every output of the
-    succeeded job downloaded with its sha256, and a new job run."""
+def check(
+    blocks: dict[str, str], work: Path, env: dict[str, str], storage: Path, port: int, held: Held
+) -> None:
+    """The doc's check of a restore: every kept result read back from `storage` (`gpujobs check`),
+    the jobs listed as before, the key answered, every output of the succeeded job downloaded
+    with its sha256, and a new job run."""
     script = filled(
         blocks["check"],
+        (r"^STORAGE=storage\b", f"STORAGE={shlex.quote(str(storage))}"),
         (r"http://127\.0\.0\.1:8000", f"http://127.0.0.1:{port}"),
         (r"GPUJOBS_API_KEY=gpj_\.\.\.", f"GPUJOBS_API_KEY={held.admin}"),
         (r"^ID=\.\.\.", f"ID={held.job['id']}"),
     )
     said = run_block(work, "check", script, env).stdout.splitlines()
+    checked = said.pop(0)  # `gpujobs check --hash`: both succeeded jobs' outputs, as stored
+    assert checked.startswith("checked 2 succeeded jobs, 2 files, ") and checked.endswith(
+        "by sizes and SHA-256: 0 not as stored, 0 folders of unknown jobs"
+    ), said
     assert said[: len(held.listed)] == held.listed, said
     assert said[len(held.listed)] == "200", said
     downloads = [line for line in said if line.startswith(("ok ", "BAD "))]

@@ -261,7 +261,7 @@ def test_the_client_commands_load_no_database_code():
 
 
 async def test_database_commands_say_why_they_cannot_use_the_database(settings, tmp_path):
-    """`serve`, `worker`, `migrate` and `keys` printed a traceback of some 500 lines, and exited 1,
+    """`serve`, `worker`, `migrate`, `keys` (and `check`) printed a traceback of some 500 lines, and exited 1,
     when the database was down or the URL named a database that does not exist. Now one line
     (docs/operations.md); `migrate` printed seven of Alembic's plugin lines before it."""
     from sqlalchemy.engine import make_url
@@ -278,7 +278,10 @@ async def test_database_commands_say_why_they_cannot_use_the_database(settings, 
         (refused, ["serve", "--no-worker", "--port", str(free_port())], "cannot reach the database"),
         (missing, ["keys", "list"], 'database "no_such_db" does not exist'),
         (missing, ["migrate"], 'database "no_such_db" does not exist'),
+        (refused, ["check"], "cannot reach the database"),
+        (missing, ["check"], 'database "no_such_db" does not exist'),
     ]
+    (settings.storage_dir / "results").mkdir(parents=True)  # `check` looks for it first
     for url, args, why in cases:
         env = {**worker_env(settings, "cli"), "GPUJOBS_DATABASE_URL": url}
         code, _, stderr = await run_cli(env, *args, timeout_s=120)
