@@ -337,7 +337,10 @@ class WorkerPublic(BaseModel):
     heartbeat_at: datetime
     heartbeat_age_s: float
     models: list[str]
-    gpus: list[WorkerGpuPublic]
+    gpus: list[WorkerGpuPublic] = Field(
+        description="As of its last heartbeat: of a worker that is not live, what it last reported, "
+        "not what it holds"
+    )
     running_jobs: list[uuid.UUID]
 
 

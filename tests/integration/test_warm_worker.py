@@ -518,6 +518,36 @@ async def test_warm_runners_show_in_the_workers_view_the_metrics_and_the_admin_p
         assert "warm_a" in warm and "idle for" in warm and f"pid {pid}" in warm and "1 job" in warm
 
 
+async def test_a_dead_workers_last_report_is_not_drawn_as_memory_it_holds(
+    settings, manager, make_key, spawn_worker
+):
+    """The admin page drew a worker killed with a warm runner from its last heartbeat as if it were
+    current: its GPU's memory reserved by a runner that had died with it, the runner listed idle."""
+    job_id = await enqueue(manager, model="warm_a", vram_mb=2000)
+    root = await make_key("root", admin=True)
+    gone = spawn_worker("gone")
+    await until(manager, job_id, lambda j: j.state is JobState.succeeded, timeout_s=30)
+    async with api_client(settings) as http:
+        deadline = time.monotonic() + 10
+        while [
+            r["state"] for g in (await http.get("/admin/workers")).json()[0]["gpus"] for r in g["warm"]
+        ] != ["idle"]:
+            assert time.monotonic() < deadline, "the heartbeat never showed the idle runner"
+            await asyncio.sleep(0.1)
+        gone.kill()
+        while (worker := (await http.get("/admin/workers")).json()[0])["live"]:
+            assert time.monotonic() < deadline + 10, worker
+            await asyncio.sleep(0.2)
+        assert [r["model"] for r in worker["gpus"][0]["warm"]] == ["warm_a"]  # the API: its last report
+        async with client_for(http, None) as browser:
+            await signed_in(browser, root)
+            page = await browser.get("/ui/admin/live")
+    shown = page.text.split(f'aria-label="Worker {worker["id"]}"', 1)[1].split("</article>", 1)[0]
+    assert "Warm runners on" not in shown and "reserved by jobs" not in shown and "<svg" not in shown, shown
+    said = "GPU 0 · virtual-0 (24.0 GiB); not live, so its memory and warm runners are not drawn"
+    assert said in shown, shown
+
+
 async def test_a_job_whose_lease_is_lost_in_a_warm_runner_ends_it_and_writes_nothing(
     manager, make_worker, engine, store, tmp_path
 ):
