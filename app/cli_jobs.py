@@ -1,8 +1,10 @@
-"""`gpujobs jobs list|show|cancel|retry|cancel-many|retry-many`, and how a job is printed."""
+"""`gpujobs jobs list|show|log|cancel|retry|cancel-many|retry-many`, and how a job is printed."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from typing import Annotated, Any
 
 import typer
@@ -64,6 +66,75 @@ def show_job(
     if not as_json:
         for file in job["files"]:
             typer.echo(f"  {file['name']}  {file['bytes']} bytes  {url.rstrip('/')}{file['url']}")
+
+
+@jobs.command("log")
+def job_log(
+    job_id: str,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Go on printing what the model prints until the job ends")
+    ] = False,
+    url: client.Url = client.DEFAULT_URL,
+    key: client.Key = None,
+) -> None:
+    """Print the log of a job's latest attempt (its model's stdout and stderr)."""
+    from app import cli_submit
+
+    with client.connect(url, key) as http:
+        job = client.call(http, "GET", f"/jobs/{client.job_path(job_id)}", expect=JOB_KEYS)
+        shown = LogReader(http)
+        try:
+            while True:
+                link = _log_link(job)
+                if shown.attempt not in (None, job["attempt"]):  # retried: the next attempt's log
+                    client.stderr().print(f"--- attempt {job['attempt']} ---", highlight=False)
+                shown.read(link, job["attempt"])
+                if not follow or job["state"] in cli_submit.FINAL:
+                    return
+                time.sleep(FOLLOW_EVERY_S)
+                job = client.call(http, "GET", f"/jobs/{client.job_path(job_id)}", expect=JOB_KEYS)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+
+# How often `jobs log --follow` asks for more of the log (and for the job's state).
+FOLLOW_EVERY_S = 1.0
+
+
+def _log_link(job: dict[str, Any]) -> str:
+    """The signed link to the latest attempt's log, or exit 2 saying why the job has none."""
+    link = job.get("links", {}).get("log")
+    if link:
+        return str(link)
+    if job.get("expired_at"):
+        client.fail(f"job {job['id']} has no log: retention deleted its files on {job['expired_at'][:10]}")
+    client.fail(f"job {job['id']} has no log yet: it has not run ({job['state']})")
+
+
+class LogReader:
+    """Writes a log to stdout as it grows: each read asks for the bytes past those written."""
+
+    def __init__(self, http: Any) -> None:
+        self._http = http
+        self.attempt: int | None = None
+        self._offset = 0
+
+    def read(self, link: str, attempt: int) -> None:
+        """Write what the log at `link` holds past what was written of it (a new attempt's from its start)."""
+        if attempt != self.attempt:
+            self.attempt, self._offset = attempt, 0
+        headers = {"Range": f"bytes={self._offset}-"} if self._offset else {}
+        answer = client.request(self._http, "GET", link, headers=headers)
+        if answer.status_code == 416:  # nothing past what was written
+            return
+        if answer.status_code not in (200, 206):
+            client.answer(answer)  # exits 2 with the API's reason (410: retention deleted it)
+        body = answer.content
+        if answer.status_code == 200:  # the whole log (no Range sent, or a log that holds nothing)
+            body = body[self._offset :]
+        sys.stdout.buffer.write(body)
+        sys.stdout.buffer.flush()
+        self._offset += len(body)
 
 
 @jobs.command("cancel")
