@@ -442,9 +442,11 @@ async def test_claim_batch_bounds_a_statement(manager: JobManager, engine, make_
 async def test_no_transaction_stays_open_while_models_run(manager: JobManager, make_worker, engine):
     """Every write is one short autocommit statement: while jobs run (claimed, pids recorded,
     progress and heartbeats written), no connection of the worker sits idle inside a transaction."""
-    ids = [await enqueue(manager, sleep=2.0, steps=4) for _ in range(2)]
+    # Jobs long enough that 1.5 s of sampling fits inside them on a slow machine; no grace at
+    # stop, so leaving the block does not wait for them.
+    ids = [await enqueue(manager, sleep=4.0, steps=8) for _ in range(2)]
     seen: list[int] = []
-    async with running(make_worker(burst=False)):
+    async with running(make_worker(burst=False, shutdown_grace_s=0)):
         deadline = asyncio.get_running_loop().time() + 10
         while [(await manager.get(i)).state for i in ids] != [JobState.running] * 2:
             assert asyncio.get_running_loop().time() < deadline, "the jobs did not start"
